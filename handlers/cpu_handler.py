@@ -1,0 +1,131 @@
+"""Base CPU handler for the catalog's vision and text models.
+
+TorchServe's template (initialize / preprocess / inference / postprocess),
+with one difference from its ``BaseHandler``: a bad request fails alone.
+``preprocess`` decodes each request separately and records a 4xx for the
+ones that fail; only the good ones are batched and run, and ``handle`` puts
+results and errors back in request order.  TorchServe answers each request
+with the status set for its index (``context.set_response_status``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from handlers.codecs import DEFAULT_MAX_PAYLOAD_BYTES, InputCodec, ModelInput, collate, finite_list, top_k
+from handlers.errors import RequestError
+from model_store.catalog import ModelSpec
+
+logger = logging.getLogger(__name__)
+
+# Above this many classes, a response carries the top-k only (GPT-2's 50k
+# next-token logits would be a megabyte of JSON per request).
+FULL_LOGITS_MAX_CLASSES = 1000
+
+
+@dataclass
+class Preprocessed:
+    """Decoded requests of one batch, and the ones that failed decoding."""
+
+    indices: list[int] = field(default_factory=list)
+    inputs: list[ModelInput] = field(default_factory=list)
+    errors: dict[int, RequestError] = field(default_factory=dict)
+
+
+def load_model(spec: ModelSpec, artefact: str) -> torch.nn.Module:
+    """Load an archive's artefact in the archive's execution mode."""
+    if spec.mode == "script":
+        return torch.jit.load(artefact, map_location="cpu").eval()
+    from model_store.factory import build_model, compile_model
+
+    model = build_model(spec)
+    model.load_state_dict(torch.load(artefact, map_location="cpu", weights_only=True))
+    if spec.mode == "compile":
+        model = compile_model(model)
+    return model
+
+
+class CPUModelHandler:
+    """Serves one catalog model; reads everything it needs from the archive."""
+
+    def __init__(self) -> None:
+        self.initialized = False
+        self.model: torch.nn.Module | None = None
+        self.spec: ModelSpec | None = None
+        self.codec: InputCodec | None = None
+
+    # -- template methods ----------------------------------------------------
+
+    def initialize(self, context: Any) -> None:
+        handler_cfg = (getattr(context, "model_yaml_config", None) or {}).get("handler") or {}
+        if "spec" not in handler_cfg:
+            raise RuntimeError("archive model-config.yaml lacks handler.spec; rebuild it with `packrat archive`")
+        self.spec = ModelSpec.from_dict(handler_cfg["spec"])
+        self.codec = InputCodec(self.spec, int(handler_cfg.get("max_payload_bytes", DEFAULT_MAX_PAYLOAD_BYTES)))
+        self.configure_runtime(context)
+        model_dir = context.system_properties["model_dir"]
+        artefact = os.path.join(model_dir, context.manifest["model"]["serializedFile"])
+        self.model = load_model(self.spec, artefact)
+        self.warm_up()
+        self.initialized = True
+        logger.info(
+            "serving %s in %s mode with %d intra-op threads", self.spec.name, self.spec.mode, torch.get_num_threads()
+        )
+
+    def configure_runtime(self, context: Any) -> None:
+        """Hook run before the model loads (Packrat pins cores and threads here)."""
+
+    def warm_up(self) -> None:
+        # torch.compile compiles on first call; doing it here keeps the first
+        # client request from paying a minute of compilation, and TorchServe
+        # only marks the worker READY after initialize() returns.
+        from model_store.factory import example_inputs
+
+        with torch.inference_mode():
+            for batch in (1, 2) if self.spec.mode == "compile" else (1,):
+                self.model(*example_inputs(self.spec, batch))
+
+    def preprocess(self, data: list[dict[str, Any]]) -> Preprocessed:
+        out = Preprocessed()
+        for index, row in enumerate(data):
+            try:
+                out.inputs.append(self.codec.decode(row))
+                out.indices.append(index)
+            except RequestError as err:
+                out.errors[index] = err
+        return out
+
+    def inference(self, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        with torch.inference_mode():
+            return self.model(*batch)
+
+    def postprocess(self, logits: torch.Tensor) -> list[dict[str, Any]]:
+        results = []
+        for row in logits.float():
+            result: dict[str, Any] = {"top5": top_k(row)}
+            if row.numel() <= FULL_LOGITS_MAX_CLASSES:
+                result["logits"] = finite_list(row)
+            results.append(result)
+        return results
+
+    # -- entry point ---------------------------------------------------------
+
+    def handle(self, data: list[dict[str, Any]], context: Any) -> list[Any]:
+        pre = self.preprocess(data)
+        logger.info("batch of %d requests, %d refused", len(data), len(pre.errors))
+        responses: list[Any] = [None] * len(data)
+        for index, err in pre.errors.items():
+            context.set_response_status(code=err.status, phrase=err.reason, idx=index)
+            context.set_response_content_type(index, "application/json")
+            responses[index] = err.body()
+            logger.info("request %d refused: %d %s", index, err.status, err.reason)
+        if pre.inputs:
+            outputs = self.postprocess(self.inference(collate(pre.inputs)))
+            for index, result in zip(pre.indices, outputs, strict=True):
+                responses[index] = result
+        return responses

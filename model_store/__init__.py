@@ -1,0 +1,1 @@
+"""Model catalog, seeded model factory and archive builder."""

@@ -1,0 +1,206 @@
+"""Build TorchServe archives (.mar) for catalog models.
+
+    python -m model_store.build --models resnet50,bert-base --modes eager,script
+    packrat archive --ci              # the CI-sized subset
+    packrat archive --all             # every model in every mode
+
+Each archive holds the model's serialized artefact (a state_dict for eager and
+compile mode, a traced+frozen TorchScript module for script mode), the
+project's CPU handler, and a model-config.yaml that carries the catalog spec
+under ``handler.spec``, so the handler needs nothing outside the archive to
+know its input format.  Archives are written with torch-model-archiver, the
+tool TorchServe users already know, in ``zip-store`` format: the weights are
+random floats, which deflate does not shrink, only slow down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+import tempfile
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import yaml
+from tqdm import tqdm
+
+from model_store.catalog import EXECUTION_MODES, ModelSpec, get_spec, load_catalog
+from model_store.factory import build_model, example_inputs, outputs_close, script_model
+
+ARCHIVE_DIR = Path(__file__).with_name("archives")
+HANDLER_ENTRY = Path(__file__).resolve().parent.parent / "handlers" / "entry" / "packrat_handler.py"
+ARCHIVE_VERSION = "1.0"
+
+
+@dataclass(frozen=True)
+class ServingOptions:
+    """TorchServe knobs written into model-config.yaml (overridable at register time)."""
+
+    batch_size: int = 1
+    max_batch_delay_ms: int = 5
+    workers: int = 1
+    response_timeout_s: int = 120
+    max_payload_bytes: int = 8 * 1024 * 1024
+
+
+def archive_name(model: str, mode: str) -> str:
+    """TorchServe model name of an archive: one archive per (model, mode)."""
+    return f"{model}_{mode}"
+
+
+def model_config(spec: ModelSpec, options: ServingOptions) -> dict:
+    """The archive's model-config.yaml as a dict."""
+    # torch.compile compiles inside initialize(); on a 2-core machine that
+    # alone takes about a minute per model, past TorchServe's default 120 s
+    # startup timeout once two workers start at once.
+    startup_timeout = 900 if spec.mode == "compile" else 300
+    return {
+        "minWorkers": options.workers,
+        "maxWorkers": options.workers,
+        "batchSize": options.batch_size,
+        "maxBatchDelay": options.max_batch_delay_ms,
+        "responseTimeout": options.response_timeout_s,
+        "startupTimeout": startup_timeout,
+        "handler": {
+            "spec": spec.to_dict(),
+            "max_payload_bytes": options.max_payload_bytes,
+        },
+    }
+
+
+def _check_trace_batch_invariant(eager: torch.nn.Module, scripted, spec: ModelSpec) -> None:
+    """Refuse an archive whose trace baked the batch size in.
+
+    The trace is recorded at batch 1 and later served at any batch size; if an
+    architecture's trace ever specialised on the batch dimension, serving would
+    return wrong numbers silently.  Checking at build time makes it loud.
+    """
+    inputs = example_inputs(spec, batch=3, seed=1)
+    if spec.input_kind == "tokens":
+        # Rows of different real lengths: the trace was recorded with a full
+        # mask, and attention-mask handling is where a trace could specialise.
+        ids, mask = inputs
+        for row, length in enumerate((1, spec.seq_len // 2, spec.seq_len)):
+            mask[row, length:] = 0
+            ids[row, length:] = 0
+    with torch.no_grad():
+        expected = eager(*inputs)
+        got = scripted(*inputs)
+    if not outputs_close(got, expected, tol=1e-4):
+        raise RuntimeError(f"{spec.name}: traced model disagrees with eager at batch 3")
+
+
+def _write_artefact(spec: ModelSpec, workdir: Path) -> Path:
+    model = build_model(spec)
+    if spec.mode == "script":
+        scripted = script_model(model, example_inputs(spec, batch=1))
+        _check_trace_batch_invariant(model, scripted, spec)
+        path = workdir / "model.pt"
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=FutureWarning)
+            torch.jit.save(scripted, str(path))
+    else:
+        path = workdir / "weights.pt"
+        torch.save(model.state_dict(), path)
+    return path
+
+
+def build_archive(
+    spec: ModelSpec,
+    out_dir: Path = ARCHIVE_DIR,
+    options: ServingOptions = ServingOptions(),
+    force: bool = False,
+) -> Path:
+    """Write ``<out_dir>/<model>_<mode>.mar``; returns its path."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    name = archive_name(spec.name, spec.mode)
+    target = out_dir / f"{name}.mar"
+    if target.exists() and not force:
+        return target
+    with tempfile.TemporaryDirectory(prefix=f"mar-{name}-") as tmp:
+        workdir = Path(tmp)
+        artefact = _write_artefact(spec, workdir)
+        config_path = workdir / "model-config.yaml"
+        config_path.write_text(yaml.safe_dump(model_config(spec, options), sort_keys=False))
+        cmd = [
+            str(Path(sys.executable).with_name("torch-model-archiver")),
+            "--model-name", name,
+            "--version", ARCHIVE_VERSION,
+            "--serialized-file", str(artefact),
+            "--handler", str(HANDLER_ENTRY),
+            "--config-file", str(config_path),
+            "--export-path", str(workdir),
+            "--archive-format", "zip-store",
+            "--force",
+        ]  # fmt: skip
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"torch-model-archiver failed for {name}:\n{proc.stderr.strip()}")
+        # Write-then-rename: a concurrent TorchServe never sees half an archive.
+        partial = out_dir / f".{name}.mar.partial"
+        shutil.move(str(workdir / f"{name}.mar"), partial)
+        partial.replace(target)
+    return target
+
+
+def select(models: list[str] | None, modes: list[str] | None, ci: bool) -> list[ModelSpec]:
+    """The (model, mode) pairs to build, in catalog order."""
+    catalog = load_catalog()
+    names = models or [n for n, s in catalog.items() if s.ci or not ci]
+    chosen: list[ModelSpec] = []
+    for name in names:
+        base = get_spec(name)
+        for mode in modes or list(base.modes):
+            chosen.append(base.with_mode(mode))
+    return chosen
+
+
+def build_many(
+    specs: list[ModelSpec],
+    out_dir: Path = ARCHIVE_DIR,
+    options: ServingOptions = ServingOptions(),
+    force: bool = False,
+) -> list[Path]:
+    paths = []
+    with tqdm(specs, desc="archives", unit="mar") as bar:
+        for spec in bar:
+            bar.set_postfix_str(archive_name(spec.name, spec.mode))
+            paths.append(build_archive(spec, out_dir, options, force))
+    return paths
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--models", help="comma-separated catalog names (default: all, or the CI set with --ci)")
+    parser.add_argument("--modes", help=f"comma-separated modes from {','.join(EXECUTION_MODES)} (default: all)")
+    parser.add_argument("--ci", action="store_true", help="only the catalog's CI-sized models")
+    parser.add_argument("--all", action="store_true", help="every model in every mode")
+    parser.add_argument("--out", type=Path, default=ARCHIVE_DIR, help="model store directory")
+    parser.add_argument("--batch-size", type=int, default=ServingOptions.batch_size)
+    parser.add_argument("--max-batch-delay", type=int, default=ServingOptions.max_batch_delay_ms)
+    parser.add_argument("--workers", type=int, default=ServingOptions.workers)
+    parser.add_argument("--force", action="store_true", help="rebuild archives that already exist")
+
+
+def run(args: argparse.Namespace) -> int:
+    def split(value: str | None) -> list[str] | None:
+        return [v.strip() for v in value.split(",") if v.strip()] if value else None
+
+    specs = select(split(args.models), split(args.modes), ci=args.ci and not args.all)
+    options = ServingOptions(batch_size=args.batch_size, max_batch_delay_ms=args.max_batch_delay, workers=args.workers)
+    for path in build_many(specs, args.out, options, args.force):
+        print(path)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m model_store.build", description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,222 @@
+"""Start and stop a real TorchServe (Java frontend + Python workers).
+
+One ``TorchServeProcess`` is one isolated server: its own loopback ports, its
+own config file, log directory and pid file.  TorchServe keeps its pid file in
+``tempfile.gettempdir()`` and refuses to start a second server while it is
+there, so each instance gets a private ``TMPDIR``; that is what lets tests and
+benchmarks run servers side by side.  The server runs in its own process
+group, so stopping it also stops the worker processes the frontend spawned.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import requests
+
+from packrat_plugin.clients import InferenceClient, ManagementClient, MetricsClient
+
+REPO_CONFIG = Path(__file__).resolve().parent.parent / "config.properties"
+
+
+class TorchServeError(RuntimeError):
+    """TorchServe failed to start or to answer."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def read_properties(path: Path) -> dict[str, str]:
+    props: dict[str, str] = {}
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#") and "=" in line:
+            key, value = line.split("=", 1)
+            props[key.strip()] = value.strip()
+    return props
+
+
+@dataclass(frozen=True)
+class Ports:
+    inference: int
+    management: int
+    metrics: int
+
+    @classmethod
+    def free(cls) -> Ports:
+        ports: set[int] = set()
+        while len(ports) < 3:
+            ports.add(free_port())
+        return cls(*sorted(ports))
+
+    @classmethod
+    def default(cls) -> Ports:
+        return cls(8080, 8081, 8082)
+
+
+class TorchServeProcess:
+    """A TorchServe instance rooted in ``workdir``.
+
+    ``workdir`` receives ``config.properties`` (the repo's file with this
+    instance's ports and model store), ``logs/`` and ``tmp/``.  Extra
+    properties override the repo's.
+    """
+
+    def __init__(
+        self,
+        workdir: Path,
+        model_store: Path,
+        ports: Ports | None = None,
+        base_config: Path = REPO_CONFIG,
+        extra_properties: dict[str, str] | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.workdir = Path(workdir).resolve()
+        self.model_store = Path(model_store).resolve()
+        self.ports = ports or Ports.free()
+        self.base_config = base_config
+        self.extra_properties = extra_properties or {}
+        self.extra_env = env or {}
+        self.log_dir = self.workdir / "logs"
+        self.config_path = self.workdir / "config.properties"
+        self.proc: subprocess.Popen | None = None
+        self._stdout = None
+
+    # -- URLs and clients ----------------------------------------------------
+
+    @property
+    def inference_url(self) -> str:
+        return f"http://127.0.0.1:{self.ports.inference}"
+
+    @property
+    def management_url(self) -> str:
+        return f"http://127.0.0.1:{self.ports.management}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.ports.metrics}"
+
+    def inference(self) -> InferenceClient:
+        return InferenceClient(self.inference_url)
+
+    def management(self) -> ManagementClient:
+        return ManagementClient(self.management_url)
+
+    def metrics(self) -> MetricsClient:
+        return MetricsClient(self.metrics_url)
+
+    # -- lifecycle -------------------------------------------------------------
+
+    def write_config(self) -> Path:
+        props = read_properties(self.base_config)
+        props.update(
+            {
+                "inference_address": self.inference_url,
+                "management_address": self.management_url,
+                "metrics_address": self.metrics_url,
+                "model_store": str(self.model_store),
+            }
+        )
+        props.update(self.extra_properties)
+        self.config_path.write_text("".join(f"{k}={v}\n" for k, v in props.items()))
+        return self.config_path
+
+    def start(self, timeout_s: float = 120.0) -> TorchServeProcess:
+        if self.proc is not None:
+            raise TorchServeError("already started")
+        torchserve = shutil.which("torchserve", path=str(Path(sys.executable).parent)) or shutil.which("torchserve")
+        if torchserve is None:
+            raise TorchServeError("torchserve not found; run `make setup`")
+        if shutil.which("java") is None:
+            raise TorchServeError("java not found; TorchServe needs a Java 17 runtime on PATH")
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.log_dir.mkdir(exist_ok=True)
+        tmp = self.workdir / "tmp"
+        tmp.mkdir(exist_ok=True)
+        self.write_config()
+        env = dict(os.environ)
+        env.update(
+            {
+                "TMPDIR": str(tmp),
+                "LOG_LOCATION": str(self.log_dir),
+                "METRICS_LOCATION": str(self.log_dir),
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
+        env.update(self.extra_env)
+        cmd = [
+            torchserve, "--start", "--foreground",
+            "--ts-config", str(self.config_path),
+            "--model-store", str(self.model_store),
+            "--ncs", "--disable-token-auth", "--enable-model-api",
+        ]  # fmt: skip
+        self._stdout = open(self.log_dir / "torchserve.stdout.log", "wb")  # noqa: SIM115 (lives as long as the server)
+        self.proc = subprocess.Popen(
+            cmd, cwd=self.workdir, env=env, stdout=self._stdout, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            self.wait_ready(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise TorchServeError(f"TorchServe exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                if requests.get(f"{self.inference_url}/ping", timeout=2).status_code == 200:
+                    requests.get(f"{self.management_url}/models", timeout=2).raise_for_status()
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(0.5)
+        raise TorchServeError(f"TorchServe did not answer /ping within {timeout_s:.0f} s:\n{self.log_tail()}")
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM the whole process group (frontend and workers), then SIGKILL."""
+        if self.proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=timeout_s)
+        # The frontend may have exited while workers linger in the group.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        self.proc = None
+        if self._stdout is not None:
+            self._stdout.close()
+            self._stdout = None
+
+    def __enter__(self) -> TorchServeProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- diagnostics -----------------------------------------------------------
+
+    def log_tail(self, lines: int = 80) -> str:
+        chunks = []
+        for name in ("torchserve.stdout.log", "model_log.log", "ts_log.log"):
+            path = self.log_dir / name
+            if path.exists():
+                tail = path.read_text(errors="replace").splitlines()[-lines:]
+                chunks.append(f"--- {name} (last {len(tail)} lines) ---\n" + "\n".join(tail))
+        return "\n".join(chunks) or "(no logs)"

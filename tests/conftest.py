@@ -1,0 +1,92 @@
+"""Shared fixtures: CI-sized archives and a real TorchServe on loopback ports.
+
+One TorchServe serves the whole session (starting the JVM and loading models
+is the slow part on two cores); each test registers what it needs through
+``served(...)``, which registers an archive once and reuses it after.  The
+server is always stopped, and a failing test that used it gets the tail of
+TorchServe's logs attached to its report.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from model_store.build import build_archive
+from model_store.catalog import ModelSpec, get_spec, load_catalog
+from packrat_plugin.torchserve import TorchServeProcess
+
+CI_MODES = ("eager", "script", "compile")
+
+
+def ci_specs() -> list[ModelSpec]:
+    return [spec.with_mode(mode) for spec in load_catalog().values() if spec.ci for mode in CI_MODES]
+
+
+@pytest.fixture(scope="session")
+def model_store_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A fresh model store; archives are built into it on first use."""
+    return tmp_path_factory.mktemp("model_store")
+
+
+@pytest.fixture(scope="session")
+def archive(model_store_dir: Path):
+    """``archive(name, mode) -> Path``: builds the archive once per session."""
+
+    def build(name: str, mode: str = "eager") -> Path:
+        return build_archive(get_spec(name, mode), model_store_dir)
+
+    return build
+
+
+class ServedModels:
+    """Registers archives on the session's TorchServe, each at most once."""
+
+    def __init__(self, server: TorchServeProcess, archive) -> None:
+        self.server = server
+        self.archive = archive
+        self.registered: set[str] = set()
+        self._aliases = itertools.count()
+
+    def __call__(self, name: str, mode: str = "eager", **register_kwargs) -> str:
+        """Register ``<name>_<mode>`` (or a fresh alias when options differ); returns the model name."""
+        path = self.archive(name, mode)
+        model_name = path.stem
+        if register_kwargs:
+            model_name = f"{model_name}-{next(self._aliases)}"
+        if model_name not in self.registered:
+            self.server.management().register(path.name, model_name=model_name, **register_kwargs)
+            self.registered.add(model_name)
+        return model_name
+
+    def unregister(self, model_name: str) -> None:
+        self.server.management().unregister(model_name)
+        self.registered.discard(model_name)
+
+
+@pytest.fixture(scope="session")
+def torchserve(tmp_path_factory: pytest.TempPathFactory, model_store_dir: Path) -> Iterator[TorchServeProcess]:
+    server = TorchServeProcess(tmp_path_factory.mktemp("torchserve"), model_store_dir)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def served(torchserve: TorchServeProcess, archive) -> ServedModels:
+    return ServedModels(torchserve, archive)
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    report = yield
+    if report.failed and "torchserve" in getattr(item, "fixturenames", ()):
+        server = item.funcargs.get("torchserve") if hasattr(item, "funcargs") else None
+        if server is not None:
+            report.sections.append(("TorchServe logs", server.log_tail(60)))
+    return report

@@ -1,0 +1,58 @@
+from pathlib import Path
+
+import pytest
+
+from model_store.catalog import EXECUTION_MODES, CatalogError, ModelSpec, get_spec, load_catalog
+
+REQUIRED = {"resnet50", "inception_v3", "vgg19", "densenet201", "resnet152", "bert-base", "distilbert", "gpt2"}
+
+
+def test_catalog_has_the_required_models_with_input_specs():
+    catalog = load_catalog()
+    assert set(catalog) >= REQUIRED
+    assert catalog["inception_v3"].image_shape == (3, 299, 299)
+    assert catalog["resnet50"].image_shape == (3, 224, 224)
+    assert catalog["bert-base"].seq_len and catalog["gpt2"].seq_len
+    assert {n for n, s in catalog.items() if s.ci} == {"resnet50", "bert-base"}
+    for spec in catalog.values():
+        assert set(spec.modes) == set(EXECUTION_MODES)
+
+
+def test_spec_round_trips_through_plain_data():
+    spec = get_spec("bert-base", "script")
+    assert ModelSpec.from_dict(spec.to_dict()) == spec
+
+
+def test_unknown_model_and_mode_are_refused():
+    with pytest.raises(CatalogError, match="unknown model 'nope'"):
+        get_spec("nope")
+    with pytest.raises(CatalogError, match="cannot be built in mode 'onnx'"):
+        get_spec("resnet50", "onnx")
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ("models: [1, 2]", "expected a mapping"),
+        ("models: {m: {family: torchvision, arch: resnet18}}", "missing input.kind"),
+        ("models: {m: {family: jax, arch: x, input: {kind: image, shape: [3, 8, 8]}}}", "family must be one of"),
+        (
+            "models: {m: {family: torchvision, arch: x, input: {kind: image, shape: [1, 8, 8]}}}",
+            r"needs shape \[3, H, W\]",
+        ),
+        ("models: {m: {family: bert, arch: x, input: {kind: tokens}}}", "positive seq_len"),
+        ("models: {m: {arch: x, input: {kind: tokens, seq_len: 4}}}", "missing key 'family'"),
+        ("models: {m: [", "not valid YAML"),
+    ],
+)
+def test_malformed_catalogs_fail_with_a_reason(tmp_path: Path, body: str, message: str):
+    path = tmp_path / "catalog.yaml"
+    path.write_text(body)
+    with pytest.raises(CatalogError, match=message):
+        load_catalog(path)
+
+
+def test_spec_from_archive_rejects_unknown_keys():
+    data = get_spec("resnet50").to_dict() | {"bogus": 1}
+    with pytest.raises(CatalogError, match="unknown model spec keys"):
+        ModelSpec.from_dict(data)

@@ -1,0 +1,131 @@
+"""A real TorchServe serves the CI models from archives, in every execution mode."""
+
+from __future__ import annotations
+
+import json
+import zipfile
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+import yaml
+
+from model_store.catalog import ModelSpec, get_spec
+from model_store.factory import outputs_close
+from packrat_plugin.clients import TorchServeAPIError
+from tests.payloads import image_tensor_json, jpeg_bytes, png_bytes, reference_logits, token_ids_json
+
+pytestmark = pytest.mark.torchserve
+
+MODES = ("eager", "script", "compile")
+# compile mode may reorder floating-point reductions; eager and script match
+# to the last bits.
+TOLERANCE = {"eager": 1e-4, "script": 1e-4, "compile": 1e-3}
+
+
+def assert_matches_reference(spec: ModelSpec, rows: list[dict], bodies: list[dict]) -> None:
+    expected = reference_logits(spec, rows)
+    for row_expected, body in zip(expected, bodies, strict=True):
+        served = torch.tensor(body["logits"])
+        assert outputs_close(served, row_expected, TOLERANCE[spec.mode]), (served - row_expected).abs().max()
+        assert body["top5"][0]["index"] == int(row_expected.argmax())
+
+
+def test_archive_carries_the_spec_and_the_handler(archive):
+    path = archive("resnet50", "script")
+    with zipfile.ZipFile(path) as mar:
+        names = set(mar.namelist())
+        config = yaml.safe_load(mar.read("model-config.yaml"))
+        manifest = json.loads(mar.read("MAR-INF/MANIFEST.json"))
+    assert {"model.pt", "packrat_handler.py", "model-config.yaml"} <= names
+    assert ModelSpec.from_dict(config["handler"]["spec"]) == get_spec("resnet50", "script")
+    assert manifest["model"]["handler"] == "packrat_handler.py"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_resnet50_served_result_equals_direct_output(served, torchserve, mode):
+    spec = get_spec("resnet50", mode)
+    model = served("resnet50", mode)
+    client = torchserve.inference()
+    rows = [{"body": image_tensor_json(spec, seed=1)}, {"body": jpeg_bytes(seed=2)}, {"body": png_bytes(seed=3)}]
+    answers = [client.predict(model, row["body"]) for row in rows]
+    assert [a.status for a in answers] == [200, 200, 200], [a.body for a in answers]
+    assert_matches_reference(spec, rows, [a.body for a in answers])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_bert_served_result_equals_direct_output(served, torchserve, mode):
+    spec = get_spec("bert-base", mode)
+    model = served("bert-base", mode)
+    client = torchserve.inference()
+    rows = [{"body": token_ids_json(spec, n, seed=n)} for n in (5, 64, 128)]
+    answers = [client.predict(model, row["body"]) for row in rows]
+    assert [a.status for a in answers] == [200, 200, 200], [a.body for a in answers]
+    assert_matches_reference(spec, rows, [a.body for a in answers])
+
+
+def test_bad_request_in_a_batch_fails_only_itself(served, torchserve):
+    """Four requests batched together; the malformed one gets 400, the rest their logits."""
+    spec = get_spec("bert-base", "script")
+    # A long batch window gathers the four concurrent requests into one batch.
+    model = served("bert-base", "script", batch_size=4, max_batch_delay_ms=2000)
+    client = torchserve.inference()
+    good = [token_ids_json(spec, n, seed=n) for n in (7, 20, 33)]
+    payloads = [good[0], b'{"input_ids": [1, 2,', good[1], good[2]]
+    with ThreadPoolExecutor(len(payloads)) as pool:
+        answers = list(pool.map(lambda p: client.predict(model, p, content_type="application/json"), payloads))
+    assert [a.status for a in answers] == [200, 400, 200, 200], [a.body for a in answers]
+    assert "malformed JSON" in answers[1].body["message"]
+    assert_matches_reference(spec, [{"body": g} for g in good], [answers[i].body for i in (0, 2, 3)])
+    log = (torchserve.log_dir / "model_log.log").read_text()
+    assert "batch of 4 requests, 1 refused" in log
+
+
+BAD_IMAGE_REQUESTS = [
+    (b'{"data": [[1.0, 2.0]', "application/json", 400, "malformed JSON"),
+    ({"data": [[1.0, 2.0]]}, None, 400, "wrong tensor shape [1, 2], expected [3, 224, 224]"),
+    ({"data": [[["x"]]]}, None, 400, "wrong dtype"),
+    (b"", "application/octet-stream", 400, "empty request body"),
+    (b"\xff\xd8\xff" + bytes(9 * 1024 * 1024), "image/jpeg", 413, "exceeds the limit"),
+    (b"\xff\xd8\xff\xe0 truncated", "image/jpeg", 415, "cannot decode image"),
+]
+
+
+@pytest.mark.parametrize("payload, content_type, status, reason", BAD_IMAGE_REQUESTS)
+def test_bad_input_gets_a_4xx_and_the_server_keeps_serving(served, torchserve, payload, content_type, status, reason):
+    spec = get_spec("resnet50", "script")
+    model = served("resnet50", "script")
+    client = torchserve.inference()
+    bad = client.predict(model, payload, content_type=content_type)
+    assert bad.status == status, bad.body
+    assert reason in bad.body["message"]
+    good_row = {"body": image_tensor_json(spec, seed=9)}
+    good = client.predict(model, good_row["body"])
+    assert good.status == 200
+    assert_matches_reference(spec, [good_row], [good.body])
+
+
+def test_bad_token_input_gets_a_4xx(served, torchserve):
+    model = served("bert-base", "script")
+    client = torchserve.inference()
+    too_long = client.predict(model, {"input_ids": [1] * 129})
+    assert too_long.status == 400 and "sequence length 128" in too_long.body["message"]
+    out_of_vocab = client.predict(model, {"input_ids": [10**6]})
+    assert out_of_vocab.status == 400 and "outside the vocabulary" in out_of_vocab.body["message"]
+    assert client.predict(model, {"input_ids": [101, 2023, 102]}).status == 200
+
+
+def test_oversized_request_is_refused_by_the_frontend(served, torchserve):
+    model = served("resnet50", "script")
+    answer = torchserve.inference().predict(model, bytes(33 * 1024 * 1024), content_type="image/jpeg")
+    assert answer.status == 413
+
+
+def test_unknown_model_and_bad_registration_are_4xx(torchserve):
+    client = torchserve.inference()
+    answer = client.predict("no-such-model", {"data": [1]})
+    assert answer.status == 404 and "no-such-model" in answer.body["message"]
+    with pytest.raises(TorchServeAPIError) as info:
+        torchserve.management().register("no-such-archive.mar")
+    assert 400 <= info.value.status < 500
+    assert torchserve.inference().ping()
