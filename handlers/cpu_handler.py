@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +21,7 @@ import torch
 from handlers.codecs import DEFAULT_MAX_PAYLOAD_BYTES, InputCodec, ModelInput, collate, finite_list, top_k
 from handlers.errors import RequestError
 from model_store.catalog import ModelSpec
+from packrat_plugin.worker import PackratWorkerMixin
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +42,9 @@ class Preprocessed:
 def load_model(spec: ModelSpec, artefact: str) -> torch.nn.Module:
     """Load an archive's artefact in the archive's execution mode."""
     if spec.mode == "script":
-        return torch.jit.load(artefact, map_location="cpu").eval()
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=FutureWarning)  # torch.jit's deprecation notice
+            return torch.jit.load(artefact, map_location="cpu").eval()
     from model_store.factory import build_model, compile_model
 
     model = build_model(spec)
@@ -50,8 +54,12 @@ def load_model(spec: ModelSpec, artefact: str) -> torch.nn.Module:
     return model
 
 
-class CPUModelHandler:
-    """Serves one catalog model; reads everything it needs from the archive."""
+class CPUModelHandler(PackratWorkerMixin):
+    """Serves one catalog model; reads everything it needs from the archive.
+
+    Under a Packrat controller, ``configure_runtime`` (from the mixin) claims a
+    slot and pins the worker before the model loads; without one it is a no-op.
+    """
 
     def __init__(self) -> None:
         self.initialized = False
@@ -76,9 +84,6 @@ class CPUModelHandler:
         logger.info(
             "serving %s in %s mode with %d intra-op threads", self.spec.name, self.spec.mode, torch.get_num_threads()
         )
-
-    def configure_runtime(self, context: Any) -> None:
-        """Hook run before the model loads (Packrat pins cores and threads here)."""
 
     def warm_up(self) -> None:
         # torch.compile compiles on first call; doing it here keeps the first
@@ -125,7 +130,8 @@ class CPUModelHandler:
             responses[index] = err.body()
             logger.info("request %d refused: %d %s", index, err.status, err.reason)
         if pre.inputs:
-            outputs = self.postprocess(self.inference(collate(pre.inputs)))
+            with self.in_service(len(pre.inputs)):
+                outputs = self.postprocess(self.inference(collate(pre.inputs)))
             for index, result in zip(pre.indices, outputs, strict=True):
                 responses[index] = result
         return responses

@@ -42,7 +42,6 @@ class ServingOptions:
 
     batch_size: int = 1
     max_batch_delay_ms: int = 5
-    workers: int = 1
     response_timeout_s: int = 120
     max_payload_bytes: int = 8 * 1024 * 1024
 
@@ -58,9 +57,11 @@ def model_config(spec: ModelSpec, options: ServingOptions) -> dict:
     # alone takes about a minute per model, past TorchServe's default 120 s
     # startup timeout once two workers start at once.
     startup_timeout = 900 if spec.mode == "compile" else 300
+    # No minWorkers/maxWorkers: in an archive they override the register
+    # API's initial_workers (TorchServe's ApiUtils.registerModel), which
+    # would stop Packrat and users from choosing the worker count at
+    # register time.
     return {
-        "minWorkers": options.workers,
-        "maxWorkers": options.workers,
         "batchSize": options.batch_size,
         "maxBatchDelay": options.max_batch_delay_ms,
         "responseTimeout": options.response_timeout_s,
@@ -94,7 +95,7 @@ def _check_trace_batch_invariant(eager: torch.nn.Module, scripted, spec: ModelSp
         raise RuntimeError(f"{spec.name}: traced model disagrees with eager at batch 3")
 
 
-def _write_artefact(spec: ModelSpec, workdir: Path) -> Path:
+def write_artefact(spec: ModelSpec, workdir: Path) -> Path:
     model = build_model(spec)
     if spec.mode == "script":
         scripted = script_model(model, example_inputs(spec, batch=1))
@@ -123,7 +124,7 @@ def build_archive(
         return target
     with tempfile.TemporaryDirectory(prefix=f"mar-{name}-") as tmp:
         workdir = Path(tmp)
-        artefact = _write_artefact(spec, workdir)
+        artefact = write_artefact(spec, workdir)
         config_path = workdir / "model-config.yaml"
         config_path.write_text(yaml.safe_dump(model_config(spec, options), sort_keys=False))
         cmd = [
@@ -181,7 +182,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=ARCHIVE_DIR, help="model store directory")
     parser.add_argument("--batch-size", type=int, default=ServingOptions.batch_size)
     parser.add_argument("--max-batch-delay", type=int, default=ServingOptions.max_batch_delay_ms)
-    parser.add_argument("--workers", type=int, default=ServingOptions.workers)
     parser.add_argument("--force", action="store_true", help="rebuild archives that already exist")
 
 
@@ -190,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
         return [v.strip() for v in value.split(",") if v.strip()] if value else None
 
     specs = select(split(args.models), split(args.modes), ci=args.ci and not args.all)
-    options = ServingOptions(batch_size=args.batch_size, max_batch_delay_ms=args.max_batch_delay, workers=args.workers)
+    options = ServingOptions(batch_size=args.batch_size, max_batch_delay_ms=args.max_batch_delay)
     for path in build_many(specs, args.out, options, args.force):
         print(path)
     return 0

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
 
 def _archive(sub: argparse._SubParsersAction) -> None:
@@ -22,11 +24,45 @@ def _demo(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=demo.run)
 
 
+def _profile(sub: argparse._SubParsersAction) -> None:
+    from packrat_plugin import profiler
+
+    p = sub.add_parser("profile", help="measure L[threads][batch] of a model into profiles/<model>.json")
+    profiler.add_arguments(p)
+    p.set_defaults(run=profiler.run)
+
+
+def _run_optimize(args: argparse.Namespace) -> int:
+    from packrat_plugin.optimizer import KnapsackOptimizer
+    from packrat_plugin.profile import load_profile
+
+    profile = load_profile(args.profile, force=args.force)
+    plan = KnapsackOptimizer(profile).plan(args.threads, args.batch, uniform=args.uniform)
+    if args.json:
+        print(json.dumps(plan.to_dict()))
+    else:
+        print(f"{profile.model}: T={args.threads}, B={args.batch}: {plan.describe()}")
+    return 0
+
+
+def _optimize(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("optimize", help="latency-optimal instances/threads/batch for T cores and batch B")
+    p.add_argument("--profile", required=True, type=Path, help="profile JSON from `packrat profile`")
+    p.add_argument("--threads", "-T", required=True, type=int, help="cores to split")
+    p.add_argument("--batch", "-B", required=True, type=int, help="batch size to serve")
+    p.add_argument("--uniform", action="store_true", help="one (threads, batch) class, as one TorchServe version")
+    p.add_argument("--json", action="store_true", help="print exactly one JSON object")
+    p.add_argument("--force", action="store_true", help="use a profile measured on other hardware")
+    p.set_defaults(run=_run_optimize)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="packrat", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _archive(sub)
     _demo(sub)
+    _profile(sub)
+    _optimize(sub)
     return parser
 
 

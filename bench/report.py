@@ -1,0 +1,69 @@
+"""Provenance and output helpers shared by the benchmarks.
+
+DESIGN.md's rule for a trustworthy ratio on a shared machine: interleave the
+compared systems, repeat, report the median and spread, and record the exact
+command, git commit and machine fingerprint next to the table.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from packrat_plugin.profile import hardware_fingerprint
+
+BENCH_DIR = Path("docs/benchmarks")
+
+
+def provenance(module: str) -> dict[str, Any]:
+    """How this result was produced: ``module`` is the benchmark's ``-m`` name."""
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                                    capture_output=True, text=True).stdout.strip())  # fmt: skip
+        commit += "-dirty" if dirty else ""
+    except (OSError, subprocess.CalledProcessError):
+        commit = "unknown"
+    return {
+        "command": " ".join(["python", "-m", module, *(shlex.quote(a) for a in sys.argv[1:])]),
+        "commit": commit,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "machine": hardware_fingerprint(),
+    }
+
+
+def median_and_spread(values: list[float]) -> tuple[float, float, float]:
+    return statistics.median(values), min(values), max(values)
+
+
+def speedup_cell(row: dict[str, Any]) -> str:
+    """``1.23× (1.01-1.40)``: median latency speedup with its min-max spread."""
+    return f"{row['latency_speedup']:.2f}× ({row['latency_speedup_min']:.2f}-{row['latency_speedup_max']:.2f})"
+
+
+def markdown_table(header: list[str], rows: list[list[Any]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def provenance_block(prov: dict[str, Any]) -> str:
+    machine = ", ".join(f"{k}={v}" for k, v in prov["machine"].items())
+    return (
+        f"- command: `{prov['command']}`\n- commit: `{prov['commit']}`\n- date: {prov['date']}\n- machine: {machine}\n"
+    )
+
+
+def write_outputs(stem: str, markdown: str, data: dict[str, Any], out_dir: Path = BENCH_DIR) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{stem}.md").write_text(markdown)
+    (out_dir / f"{stem}.json").write_text(json.dumps(data, indent=2) + "\n")
+    return out_dir / f"{stem}.md"
