@@ -56,6 +56,17 @@ def _optimize(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=_run_optimize)
 
 
+def _serve(sub: argparse._SubParsersAction) -> None:
+    from packrat_plugin import serve
+
+    p = sub.add_parser("serve", help="start TorchServe under the Packrat controller")
+    serve.add_serve_arguments(p)
+    p.set_defaults(run=serve.run_serve)
+    s = sub.add_parser("status", help="print a running controller's state")
+    serve.add_status_arguments(s)
+    s.set_defaults(run=serve.run_status)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="packrat", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -63,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     _demo(sub)
     _profile(sub)
     _optimize(sub)
+    _serve(sub)
     return parser
 
 

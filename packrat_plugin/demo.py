@@ -1,15 +1,22 @@
-"""``packrat demo``: build the model store, serve it, and answer real requests.
+"""``packrat demo``: Packrat end to end, in a few minutes on a small machine.
 
-Builds one archive per catalog model, starts TorchServe with the repo's
-``config.properties`` (loopback ports 8080-8082), registers every archive,
-sends each a few real client payloads (JPEG images, token ids) and prints one
-line per model: status codes and latency.  TorchServe is always stopped.
+Default (the README's ``make demo``): build the model's archive, take its
+committed profile if it was measured on this hardware (else profile it
+briefly), start TorchServe under the Packrat controller, drive a load step
+(1 → 8 requests in flight), and print the plan before and after, the swap,
+every request's outcome, and the measured speedup of Packrat's plan over the
+fat instance ⟨1, T, B⟩ at the high load.
+
+``--catalog``: build one archive per catalog model, serve them all with the
+repo's ``config.properties`` and send each a few real requests.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,14 +65,76 @@ def run_demo(models: list[str] | None, mode: str, requests: int, ports: Ports) -
     return results
 
 
+def packrat_demo(args: argparse.Namespace) -> int:
+    from bench.loadgen import closed_loop, run
+    from bench.packrat_e2e import run_e2e
+    from packrat_plugin.controller import ControllerConfig, ModelTarget, PackratController
+    from packrat_plugin.optimizer import format_instances
+    from packrat_plugin.profile import ProfileError, load_profile
+    from packrat_plugin.profiler import run_profile
+    from packrat_plugin.serve import format_status
+
+    spec = get_spec(args.model, "script")
+    (archive,) = build_many([spec], ARCHIVE_DIR)
+    profile_path = Path("profiles") / f"{spec.name}.json"
+    try:
+        profile = load_profile(profile_path)
+        print(f"using the committed profile {profile_path} (measured on this hardware)")
+    except ProfileError as exc:
+        print(f"{exc}\nprofiling {spec.name} briefly instead")
+        profile_path = DEMO_DIR / f"{spec.name}.json"
+        cores = len(os.sched_getaffinity(0))
+        profile = run_profile(spec.name, list(range(1, cores + 1)), [1, 2, 4, 8], profile_path, warmup=1, iters=3)
+    payloads = [client_payload(spec, seed=i) for i in range(16)]
+    ports = Ports.free() if args.free_ports else Ports.default()
+    controller = PackratController(DEMO_DIR / "packrat", [ModelTarget(spec.name, archive, profile)], ControllerConfig(),
+                                   ports=ports, status_port=None)  # fmt: skip
+    with controller:
+        url = f"{controller.server.inference_url}/predictions/{spec.name}"
+        print(f"\nPackrat is serving {spec.name} at {url}\n" + format_status(controller.status()))
+        print(f"\nload step: 1 request in flight for {args.low_seconds:g} s, "
+              f"then {args.high} for {args.high_seconds:g} s")  # fmt: skip
+        low = run(closed_loop(url, lambda n: payloads[n % 16], 1, args.low_seconds))
+        high = run(closed_loop(url, lambda n: payloads[n % 16], args.high, args.high_seconds))
+        print(format_status(controller.status()))
+        swaps = [s for s in controller.models[spec.name].swaps if s.kind != "initial"]
+    requests = len(low.samples) + len(high.samples)
+    failed = low.failed + high.failed
+    print(f"\nrequests: {requests}, failed: {failed}; mean latency {low.mean_latency_ms():.0f} ms at 1 in flight, "
+          f"{high.mean_latency_ms():.0f} ms at {args.high}")  # fmt: skip
+    for s in swaps:
+        print(f"reconfiguration: {s.kind} {s.before} → {s.after} in {s.seconds:.2f} s")
+    print(f"\nmeasuring Packrat's plan against the fat instance at B={args.high} (interleaved, real TorchServe)")
+    e2e_args = argparse.Namespace(
+        model=spec.name, mode="script", profile=profile_path, batches=str(args.high), seconds=6.0,
+        warmup_seconds=3.0, repeats=2, max_batch_delay=5, force=True,
+    )  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="packrat-demo-") as tmp:
+        row = run_e2e(e2e_args, Path(tmp))["rows"][0]
+    plan = format_instances(row["plan"], labels=True)
+    fat = f"⟨1,{len(controller.topology.cores)},{args.high}⟩"
+    print(f"B={args.high}: fat {fat} {row['fat_latency_ms']:.0f} ms vs Packrat {plan} "
+          f"{row['packrat_latency_ms']:.0f} ms: latency speedup {row['latency_speedup']:.2f}× "
+          f"(profile predicted {row['expected_speedup']:.2f}×), "
+          f"throughput {row['throughput_speedup']:.2f}×")  # fmt: skip
+    return 0 if failed == 0 and swaps else 1
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--models", help="comma-separated catalog names (default: every model)")
+    parser.add_argument("--catalog", action="store_true", help="serve every catalog model instead")
+    parser.add_argument("--model", default="resnet50", help="Packrat demo model")
+    parser.add_argument("--high", type=int, default=8, help="requests in flight after the step")
+    parser.add_argument("--low-seconds", type=float, default=8.0)
+    parser.add_argument("--high-seconds", type=float, default=20.0)
+    parser.add_argument("--models", help="--catalog: comma-separated catalog names (default: every model)")
     parser.add_argument("--mode", default="script", choices=("eager", "script", "compile"))
     parser.add_argument("--requests", type=int, default=5, help="requests per model")
     parser.add_argument("--free-ports", action="store_true", help="use free ports instead of 8080-8082")
 
 
 def run(args: argparse.Namespace) -> int:
+    if not args.catalog:
+        return packrat_demo(args)
     models = [m.strip() for m in args.models.split(",")] if args.models else None
     ports = Ports.free() if args.free_ports else Ports.default()
     results = run_demo(models, args.mode, args.requests, ports)

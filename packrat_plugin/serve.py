@@ -1,0 +1,130 @@
+"""``packrat serve`` and ``packrat status``: the controller from the command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import threading
+import urllib.request
+from pathlib import Path
+
+from packrat_plugin.controller import ControllerConfig, ModelTarget, PackratController
+from packrat_plugin.estimator import EstimatorConfig
+from packrat_plugin.optimizer import format_instances
+from packrat_plugin.profile import load_profile
+from packrat_plugin.swapper import SwapperConfig
+from packrat_plugin.torchserve import REPO_CONFIG, Ports, read_properties
+
+DEFAULT_STATUS_PORT = 8083
+
+
+def _pairs(values: list[str], what: str) -> dict[str, str]:
+    out = {}
+    for value in values:
+        name, sep, path = value.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"{what} must be NAME=PATH, got {value!r}")
+        out[name] = path
+    return out
+
+
+def _ports_from(config: Path) -> Ports:
+    props = read_properties(config)
+
+    def port(key: str, default: int) -> int:
+        return int(props.get(key, f":{default}").rsplit(":", 1)[1])
+
+    return Ports(port("inference_address", 8080), port("management_address", 8081), port("metrics_address", 8082))
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--models", nargs="+", required=True, metavar="NAME=ARCHIVE", help="archives to serve")
+    p.add_argument("--profile", nargs="*", default=[], metavar="NAME=PROFILE",
+                   help="profile per model (default: profiles/<catalog name>.json)")  # fmt: skip
+    p.add_argument("--config", type=Path, default=REPO_CONFIG, help="TorchServe config.properties")
+    p.add_argument("--free-ports", action="store_true", help="ignore the config's ports, take free ones")
+    p.add_argument("--status-port", type=int, default=DEFAULT_STATUS_PORT)
+    p.add_argument("--workdir", type=Path, default=Path("logs/packrat"))
+    p.add_argument("--fixed-batch", type=int, help="serve the plan for this B and never change it")
+    p.add_argument("--no-reconfigure", action="store_true", help="keep the first plan")
+    p.add_argument("--max-batch-delay", type=int, default=5, help="TorchServe max_batch_delay (ms)")
+    p.add_argument("--sample-ms", type=float, default=5.0, help="queue-depth sampling period")
+    p.add_argument("--alpha", type=float, default=0.1, help="EWMA weight of a new sample")
+    p.add_argument("--window", type=int, default=10, help="estimates the mode is taken over")
+    p.add_argument("--timeout", type=float, default=1.0, help="reconfiguration timeout (s)")
+    p.add_argument("--force-profile", action="store_true", help="use profiles measured on other hardware")
+
+
+def targets_from(args: argparse.Namespace) -> list[ModelTarget]:
+    archives = _pairs(args.models, "--models")
+    profiles = _pairs(args.profile, "--profile")
+    targets = []
+    for name, archive in archives.items():
+        path = Path(archive)
+        if not path.is_file():
+            raise ValueError(f"no archive at {path} (build one with `packrat archive`)")
+        default = Path("profiles") / f"{path.stem.rsplit('_', 1)[0]}.json"
+        profile = load_profile(profiles.get(name, default), force=args.force_profile)
+        targets.append(ModelTarget(name, path, profile))
+    return targets
+
+
+def config_from(args: argparse.Namespace) -> ControllerConfig:
+    return ControllerConfig(
+        estimator=EstimatorConfig(
+            alpha=args.alpha, window=args.window, sample_period_s=args.sample_ms / 1000, timeout_s=args.timeout
+        ),
+        swapper=SwapperConfig(max_batch_delay_ms=args.max_batch_delay),
+        fixed_batch=args.fixed_batch,
+        reconfigure=not args.no_reconfigure,
+    )
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    ports = Ports.free() if args.free_ports else _ports_from(args.config)
+    controller = PackratController(
+        args.workdir, targets_from(args), config_from(args), ports=ports,
+        status_port=args.status_port, base_config=args.config,
+    )  # fmt: skip
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    with controller:
+        print(f"Packrat serving on {controller.server.inference_url}; status at {controller.status_url}")
+        print(format_status(controller.status()))
+        stop.wait()
+    return 0
+
+
+def format_status(status: dict) -> str:
+    lines = [f"{'model':<14} {'ver':<4} {'plan':<26} {'B est':>6} {'queued':>7} {'busy':>5}  last swap"]
+    for name, m in status["models"].items():
+        plan = m["plan"]
+        desc = format_instances(plan["instances"] if plan else None, labels=True)
+        last = m["last_swap"]
+        swap = f"{last['kind']} in {last['seconds']:.2f} s" if last else "-"
+        lines.append(
+            f"{name:<14} {m['active_version'] or '-':<4} {desc:<26} {m['estimated_batch']:>6} "
+            f"{m['pending_requests']:>7} {m['in_service']:>5}  {swap}"
+        )
+        if m["slots"]:
+            lines.append("    slots→cores: " + ", ".join(f"{i}:{s['cores']}" for i, s in enumerate(m["slots"])))
+        if m["last_error"]:
+            lines.append(f"    last error: {m['last_error']}")
+    return "\n".join(lines)
+
+
+def add_status_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", default=f"http://127.0.0.1:{DEFAULT_STATUS_PORT}/status")
+    p.add_argument("--json", action="store_true")
+
+
+def run_status(args: argparse.Namespace) -> int:
+    try:
+        with urllib.request.urlopen(args.url, timeout=5) as resp:
+            status = json.load(resp)
+    except OSError as exc:
+        raise RuntimeError(f"no Packrat controller answers at {args.url}: {exc}") from None
+    print(json.dumps(status, indent=2) if args.json else format_status(status))
+    return 0
