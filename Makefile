@@ -17,7 +17,7 @@ $(STAMP): requirements.txt pyproject.toml
 setup: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/packrat demo
+	$(BIN)/python -m packrat_plugin.cli demo
 
 test: $(STAMP)
 	$(BIN)/ruff check .

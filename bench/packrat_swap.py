@@ -95,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         "requests": len(result.samples),
         "failed": result.failed,
         "swap_seconds": live[0]["seconds"] if live else None,
+        "swap_serving_after_s": live[0]["serving_after_s"] if live else None,
         "swaps": live,
         "before_plan": before["plan"]["instances"],
         "after_plan": after["plan"]["instances"],
@@ -108,10 +109,18 @@ def main(argv: list[str] | None = None) -> int:
     plot(result.samples, live, load_start_wall, phases, args.out_dir / f"{stem}.png",
          f"Packrat under a load step: {spec.name} ({args.low_rate:g} → {args.high_rate:g} req/s)")  # fmt: skip
     table = markdown_table(
-        ["requests", "failed", "plan before", "plan after", "reconfigurations", "first swap (s)"],
+        ["requests", "failed", "plan before", "plan after", "reconfigurations",
+         "first swap: new plan serving / done (s)"],
         [[data["requests"], data["failed"], format_instances(data["before_plan"]), format_instances(data["after_plan"]),
           ", ".join(f"{s['kind']} → {format_instances(s['after'])}" for s in live) or "none",
-          "-" if data["swap_seconds"] is None else f"{data['swap_seconds']:.2f}"]],
+          "-" if data["swap_seconds"] is None
+          else f"{data['swap_serving_after_s']:.2f} / {data['swap_seconds']:.2f}"]],
+    )  # fmt: skip
+    phase_table = markdown_table(
+        ["swap", "bring up (s)", "switch (s)", "drain (s)", "retire (s)", "total (s)"],
+        [[f"{format_instances(s['before'])} → {format_instances(s['after'])}",
+          *(f"{s['phases'].get(k, 0.0):.2f}" for k in ("bring_up", "switch", "drain", "retire")),
+          f"{s['seconds']:.2f}"] for s in live],
     )  # fmt: skip
     markdown = (
         f"# Packrat live reconfiguration: {spec.name} ({spec.mode})\n\n"
@@ -119,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.high_rate:g} req/s for {args.high_seconds:g} s, JPEG requests; the controller runs with its "
         f"defaults (sampling every {args.sample_ms:g} ms, α=0.1, n=10, 1 s timeout).\n\n{table}\n\n"
         f"Mean latency {data['mean_latency_ms']:.0f} ms, p99 {data['p99_latency_ms']:.0f} ms over the whole run.\n\n"
+        f"Where each swap's time went:\n\n{phase_table}\n\n"
         f"![latency over time]({stem}.png)\n\n{provenance_block(prov)}"
     )
     write_outputs(stem, markdown, data, args.out_dir)

@@ -66,8 +66,14 @@ def run_demo(models: list[str] | None, mode: str, requests: int, ports: Ports) -
 
 
 def packrat_demo(args: argparse.Namespace) -> int:
-    from bench.loadgen import closed_loop, run
-    from bench.packrat_e2e import run_e2e
+    try:
+        from bench.loadgen import closed_loop, run
+        from bench.packrat_e2e import run_e2e
+    except ModuleNotFoundError:
+        raise RuntimeError(
+            "the Packrat demo uses the repository's bench/ and profiles/: run it from the repository root "
+            "(make demo, or python -m packrat_plugin.cli demo)"
+        ) from None
     from packrat_plugin.controller import ControllerConfig, ModelTarget, PackratController
     from packrat_plugin.optimizer import format_instances
     from packrat_plugin.profile import ProfileError, load_profile
@@ -103,7 +109,10 @@ def packrat_demo(args: argparse.Namespace) -> int:
     print(f"\nrequests: {requests}, failed: {failed}; mean latency {low.mean_latency_ms():.0f} ms at 1 in flight, "
           f"{high.mean_latency_ms():.0f} ms at {args.high}")  # fmt: skip
     for s in swaps:
-        print(f"reconfiguration: {s.kind} {s.before} → {s.after} in {s.seconds:.2f} s")
+        print(
+            f"reconfiguration: {s.kind} {format_instances(s.before)} → {format_instances(s.after)}: "
+            f"new plan serving after {s.serving_after_s:.2f} s, old version retired after {s.seconds:.2f} s"
+        )
     print(f"\nmeasuring Packrat's plan against the fat instance at B={args.high} (interleaved, real TorchServe)")
     e2e_args = argparse.Namespace(
         model=spec.name, mode="script", profile=profile_path, batches=str(args.high), seconds=6.0,

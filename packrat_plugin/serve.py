@@ -46,7 +46,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--free-ports", action="store_true", help="ignore the config's ports, take free ones")
     p.add_argument("--status-port", type=int, default=DEFAULT_STATUS_PORT)
     p.add_argument("--workdir", type=Path, default=Path("logs/packrat"))
-    p.add_argument("--fixed-batch", type=int, help="serve the plan for this B and never change it")
+    p.add_argument(
+        "--fixed-batch", type=int, help="serve the plan for this B (rounded down to a power of two), never change it"
+    )
     p.add_argument("--no-reconfigure", action="store_true", help="keep the first plan")
     p.add_argument("--max-batch-delay", type=int, default=5, help="TorchServe max_batch_delay (ms)")
     p.add_argument("--sample-ms", type=float, default=5.0, help="queue-depth sampling period")
@@ -103,7 +105,11 @@ def format_status(status: dict) -> str:
         plan = m["plan"]
         desc = format_instances(plan["instances"] if plan else None, labels=True)
         last = m["last_swap"]
-        swap = f"{last['kind']} in {last['seconds']:.2f} s" if last else "-"
+        swap = (
+            f"{last['kind']}: serving after {last['serving_after_s']:.2f} s, done in {last['seconds']:.2f} s"
+            if last
+            else "-"
+        )
         lines.append(
             f"{name:<14} {m['active_version'] or '-':<4} {desc:<26} {m['estimated_batch']:>6} "
             f"{m['pending_requests']:>7} {m['in_service']:>5}  {swap}"

@@ -48,10 +48,20 @@ class SwapReport:
     started: float  # wall clock
     seconds: float
     active_version: str
+    # Seconds per step of a swap: "bring_up" (register + workers READY),
+    # "switch" (set-default), "drain" (old version empties), "retire"
+    # (old version scaled to zero).  The new plan serves after bring_up +
+    # switch; drain and retire finish requests already queued on the old one.
+    phases: dict[str, float] = field(default_factory=dict)
     error: str | None = None
 
+    @property
+    def serving_after_s(self) -> float:
+        """Seconds until requests went to the new plan."""
+        return self.phases.get("bring_up", self.seconds) + self.phases.get("switch", 0.0)
+
     def to_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        return {**self.__dict__, "serving_after_s": self.serving_after_s}
 
 
 @dataclass
@@ -98,8 +108,17 @@ class ActivePassiveSwapper:
         before = [self.active_item.to_dict()] if self.active_item else None
         start_wall, start = time.time(), time.monotonic()
 
+        phases: dict[str, float] = {}
+        mark = [start]
+
+        def phase(name: str) -> None:
+            now = time.monotonic()
+            phases[name] = now - mark[0]
+            mark[0] = now
+
         def report(kind: str) -> SwapReport:
-            return SwapReport(kind, before, [item.to_dict()], start_wall, time.monotonic() - start, self.active or "")
+            seconds = time.monotonic() - start
+            return SwapReport(kind, before, [item.to_dict()], start_wall, seconds, self.active or "", phases)
 
         if self.active is None:
             self._bring_up(VERSIONS[0], item)
@@ -119,14 +138,18 @@ class ActivePassiveSwapper:
         old = self.active
         new = VERSIONS[1] if old == VERSIONS[0] else VERSIONS[0]
         self._bring_up(new, item)
+        phase("bring_up")
         try:
             self.management.set_default(self.model, new)
         except TorchServeAPIError as exc:
             self._discard(new)
             raise SwapError(f"set-default to version {new} failed: {exc}") from exc
         self.active, self.active_item = new, item
+        phase("switch")
         self._drain(old)
+        phase("drain")
         self.management.scale(self.model, 0, version=old, synchronous=True)
+        phase("retire")
         return report("swap")
 
     # -- steps -----------------------------------------------------------------

@@ -142,6 +142,7 @@ class TorchServeProcess:
         if shutil.which("java") is None:
             raise TorchServeError("java not found; TorchServe needs a Java 17 runtime on PATH")
         self.workdir.mkdir(parents=True, exist_ok=True)
+        self.model_store.mkdir(parents=True, exist_ok=True)
         self.log_dir.mkdir(exist_ok=True)
         tmp = self.workdir / "tmp"
         tmp.mkdir(exist_ok=True)
