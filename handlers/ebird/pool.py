@@ -1,0 +1,121 @@
+"""Ebird's input memory pool: a ring of preallocated input slots.
+
+Each request's input is copied into the next slot the moment it arrives, so
+by the time the scheduler forms a batch the data is already where the model
+reads it: a batch is a contiguous run of slots, and batching is a slice of
+the pool's storage, not a copy.  (On CUDA the storage lives on the device and
+each slot's copy runs on a copy stream with an event the engine waits on; on
+CPU the same ring is host memory.)
+
+Slots are handed out in ring order and batches are taken in the same order,
+so the ready inputs always form a run starting at ``tail``.  A run never
+crosses the end of the ring (that would need a copy); the part after the
+wrap becomes ready for the next batch.  Batches may finish out of order; a
+slot is reused only when it is free again, so a full pool pushes back on new
+requests (the caller waits) instead of overwriting or dropping anything.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+class SlotState(enum.Enum):
+    FREE = 0
+    WRITING = 1
+    READY = 2
+    TAKEN = 3
+
+
+@dataclass(frozen=True)
+class Run:
+    """A contiguous run of slots ``[start, start + count)``."""
+
+    start: int
+    count: int
+
+
+class InputPool:
+    def __init__(
+        self,
+        layout: Sequence[tuple[tuple[int, ...], torch.dtype]],
+        capacity: int,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        if capacity < 1:
+            raise ValueError(f"pool capacity must be ≥ 1, got {capacity}")
+        self.capacity = capacity
+        self.layout = tuple((tuple(shape), dtype) for shape, dtype in layout)
+        self.storage = tuple(
+            torch.empty((capacity, *shape), dtype=dtype, device=device) for shape, dtype in self.layout
+        )
+        self._state = [SlotState.FREE] * capacity
+        self._head = 0  # next slot to hand out
+        self._tail = 0  # oldest slot not yet taken into a batch
+        self._lock = threading.Lock()
+
+    def reserve(self) -> int | None:
+        """The next slot in ring order, or None when it is still in use (backpressure)."""
+        with self._lock:
+            slot = self._head
+            if self._state[slot] is not SlotState.FREE:
+                return None
+            self._state[slot] = SlotState.WRITING
+            self._head = (slot + 1) % self.capacity
+            return slot
+
+    def write(self, slot: int, tensors: Sequence[torch.Tensor]) -> None:
+        """Copy one request's tensors into ``slot`` and mark it ready."""
+        if self._state[slot] is not SlotState.WRITING:
+            raise RuntimeError(f"slot {slot} was not reserved")
+        if len(tensors) != len(self.storage):
+            raise ValueError(f"expected {len(self.storage)} tensors, got {len(tensors)}")
+        for buf, tensor in zip(self.storage, tensors, strict=True):
+            if tuple(tensor.shape) != tuple(buf.shape[1:]):
+                raise ValueError(f"input shape {list(tensor.shape)} does not match the pool's {list(buf.shape[1:])}")
+            buf[slot].copy_(tensor, non_blocking=buf.is_cuda)
+        with self._lock:
+            self._state[slot] = SlotState.READY
+
+    def ready(self) -> int:
+        """Ready inputs in a contiguous run from ``tail`` that does not wrap."""
+        with self._lock:
+            n = 0
+            slot = self._tail
+            while slot + n < self.capacity and self._state[slot + n] is SlotState.READY:
+                n += 1
+            return n
+
+    def take(self, count: int) -> Run:
+        """Take the next ``count`` ready inputs as one batch."""
+        with self._lock:
+            start = self._tail
+            if count < 1 or start + count > self.capacity:
+                raise ValueError(f"cannot take {count} slots from {start} in a ring of {self.capacity}")
+            for slot in range(start, start + count):
+                if self._state[slot] is not SlotState.READY:
+                    raise RuntimeError(f"slot {slot} is not ready")
+                self._state[slot] = SlotState.TAKEN
+            self._tail = (start + count) % self.capacity
+            return Run(start, count)
+
+    def views(self, run: Run) -> tuple[torch.Tensor, ...]:
+        """The batch tensors of ``run``: slices of the pool's storage, no copy."""
+        return tuple(buf[run.start : run.start + run.count] for buf in self.storage)
+
+    def release(self, run: Run) -> None:
+        """Free a finished batch's slots (batches may finish in any order)."""
+        with self._lock:
+            for slot in range(run.start, run.start + run.count):
+                if self._state[slot] is not SlotState.TAKEN:
+                    raise RuntimeError(f"slot {slot} released twice or never taken")
+                self._state[slot] = SlotState.FREE
+
+    def in_use(self) -> int:
+        with self._lock:
+            return sum(s is not SlotState.FREE for s in self._state)
