@@ -29,6 +29,7 @@ from bench.report import (
     median_and_spread,
     provenance,
     provenance_block,
+    speedup_bars,
     speedup_cell,
     write_outputs,
 )
@@ -116,29 +117,18 @@ def run_e2e(args: argparse.Namespace, workdir: Path) -> dict:
 
 
 def plot(data: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = data["rows"]
-    xs = list(range(len(rows)))
-    fig, ax = plt.subplots(figsize=(6.4, 3.6))
-    measured = [r["latency_speedup"] for r in rows]
-    err = [[m - r["latency_speedup_min"] for m, r in zip(measured, rows, strict=True)],
-           [r["latency_speedup_max"] - m for m, r in zip(measured, rows, strict=True)]]  # fmt: skip
-    ax.bar([x - 0.27 for x in xs], measured, 0.27, yerr=err, capsize=3, label="latency (median, min-max)")
-    ax.bar(xs, [r["throughput_speedup"] for r in rows], 0.27, label="throughput")
-    ax.bar([x + 0.27 for x in xs], [r["expected_speedup"] for r in rows], 0.27, label="expected (profile)")
-    ax.axhline(1.0, color="grey", lw=0.8)
-    ax.set_xticks(xs, [str(r["batch"]) for r in rows])
-    ax.set_xlabel("requests in flight B")
-    ax.set_ylabel(f"speedup over ⟨1,{data['threads']},B⟩")
-    ax.set_title(f"Packrat in TorchServe: {data['model']} ({data['mode']})")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    speedup_bars(
+        data["rows"],
+        [
+            ("latency (median, min-max)", "latency_speedup"),
+            ("throughput", "throughput_speedup"),
+            ("expected (profile)", "expected_speedup"),
+        ],  # fmt: skip
+        "requests in flight B",
+        f"speedup over ⟨1,{data['threads']},B⟩",
+        f"Packrat in TorchServe: {data['model']} ({data['mode']})",
+        path,
+    )
 
 
 def render(data: dict, args: argparse.Namespace, stem: str) -> str:

@@ -29,6 +29,7 @@ from bench.report import (
     median_and_spread,
     provenance,
     provenance_block,
+    speedup_bars,
     speedup_cell,
     write_outputs,
 )
@@ -105,28 +106,14 @@ def bench_batch(
 
 
 def plot(data: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = data["rows"]
-    xs = range(len(rows))
-    fig, ax = plt.subplots(figsize=(6.4, 3.6))
-    measured = [r["latency_speedup"] for r in rows]
-    err = [[m - r["latency_speedup_min"] for m, r in zip(measured, rows, strict=True)],
-           [r["latency_speedup_max"] - m for m, r in zip(measured, rows, strict=True)]]  # fmt: skip
-    ax.bar([x - 0.2 for x in xs], measured, 0.4, yerr=err, capsize=3, label="measured (median, min-max)")
-    ax.bar([x + 0.2 for x in xs], [r["expected_speedup"] or 0 for r in rows], 0.4, label="expected (profile)")
-    ax.axhline(1.0, color="grey", lw=0.8)
-    ax.set_xticks(list(xs), [str(r["batch"]) for r in rows])
-    ax.set_xlabel("batch size B")
-    ax.set_ylabel("latency speedup over fat instance")
-    ax.set_title(f"Packrat vs ⟨1,{data['threads']},B⟩: {data['model']} ({data['mode']})")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    speedup_bars(
+        data["rows"],
+        [("measured (median, min-max)", "latency_speedup"), ("expected (profile)", "expected_speedup")],
+        "batch size B",
+        "latency speedup over fat instance",
+        f"Packrat vs ⟨1,{data['threads']},B⟩: {data['model']} ({data['mode']})",
+        path,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

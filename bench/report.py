@@ -62,6 +62,41 @@ def provenance_block(prov: dict[str, Any]) -> str:
     )
 
 
+def speedup_bars(
+    rows: list[dict[str, Any]], series: list[tuple[str, str]], xlabel: str, ylabel: str, title: str, path: Path
+) -> None:
+    """Grouped bars per row (one group per batch size), a line at 1×.
+
+    ``series`` is ``[(label, key), ...]``; the first series is the measured
+    latency speedup and carries its min-max spread as error bars.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xs = list(range(len(rows)))
+    width = 0.8 / len(series)
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    for k, (label, key) in enumerate(series):
+        values = [r[key] if r[key] is not None else 0.0 for r in rows]
+        offsets = [x + (k - (len(series) - 1) / 2) * width for x in xs]
+        err = None
+        if k == 0:
+            err = [[v - r["latency_speedup_min"] for v, r in zip(values, rows, strict=True)],
+                   [r["latency_speedup_max"] - v for v, r in zip(values, rows, strict=True)]]  # fmt: skip
+        ax.bar(offsets, values, width, yerr=err, capsize=3 if err else 0, label=label)
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xticks(xs, [str(r["batch"]) for r in rows])
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def write_outputs(stem: str, markdown: str, data: dict[str, Any], out_dir: Path = BENCH_DIR) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"{stem}.md").write_text(markdown)
