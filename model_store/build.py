@@ -51,6 +51,13 @@ def archive_name(model: str, mode: str) -> str:
     return f"{model}_{mode}"
 
 
+def catalog_name(archive: str | Path) -> str:
+    """Inverse of :func:`archive_name`: ``.../bert-base_script.mar`` → ``bert-base``."""
+    stem = Path(archive).stem
+    name, _, mode = stem.rpartition("_")
+    return name if name and mode in EXECUTION_MODES else stem
+
+
 def model_config(spec: ModelSpec, options: ServingOptions) -> dict:
     """The archive's model-config.yaml as a dict."""
     # torch.compile compiles inside initialize(); on a 2-core machine that

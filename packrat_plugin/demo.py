@@ -22,7 +22,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from model_store.build import ARCHIVE_DIR, build_many, select
+from model_store.build import ARCHIVE_DIR, build_many, catalog_name, select
 from model_store.catalog import get_spec
 from model_store.samples import client_payload
 from packrat_plugin.torchserve import Ports, TorchServeProcess
@@ -54,7 +54,7 @@ def run_demo(models: list[str] | None, mode: str, requests: int, ports: Ports) -
         management, inference = server.management(), server.inference()
         for path in tqdm(archives, desc="serving", unit="model"):
             name = path.stem
-            spec = get_spec(name.rsplit("_", 1)[0], mode)
+            spec = get_spec(catalog_name(name), mode)
             management.register(path.name, model_name=name, initial_workers=1)
             answers = [inference.predict(name, client_payload(spec, seed=i)) for i in range(requests)]
             top1 = answers[-1].body["top5"][0]["index"] if answers[-1].ok else None

@@ -24,7 +24,7 @@ from pathlib import Path
 import yaml
 from tqdm import tqdm
 
-from model_store.build import write_artefact
+from model_store.build import catalog_name, write_artefact
 from model_store.catalog import ModelSpec, get_spec
 from packrat_plugin.measure import InstanceJob, InstanceProcess, WindowResult
 from packrat_plugin.optimizer import Plan, PlanItem
@@ -186,7 +186,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     threads = parse_int_list(args.threads) if args.threads else list(range(1, len(CpuTopology.from_system().cores) + 1))
     batches = parse_int_list(args.batches)
-    name = Path(args.model).stem.rsplit("_", 1)[0] if args.model.endswith(".mar") else args.model
+    name = catalog_name(args.model) if args.model.endswith(".mar") else args.model
     out = args.out or PROFILE_DIR / f"{name}.json"
     command = "packrat profile " + " ".join(shlex.quote(a) for a in sys.argv[2:])
     profile = run_profile(

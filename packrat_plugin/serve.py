@@ -9,6 +9,7 @@ import threading
 import urllib.request
 from pathlib import Path
 
+from model_store.build import catalog_name
 from packrat_plugin.controller import ControllerConfig, ModelTarget, PackratController
 from packrat_plugin.estimator import EstimatorConfig
 from packrat_plugin.optimizer import format_instances
@@ -66,7 +67,7 @@ def targets_from(args: argparse.Namespace) -> list[ModelTarget]:
         path = Path(archive)
         if not path.is_file():
             raise ValueError(f"no archive at {path} (build one with `packrat archive`)")
-        default = Path("profiles") / f"{path.stem.rsplit('_', 1)[0]}.json"
+        default = Path("profiles") / f"{catalog_name(path)}.json"
         profile = load_profile(profiles.get(name, default), force=args.force_profile)
         targets.append(ModelTarget(name, path, profile))
     return targets

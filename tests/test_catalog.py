@@ -56,3 +56,12 @@ def test_spec_from_archive_rejects_unknown_keys():
     data = get_spec("resnet50").to_dict() | {"bogus": 1}
     with pytest.raises(CatalogError, match="unknown model spec keys"):
         ModelSpec.from_dict(data)
+
+
+def test_archive_names_map_back_to_catalog_names():
+    from model_store.build import archive_name, catalog_name
+
+    for name in ("resnet50", "bert-base", "inception_v3"):
+        for mode in EXECUTION_MODES:
+            assert catalog_name(f"/store/{archive_name(name, mode)}.mar") == name
+    assert catalog_name("custom.mar") == "custom"
