@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from packrat_plugin.profile import write_json_atomic
 from packrat_plugin.topology import Slot
 
 PLAN_DIR_ENV = "PACKRAT_PLAN_DIR"
@@ -95,10 +96,7 @@ class PlanStore:
 
     def write(self, plan: VersionPlan) -> Path:
         path = self.plan_path(plan.model, plan.version)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".json.partial")
-        tmp.write_text(json.dumps(plan.to_dict(), indent=2) + "\n")
-        tmp.replace(path)  # a starting worker never reads half a plan
+        write_json_atomic(path, plan.to_dict())
         return path
 
     def read(self, model: str, version: str) -> VersionPlan | None:

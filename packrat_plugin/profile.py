@@ -41,6 +41,15 @@ class ProfilePoint:
         return {"threads": self.threads, "batch": self.batch, "latency_ms": self.latency_ms, **self.extra}
 
 
+def write_json_atomic(path: Path, data: Any) -> None:
+    """Write-then-rename: a reader (a starting worker, a resumed profiler) never
+    sees half a file, and an interrupted write leaves the old file intact."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".partial")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    tmp.replace(path)
+
+
 def _read_cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -98,21 +107,19 @@ class Profile:
         """Hashable identity of the measurements (cache key for the optimizer)."""
         return (self.model, tuple((p.threads, p.batch, p.latency_ms) for p in sorted(self.points)))
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self, grid: dict[str, list[int]] | None = None) -> dict[str, Any]:
+        """``grid`` overrides the one read off the points (a partial profile's
+        grid is what was asked for, not what was measured so far)."""
         return {
             **self.meta,
             "model": self.model,
             "hardware": self.hardware,
-            "grid": {"threads": self.threads, "batches": self.batches},
+            "grid": grid or {"threads": self.threads, "batches": self.batches},
             "points": [p.to_dict() for p in sorted(self.points)],
         }
 
-    def save(self, path: str | Path) -> None:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(path.suffix + ".partial")
-        tmp.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
-        tmp.replace(path)  # never leave a half-written profile behind
+    def save(self, path: str | Path, grid: dict[str, list[int]] | None = None) -> None:
+        write_json_atomic(Path(path), self.to_dict(grid))
 
 
 def _as_int(value: Any, what: str) -> int:

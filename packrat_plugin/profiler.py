@@ -149,12 +149,7 @@ def run_profile(
         def save(complete: bool) -> Profile:
             points = tuple(done[tb] for tb in grid if tb in done)
             profile = Profile(spec.name, points, hardware, {**meta, "complete": complete})
-            data = profile.to_dict()
-            data["grid"] = {"threads": threads, "batches": batches}
-            out.parent.mkdir(parents=True, exist_ok=True)
-            tmp_out = out.with_suffix(".json.partial")
-            tmp_out.write_text(json.dumps(data, indent=2) + "\n")
-            tmp_out.replace(out)
+            profile.save(out, grid={"threads": threads, "batches": batches})
             return profile
 
         started = time.monotonic()
