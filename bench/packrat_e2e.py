@@ -29,6 +29,7 @@ from bench.report import (
     median_and_spread,
     provenance,
     provenance_block,
+    ratio_cell,
     speedup_bars,
     speedup_cell,
     write_outputs,
@@ -37,8 +38,7 @@ from model_store.build import ARCHIVE_DIR, build_archive
 from model_store.catalog import get_spec
 from model_store.samples import client_payload
 from packrat_plugin.archives import versioned_copy
-from packrat_plugin.controller import expected_speedup
-from packrat_plugin.optimizer import KnapsackOptimizer, Plan, PlanItem, format_instances
+from packrat_plugin.optimizer import KnapsackOptimizer, Plan, PlanItem, expected_speedup, format_instances
 from packrat_plugin.plans import PLAN_DIR_ENV, PlanStore
 from packrat_plugin.profile import load_profile
 from packrat_plugin.profiler import parse_int_list
@@ -143,7 +143,7 @@ def render(data: dict, args: argparse.Namespace, stem: str) -> str:
                 f"{r['packrat_latency_ms']:.1f}",
                 speedup_cell(r),
                 f"{r['throughput_speedup']:.2f}×",
-                f"{r['expected_speedup']:.2f}×",
+                ratio_cell(r["expected_speedup"]),
                 f"{r['requests']} ({r['failed']})",
             ]
             for r in data["rows"]

@@ -29,12 +29,13 @@ from bench.report import (
     median_and_spread,
     provenance,
     provenance_block,
+    ratio_cell,
     speedup_bars,
     speedup_cell,
     write_outputs,
 )
 from packrat_plugin.measure import InstanceJob, InstanceProcess, WindowResult, run_concurrently
-from packrat_plugin.optimizer import KnapsackOptimizer, Plan, PlanItem, format_instances
+from packrat_plugin.optimizer import KnapsackOptimizer, Plan, PlanItem, expected_speedup, format_instances
 from packrat_plugin.profile import load_profile
 from packrat_plugin.profiler import PreparedModel, parse_int_list, prepare_model
 from packrat_plugin.topology import CpuTopology, allocate
@@ -67,10 +68,7 @@ def bench_batch(
 ) -> dict:
     fat_plan = Plan(T, B, float("nan"), (PlanItem(1, T, B),))
     plan = optimizer.plan(T, B, uniform=args.uniform)
-    try:
-        expected = optimizer.profile.latency(T, B) / plan.latency_ms
-    except KeyError:
-        expected = None  # B not profiled at T threads
+    expected = expected_speedup(optimizer.profile, plan)
     fat = start_instances(prepared, fat_plan, topology, args.warmup)
     packrat = start_instances(prepared, plan, topology, args.warmup)
     fat_b = [inst.job.batch for inst in fat]
@@ -163,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r['packrat_latency_ms']:.1f}",
                 speedup_cell(r),
                 f"{r['throughput_speedup']:.2f}×",
-                "-" if r["expected_speedup"] is None else f"{r['expected_speedup']:.2f}×",
+                ratio_cell(r["expected_speedup"]),
             ]
             for r in rows
         ],

@@ -49,6 +49,10 @@ def speedup_cell(row: dict[str, Any]) -> str:
     return f"{row['latency_speedup']:.2f}× ({row['latency_speedup_min']:.2f}-{row['latency_speedup_max']:.2f})"
 
 
+def ratio_cell(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}×"
+
+
 def markdown_table(header: list[str], rows: list[list[Any]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]

@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -291,11 +290,3 @@ class PackratController:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-def expected_speedup(profile: Profile, plan: Plan) -> float:
-    """The profile's prediction: fat instance ⟨1, T, B⟩ latency over the plan's."""
-    try:
-        return profile.latency(plan.threads, plan.batch) / plan.latency_ms
-    except KeyError:
-        return math.nan

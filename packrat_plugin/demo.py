@@ -69,6 +69,7 @@ def packrat_demo(args: argparse.Namespace) -> int:
     try:
         from bench.loadgen import closed_loop, run
         from bench.packrat_e2e import run_e2e
+        from bench.report import ratio_cell
     except ModuleNotFoundError:
         raise RuntimeError(
             "the Packrat demo uses the repository's bench/ and profiles/: run it from the repository root "
@@ -124,7 +125,7 @@ def packrat_demo(args: argparse.Namespace) -> int:
     fat = f"⟨1,{len(controller.topology.cores)},{args.high}⟩"
     print(f"B={args.high}: fat {fat} {row['fat_latency_ms']:.0f} ms vs Packrat {plan} "
           f"{row['packrat_latency_ms']:.0f} ms: latency speedup {row['latency_speedup']:.2f}× "
-          f"(profile predicted {row['expected_speedup']:.2f}×), "
+          f"(profile predicted {ratio_cell(row['expected_speedup'])}), "
           f"throughput {row['throughput_speedup']:.2f}×")  # fmt: skip
     return 0 if failed == 0 and swaps else 1
 

@@ -75,6 +75,15 @@ class Plan:
         return f"{parts}  ({self.threads_used}/{self.threads} threads, {self.latency_ms:.1f} ms)"
 
 
+def expected_speedup(profile: Profile, plan: Plan) -> float | None:
+    """The profile's prediction of a plan's gain over the fat instance ⟨1, T, B⟩:
+    L[T][B] / plan latency; None when B was not profiled at T threads."""
+    try:
+        return profile.latency(plan.threads, plan.batch) / plan.latency_ms
+    except KeyError:
+        return None
+
+
 def format_instances(instances: list[dict[str, int]] | None, labels: bool = False) -> str:
     """``[{count, threads, batch}]`` as ``2×⟨1,4⟩`` (``2×⟨t=1,b=4⟩`` with labels)."""
     if not instances:

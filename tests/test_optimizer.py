@@ -140,3 +140,12 @@ def test_cli_prints_exactly_one_json_object(tmp_path):
     bad = subprocess.run([*cmd, "--batch", "3", "--uniform", "--json", "--force"], capture_output=True, text=True)
     assert bad.returncode != 0 and bad.stdout == ""
     assert len(bad.stderr.strip().splitlines()) == 1 and "B=3" in bad.stderr
+
+
+def test_expected_speedup_is_fat_latency_over_plan_latency():
+    from packrat_plugin.optimizer import expected_speedup
+
+    profile = make_profile({(1, 2): 100.0, (2, 4): 300.0, (1, 4): 180.0})
+    optimizer = KnapsackOptimizer(profile)
+    assert expected_speedup(profile, optimizer.plan(2, 4)) == 300.0 / 100.0  # 2×⟨1,2⟩ vs ⟨2,4⟩
+    assert expected_speedup(profile, optimizer.plan(2, 2)) is None  # ⟨2,2⟩ was not profiled
