@@ -49,3 +49,13 @@ def test_a_mar_is_profiled_in_its_own_mode(archive, tmp_path):
     prepared = prepare_model(str(archive("resnet50", "script")), mode="eager", workdir=tmp_path)
     assert prepared.spec.name == "resnet50" and prepared.spec.mode == "script"
     assert prepared.artefact.name == "model.pt" and prepared.artefact.stat().st_size > 1_000_000
+
+
+def test_time_budget_leaves_a_partial_profile_that_resume_completes(tmp_path):
+    out = tmp_path / "partial.json"
+    partial = run_profile("resnet50", [1], [1], out, mode="script", warmup=0, iters=1, time_budget_s=0.0)
+    assert partial.meta["complete"] is False and partial.points == ()
+    on_disk = load_profile(out, allow_incomplete=True)
+    assert on_disk.meta["complete"] is False
+    done = run_profile("resnet50", [1], [1], out, mode="script", warmup=0, iters=1, resume=True)
+    assert done.meta["complete"] is True and [(p.threads, p.batch) for p in done.points] == [(1, 1)]
