@@ -25,14 +25,15 @@ from tqdm import tqdm
 
 from bench.loadgen import closed_loop, run
 from bench.report import (
+    add_output_arguments,
     markdown_table,
     median_and_spread,
     provenance,
     provenance_block,
+    publish,
     ratio_cell,
     speedup_bars,
     speedup_cell,
-    write_outputs,
 )
 from model_store.build import ARCHIVE_DIR, build_archive
 from model_store.catalog import get_spec
@@ -168,8 +169,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=4)
     parser.add_argument("--max-batch-delay", type=int, default=5, help="TorchServe max_batch_delay (ms)")
     parser.add_argument("--force", action="store_true", help="use a profile from other hardware")
-    parser.add_argument("--out-dir", type=Path, default=Path("docs/benchmarks"))
-    parser.add_argument("--json", type=Path, help="also write the JSON result here")
+    add_output_arguments(parser)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -181,13 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         data = run_e2e(args, Path(tmp))
     data["provenance"] = prov
     stem = f"packrat_e2e_{data['model']}"
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    plot(data, args.out_dir / f"{stem}.png")
-    markdown = render(data, args, stem)
-    write_outputs(stem, markdown, data, args.out_dir)
-    if args.json:
-        args.json.write_text((args.out_dir / f"{stem}.json").read_text())
-    print(markdown)
+    print(publish(stem, data, lambda d: render(d, args, stem), plot, args.out_dir, args.json))
     return 0
 
 

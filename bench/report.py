@@ -7,12 +7,14 @@ command, git commit and machine fingerprint next to the table.
 
 from __future__ import annotations
 
+import argparse
 import json
 import shlex
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -99,6 +101,29 @@ def speedup_bars(
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def add_output_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out-dir", type=Path, default=BENCH_DIR, help="where the .md/.json/.png go")
+    parser.add_argument("--json", type=Path, help="also write the JSON result here")
+
+
+def publish(
+    stem: str,
+    data: dict[str, Any],
+    render: Callable[[dict[str, Any]], str],
+    plot: Callable[[dict[str, Any], Path], None],
+    out_dir: Path,
+    json_copy: Path | None = None,
+) -> str:
+    """Write ``<stem>.png``, ``.md`` and ``.json`` (plus a JSON copy where asked); returns the markdown."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plot(data, out_dir / f"{stem}.png")
+    markdown = render(data)
+    write_outputs(stem, markdown, data, out_dir)
+    if json_copy:
+        json_copy.write_text((out_dir / f"{stem}.json").read_text())
+    return markdown
 
 
 def write_outputs(stem: str, markdown: str, data: dict[str, Any], out_dir: Path = BENCH_DIR) -> Path:

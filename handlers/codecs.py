@@ -14,6 +14,7 @@ from __future__ import annotations
 import io
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,11 +65,31 @@ class ModelInput:
 
 
 class InputCodec:
-    """Decodes payloads for one model spec.  Stateless and thread-safe."""
+    """Decodes payloads for one model spec.  Stateless and thread-safe.
 
-    def __init__(self, spec: ModelSpec, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> None:
+    An image model accepts JSON tensors of the spec's shape, plus any extra
+    ``image_shapes`` its archive declares (a handler that preallocates input
+    memory per shape needs to know them up front); JPEG/PNG images are
+    resized to the spec's shape.
+    """
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+        image_shapes: Sequence[Sequence[int]] = (),
+    ) -> None:
         self.spec = spec
         self.max_payload_bytes = max_payload_bytes
+        self.image_shapes: tuple[tuple[int, ...], ...] = ()
+        if spec.input_kind == "image":
+            declared = [tuple(spec.image_shape)] + [tuple(int(d) for d in s) for s in image_shapes]
+            for shape in declared:
+                if len(shape) != 3 or shape[0] != spec.image_shape[0] or min(shape) < 1:
+                    raise ValueError(f"declared image shape {list(shape)} must be [{spec.image_shape[0]}, H, W]")
+            self.image_shapes = tuple(dict.fromkeys(declared))
+        elif image_shapes:
+            raise ValueError(f"{spec.name} takes tokens; image_shapes do not apply")
         if spec.input_kind == "tokens":
             from model_store.factory import vocab_size
 
@@ -128,9 +149,9 @@ class InputCodec:
         if data is None:
             raise bad_request("JSON body needs a 'data' field holding a [3, H, W] tensor")
         tensor = _float_tensor(data)
-        expected = tuple(self.spec.image_shape)
-        if tuple(tensor.shape) != expected:
-            raise bad_request(f"wrong tensor shape {list(tensor.shape)}, expected {list(expected)}")
+        if tuple(tensor.shape) not in self.image_shapes:
+            expected = " or ".join(str(list(s)) for s in self.image_shapes)
+            raise bad_request(f"wrong tensor shape {list(tensor.shape)}, expected {expected}")
         return tensor
 
     # -- tokens --------------------------------------------------------------
@@ -177,6 +198,19 @@ def _float_tensor(data: Any) -> torch.Tensor:
 def collate(inputs: list[ModelInput]) -> tuple[torch.Tensor, ...]:
     """Stack per-request tensors into batch tensors, position by position."""
     return tuple(torch.stack(parts) for parts in zip(*(i.tensors for i in inputs), strict=True))
+
+
+def encode_logits(row: torch.Tensor, max_full: int = 1000) -> dict[str, Any]:
+    """One request's answer: top-5, plus all logits when there are at most ``max_full``.
+
+    Above that (GPT-2's 50k next-token logits) the full vector would be a
+    megabyte of JSON per request, so only the top-k travels.
+    """
+    row = row.float()
+    result: dict[str, Any] = {"top5": top_k(row)}
+    if row.numel() <= max_full:
+        result["logits"] = finite_list(row)
+    return result
 
 
 def top_k(logits: torch.Tensor, k: int = 5) -> list[dict[str, float]]:

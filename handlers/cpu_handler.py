@@ -18,16 +18,12 @@ from typing import Any
 
 import torch
 
-from handlers.codecs import DEFAULT_MAX_PAYLOAD_BYTES, InputCodec, ModelInput, collate, finite_list, top_k
+from handlers.codecs import DEFAULT_MAX_PAYLOAD_BYTES, InputCodec, ModelInput, collate, encode_logits
 from handlers.errors import RequestError
 from model_store.catalog import ModelSpec
 from packrat_plugin.worker import PackratWorkerMixin
 
 logger = logging.getLogger(__name__)
-
-# Above this many classes, a response carries the top-k only (GPT-2's 50k
-# next-token logits would be a megabyte of JSON per request).
-FULL_LOGITS_MAX_CLASSES = 1000
 
 
 @dataclass
@@ -39,17 +35,19 @@ class Preprocessed:
     errors: dict[int, RequestError] = field(default_factory=dict)
 
 
-def load_model(spec: ModelSpec, artefact: str) -> torch.nn.Module:
-    """Load an archive's artefact in the archive's execution mode."""
+def load_model(spec: ModelSpec, artefact: str, device: str | torch.device = "cpu") -> torch.nn.Module:
+    """Load an archive's artefact in the archive's execution mode, on ``device``."""
     if spec.mode == "script":
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", category=FutureWarning)  # torch.jit's deprecation notice
-            return torch.jit.load(artefact, map_location="cpu").eval()
+            return torch.jit.load(artefact, map_location=device).eval()
     from model_store.factory import build_model, compile_model
 
     model = build_model(spec)
     model.load_state_dict(torch.load(artefact, map_location="cpu", weights_only=True))
+    model = model.to(device)
     if spec.mode == "compile":
+        # Compiled after the move: the graph is traced for the device it runs on.
         model = compile_model(model)
     return model
 
@@ -110,13 +108,7 @@ class CPUModelHandler(PackratWorkerMixin):
             return self.model(*batch)
 
     def postprocess(self, logits: torch.Tensor) -> list[dict[str, Any]]:
-        results = []
-        for row in logits.float():
-            result: dict[str, Any] = {"top5": top_k(row)}
-            if row.numel() <= FULL_LOGITS_MAX_CLASSES:
-                result["logits"] = finite_list(row)
-            results.append(result)
-        return results
+        return [encode_logits(row) for row in logits]
 
     # -- entry point ---------------------------------------------------------
 

@@ -1,9 +1,14 @@
-"""Client-facing request errors.
+"""Errors a handler answers a single request with.
 
-A ``RequestError`` carries an HTTP status and a one-line reason that names
+A ``ResponseError`` carries an HTTP status and a one-line reason that names
 the problem.  It subclasses TorchServe's ``PredictionException`` so that,
 raised outside the per-request path, TorchServe still answers with its code;
 inside a batch the handler catches it and fails only that request.
+
+``RequestError`` (4xx) means the request is at fault and the server is fine;
+``ServiceUnavailable`` (503) means the request was fine but this worker
+could not serve it (input pool full past the response timeout, shutting
+down, inference failed), so a client may retry.
 """
 
 from __future__ import annotations
@@ -18,15 +23,14 @@ _STATUS_TYPES = {
     413: "PayloadTooLarge",
     415: "UnsupportedMediaType",
     422: "UnprocessableEntity",
+    503: "ServiceUnavailable",
 }
 
 
-class RequestError(PredictionException):
-    """A request the server refuses; the server itself is fine."""
+class ResponseError(PredictionException):
+    """One request's error answer: status, reason, TorchServe-shaped body."""
 
     def __init__(self, status: int, reason: str) -> None:
-        if not 400 <= status < 500:
-            raise ValueError(f"RequestError is for 4xx statuses, got {status}")
         # One line: reasons travel in HTTP reason phrases and log lines.
         reason = " ".join(reason.split())
         super().__init__(reason, status)
@@ -35,9 +39,24 @@ class RequestError(PredictionException):
 
     def body(self) -> str:
         """JSON body in TorchServe's own error shape (code, type, message)."""
-        return json.dumps(
-            {"code": self.status, "type": _STATUS_TYPES.get(self.status, "ClientError"), "message": self.reason}
-        )
+        kind = _STATUS_TYPES.get(self.status, "ClientError" if self.status < 500 else "ServerError")
+        return json.dumps({"code": self.status, "type": kind, "message": self.reason})
+
+
+class RequestError(ResponseError):
+    """A request the server refuses; the server itself is fine."""
+
+    def __init__(self, status: int, reason: str) -> None:
+        if not 400 <= status < 500:
+            raise ValueError(f"RequestError is for 4xx statuses, got {status}")
+        super().__init__(status, reason)
+
+
+class ServiceUnavailable(ResponseError):
+    """A good request this worker could not serve; retrying may succeed."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(503, reason)
 
 
 def bad_request(reason: str) -> RequestError:

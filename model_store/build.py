@@ -16,6 +16,7 @@ random floats, which deflate does not shrink, only slow down.
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import subprocess
 import sys
@@ -23,6 +24,7 @@ import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import yaml
@@ -32,7 +34,24 @@ from model_store.catalog import EXECUTION_MODES, ModelSpec, get_spec, load_catal
 from model_store.factory import build_model, example_inputs, outputs_close, script_model
 
 ARCHIVE_DIR = Path(__file__).with_name("archives")
-HANDLER_ENTRY = Path(__file__).resolve().parent.parent / "handlers" / "entry" / "packrat_handler.py"
+ENTRY_DIR = Path(__file__).resolve().parent.parent / "handlers" / "entry"
+HANDLER_ENTRY = ENTRY_DIR / "packrat_handler.py"
+
+
+@dataclass(frozen=True)
+class HandlerKind:
+    """A handler an archive can be built with."""
+
+    entry: Path
+    # Async handlers schedule requests themselves: TorchServe must hand them
+    # each request as it arrives (asyncCommunication, batch 1, no delay).
+    asynchronous: bool = False
+
+
+HANDLERS = {
+    "packrat": HandlerKind(HANDLER_ENTRY),
+    "ebird": HandlerKind(ENTRY_DIR / "ebird_handler.py", asynchronous=True),
+}
 ARCHIVE_VERSION = "1.0"
 
 
@@ -44,17 +63,32 @@ class ServingOptions:
     max_batch_delay_ms: int = 5
     response_timeout_s: int = 120
     max_payload_bytes: int = 8 * 1024 * 1024
+    handler: str = "packrat"
+    # The handler's own section of model-config.yaml (``handler.<name>``),
+    # e.g. Ebird's worker batch sizes; validated at build time.
+    handler_settings: tuple[tuple[str, Any], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.handler not in HANDLERS:
+            raise ValueError(f"unknown handler {self.handler!r}; choose from {', '.join(HANDLERS)}")
+        if self.handler_settings and self.handler == "packrat":
+            raise ValueError("the packrat handler takes no handler settings")
+        if self.handler == "ebird":
+            from handlers.ebird.config import EbirdConfig
+
+            EbirdConfig.from_dict(dict(self.handler_settings))
 
 
-def archive_name(model: str, mode: str) -> str:
-    """TorchServe model name of an archive: one archive per (model, mode)."""
-    return f"{model}_{mode}"
+def archive_name(model: str, mode: str, handler: str = "packrat") -> str:
+    """TorchServe model name of an archive: one archive per (model, mode, handler)."""
+    return f"{model}_{mode}" if handler == "packrat" else f"{model}_{mode}-{handler}"
 
 
 def catalog_name(archive: str | Path) -> str:
-    """Inverse of :func:`archive_name`: ``.../bert-base_script.mar`` → ``bert-base``."""
+    """Inverse of :func:`archive_name`: ``.../bert-base_script-ebird.mar`` → ``bert-base``."""
     stem = Path(archive).stem
-    name, _, mode = stem.rpartition("_")
+    name, _, tail = stem.rpartition("_")
+    mode = tail.split("-", 1)[0]
     return name if name and mode in EXECUTION_MODES else stem
 
 
@@ -68,7 +102,7 @@ def model_config(spec: ModelSpec, options: ServingOptions) -> dict:
     # API's initial_workers (TorchServe's ApiUtils.registerModel), which
     # would stop Packrat and users from choosing the worker count at
     # register time.
-    return {
+    config: dict[str, Any] = {
         "batchSize": options.batch_size,
         "maxBatchDelay": options.max_batch_delay_ms,
         "responseTimeout": options.response_timeout_s,
@@ -78,6 +112,10 @@ def model_config(spec: ModelSpec, options: ServingOptions) -> dict:
             "max_payload_bytes": options.max_payload_bytes,
         },
     }
+    if HANDLERS[options.handler].asynchronous:
+        config.update(asyncCommunication=True, batchSize=1, maxBatchDelay=0)
+        config["handler"][options.handler] = dict(options.handler_settings)
+    return config
 
 
 def _check_trace_batch_invariant(eager: torch.nn.Module, scripted, spec: ModelSpec) -> None:
@@ -125,7 +163,7 @@ def build_archive(
 ) -> Path:
     """Write ``<out_dir>/<model>_<mode>.mar``; returns its path."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    name = archive_name(spec.name, spec.mode)
+    name = archive_name(spec.name, spec.mode, options.handler)
     target = out_dir / f"{name}.mar"
     if target.exists() and not force:
         return target
@@ -139,7 +177,7 @@ def build_archive(
             "--model-name", name,
             "--version", ARCHIVE_VERSION,
             "--serialized-file", str(artefact),
-            "--handler", str(HANDLER_ENTRY),
+            "--handler", str(HANDLERS[options.handler].entry),
             "--config-file", str(config_path),
             "--export-path", str(workdir),
             "--archive-format", "zip-store",
@@ -176,7 +214,7 @@ def build_many(
     paths = []
     with tqdm(specs, desc="archives", unit="mar") as bar:
         for spec in bar:
-            bar.set_postfix_str(archive_name(spec.name, spec.mode))
+            bar.set_postfix_str(archive_name(spec.name, spec.mode, options.handler))
             paths.append(build_archive(spec, out_dir, options, force))
     return paths
 
@@ -189,6 +227,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=ARCHIVE_DIR, help="model store directory")
     parser.add_argument("--batch-size", type=int, default=ServingOptions.batch_size)
     parser.add_argument("--max-batch-delay", type=int, default=ServingOptions.max_batch_delay_ms)
+    parser.add_argument("--handler", choices=sorted(HANDLERS), default="packrat", help="handler to build with")
+    parser.add_argument(
+        "--handler-config",
+        type=json.loads,
+        default={},
+        help='the handler\'s settings as JSON, e.g. \'{"worker_batches": [1, 1, 2, 4], "max_inflight": 8}\'',
+    )
     parser.add_argument("--force", action="store_true", help="rebuild archives that already exist")
 
 
@@ -197,7 +242,16 @@ def run(args: argparse.Namespace) -> int:
         return [v.strip() for v in value.split(",") if v.strip()] if value else None
 
     specs = select(split(args.models), split(args.modes), ci=args.ci and not args.all)
-    options = ServingOptions(batch_size=args.batch_size, max_batch_delay_ms=args.max_batch_delay)
+    try:
+        options = ServingOptions(
+            batch_size=args.batch_size,
+            max_batch_delay_ms=args.max_batch_delay,
+            handler=args.handler,
+            handler_settings=tuple(sorted(args.handler_config.items())),
+        )
+    except (ValueError, AttributeError) as exc:
+        print(f"error: bad --handler/--handler-config: {exc}", file=sys.stderr)
+        return 2
     for path in build_many(specs, args.out, options, args.force):
         print(path)
     return 0

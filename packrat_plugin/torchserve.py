@@ -53,11 +53,15 @@ class Ports:
     inference: int
     management: int
     metrics: int
+    # TorchServe always starts its gRPC servers too (7070/7071 by default);
+    # two instances on one machine must not share those either.
+    grpc_inference: int = 7070
+    grpc_management: int = 7071
 
     @classmethod
     def free(cls) -> Ports:
         ports: set[int] = set()
-        while len(ports) < 3:
+        while len(ports) < 5:
             ports.add(free_port())
         return cls(*sorted(ports))
 
@@ -126,6 +130,8 @@ class TorchServeProcess:
                 "inference_address": self.inference_url,
                 "management_address": self.management_url,
                 "metrics_address": self.metrics_url,
+                "grpc_inference_port": str(self.ports.grpc_inference),
+                "grpc_management_port": str(self.ports.grpc_management),
                 "model_store": str(self.model_store),
             }
         )

@@ -15,11 +15,18 @@ from pathlib import Path
 
 import pytest
 
-from model_store.build import build_archive
+from model_store.build import ServingOptions, build_archive
 from model_store.catalog import ModelSpec, get_spec, load_catalog
 from packrat_plugin.torchserve import TorchServeProcess
 
 CI_MODES = ("eager", "script", "compile")
+# The Ebird archive the serving tests use: small enough for 2 cores, two CPU
+# lanes so batches overlap, and a pool small enough that a burst fills it.
+EBIRD_TEST_SETTINGS = {"worker_batches": [1, 1, 2, 4, 8], "max_inflight": 16, "pool_slots": 16, "cpu_lanes": 2}
+HANDLER_OPTIONS = {
+    "packrat": ServingOptions(),
+    "ebird": ServingOptions(handler="ebird", handler_settings=tuple(sorted(EBIRD_TEST_SETTINGS.items()))),
+}
 
 
 def ci_specs() -> list[ModelSpec]:
@@ -34,10 +41,10 @@ def model_store_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def archive(model_store_dir: Path):
-    """``archive(name, mode) -> Path``: builds the archive once per session."""
+    """``archive(name, mode, handler) -> Path``: builds the archive once per session."""
 
-    def build(name: str, mode: str = "eager") -> Path:
-        return build_archive(get_spec(name, mode), model_store_dir)
+    def build(name: str, mode: str = "eager", handler: str = "packrat") -> Path:
+        return build_archive(get_spec(name, mode), model_store_dir, HANDLER_OPTIONS[handler])
 
     return build
 
@@ -51,9 +58,9 @@ class ServedModels:
         self.registered: set[str] = set()
         self._aliases = itertools.count()
 
-    def __call__(self, name: str, mode: str = "eager", **register_kwargs) -> str:
+    def __call__(self, name: str, mode: str = "eager", handler: str = "packrat", **register_kwargs) -> str:
         """Register ``<name>_<mode>`` (or a fresh alias when options differ); returns the model name."""
-        path = self.archive(name, mode)
+        path = self.archive(name, mode, handler)
         model_name = path.stem
         if register_kwargs:
             model_name = f"{model_name}-{next(self._aliases)}"

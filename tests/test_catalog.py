@@ -59,9 +59,11 @@ def test_spec_from_archive_rejects_unknown_keys():
 
 
 def test_archive_names_map_back_to_catalog_names():
-    from model_store.build import archive_name, catalog_name
+    from model_store.build import HANDLERS, archive_name, catalog_name
 
     for name in ("resnet50", "bert-base", "inception_v3"):
         for mode in EXECUTION_MODES:
-            assert catalog_name(f"/store/{archive_name(name, mode)}.mar") == name
+            for handler in HANDLERS:
+                assert catalog_name(f"/store/{archive_name(name, mode, handler)}.mar") == name
+    assert archive_name("bert-base", "eager", "ebird") == "bert-base_eager-ebird"
     assert catalog_name("custom.mar") == "custom"

@@ -132,8 +132,13 @@ def test_pool_refuses_misuse():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_device_pool_lives_on_the_gpu():
     pool = InputPool([((3, 4, 4), torch.float32)], 4, device="cuda")
-    slot = pool.reserve()
-    pool.write(slot, [torch.ones(3, 4, 4).pin_memory()])
-    torch.cuda.synchronize()
-    (batch,) = pool.views(pool.take(1))
-    assert batch.is_cuda and float(batch.sum()) == 48.0
+    for value in (1.0, 2.0):
+        pool.write(pool.reserve(), [torch.full((3, 4, 4), value)])
+    run = pool.take(2)
+    stream = torch.cuda.Stream()
+    pool.wait_copied(run, stream)  # the engine's stream waits on the copy stream's per-slot events
+    with torch.cuda.stream(stream):
+        (batch,) = pool.views(run)
+        total = batch.sum(dim=(1, 2, 3))
+    stream.synchronize()
+    assert batch.is_cuda and total.tolist() == [48.0, 96.0]

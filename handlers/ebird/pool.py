@@ -51,9 +51,23 @@ class InputPool:
             raise ValueError(f"pool capacity must be ≥ 1, got {capacity}")
         self.capacity = capacity
         self.layout = tuple((tuple(shape), dtype) for shape, dtype in layout)
+        self.device = torch.device(device)
         self.storage = tuple(
-            torch.empty((capacity, *shape), dtype=dtype, device=device) for shape, dtype in self.layout
+            torch.empty((capacity, *shape), dtype=dtype, device=self.device) for shape, dtype in self.layout
         )
+        # On CUDA a request's bytes go host → pinned staging slot → device
+        # slot on a copy stream of the pool's own, and the slot's event marks
+        # the copy done; the engine's stream waits on those events, so the
+        # copy overlaps whatever the engine is running.  A staging slot is
+        # rewritten only after its slot was released, i.e. after the batch
+        # that read it finished, so no copy can still be reading it.
+        self._copy_stream = None
+        if self.device.type == "cuda":
+            self._copy_stream = torch.cuda.Stream(self.device)
+            self._staging = tuple(
+                torch.empty((capacity, *shape), dtype=dtype, pin_memory=True) for shape, dtype in self.layout
+            )
+            self._copied = [torch.cuda.Event() for _ in range(capacity)]
         self._state = [SlotState.FREE] * capacity
         self._head = 0  # next slot to hand out
         self._tail = 0  # oldest slot not yet taken into a batch
@@ -78,7 +92,16 @@ class InputPool:
         for buf, tensor in zip(self.storage, tensors, strict=True):
             if tuple(tensor.shape) != tuple(buf.shape[1:]):
                 raise ValueError(f"input shape {list(tensor.shape)} does not match the pool's {list(buf.shape[1:])}")
-            buf[slot].copy_(tensor, non_blocking=buf.is_cuda)
+        if self._copy_stream is None:
+            for buf, tensor in zip(self.storage, tensors, strict=True):
+                buf[slot].copy_(tensor)
+        else:
+            for staging, tensor in zip(self._staging, tensors, strict=True):
+                staging[slot].copy_(tensor)
+            with torch.cuda.stream(self._copy_stream):
+                for buf, staging in zip(self.storage, self._staging, strict=True):
+                    buf[slot].copy_(staging[slot], non_blocking=True)
+                self._copied[slot].record(self._copy_stream)
         with self._lock:
             self._state[slot] = SlotState.READY
 
@@ -103,6 +126,21 @@ class InputPool:
                 self._state[slot] = SlotState.TAKEN
             self._tail = (start + count) % self.capacity
             return Run(start, count)
+
+    def fits(self, tensors: Sequence[torch.Tensor]) -> bool:
+        """Whether one request's tensors match the pool's layout (checked before reserving,
+        because a reserved slot that is never written would block the ring)."""
+        return len(tensors) == len(self.layout) and all(
+            tuple(t.shape) == shape and t.dtype == dtype
+            for t, (shape, dtype) in zip(tensors, self.layout, strict=False)
+        )
+
+    def wait_copied(self, run: Run, stream: torch.cuda.Stream | None) -> None:
+        """Make ``stream`` wait until the run's inputs have landed on the device (no-op on CPU)."""
+        if self._copy_stream is None or stream is None:
+            return
+        for slot in range(run.start, run.start + run.count):
+            stream.wait_event(self._copied[slot])
 
     def views(self, run: Run) -> tuple[torch.Tensor, ...]:
         """The batch tensors of ``run``: slices of the pool's storage, no copy."""

@@ -1,0 +1,73 @@
+"""Ebird's knobs, as the archive's model-config.yaml carries them.
+
+```yaml
+handler:
+  ebird:
+    worker_batches: [1, 1, 2, 4, 8, 16]   # one engine worker per entry
+    max_inflight: 32                      # MaxInf: inputs in flight at once
+    pool_slots: 64                        # input pool ring size
+    cpu_lanes: 1                          # CPU only: batches that run at once
+```
+
+``cpu_lanes`` is how the CPU path splits intra-op threads: each worker runs
+its batch on its own thread, at most ``cpu_lanes`` of them at a time, each
+with ``cores // cpu_lanes`` intra-op threads.  The default, 1, gives every
+batch all cores (on a CPU a lone request is fastest that way); raise it on
+many-core machines where one batch cannot use all cores well.  On CUDA the
+lanes are the workers' streams and all of them may run at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from handlers.ebird.scheduler import default_worker_batches
+
+
+class EbirdConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class EbirdConfig:
+    worker_batches: tuple[int, ...] = tuple(default_worker_batches(32))
+    max_inflight: int = 32
+    pool_slots: int = 64
+    cpu_lanes: int = 1
+
+    def __post_init__(self) -> None:
+        batches = self.worker_batches
+        if not batches or any(not isinstance(b, int) or b < 1 or b & (b - 1) for b in batches):
+            raise EbirdConfigError(f"worker_batches must be powers of two ≥ 1, got {list(batches)}")
+        if 1 not in batches:
+            raise EbirdConfigError("worker_batches needs a worker of batch 1, or a lone request could wait forever")
+        for name in ("max_inflight", "pool_slots", "cpu_lanes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise EbirdConfigError(f"{name} must be an integer ≥ 1, got {value!r}")
+        if self.pool_slots < max(batches):
+            raise EbirdConfigError(
+                f"pool_slots ({self.pool_slots}) must hold the largest worker batch ({max(batches)})"
+            )
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any] | None) -> EbirdConfig:
+        raw = dict(raw or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise EbirdConfigError(f"unknown ebird settings {unknown}; known: {sorted(known)}")
+        if "worker_batches" in raw:
+            if not isinstance(raw["worker_batches"], (list, tuple)):
+                raise EbirdConfigError(f"worker_batches must be a list, got {raw['worker_batches']!r}")
+            raw["worker_batches"] = tuple(raw["worker_batches"])
+        return cls(**raw)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "worker_batches": list(self.worker_batches),
+            "max_inflight": self.max_inflight,
+            "pool_slots": self.pool_slots,
+            "cpu_lanes": self.cpu_lanes,
+        }

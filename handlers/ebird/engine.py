@@ -1,0 +1,221 @@
+"""Ebird's mechanism: input pool, engine workers, and the loop that runs the policy.
+
+The loop has vLLM's shape: look at the state, ask the policy
+(``ElasticScheduler.next_batch``) for a ``BatchPlan``, hand each assignment
+to its worker; a worker runs its batch and, when done, answers its requests,
+frees its pool slots and goes back to the idle set, which wakes the loop.
+
+Threads: requests are admitted from one thread (the handler's event loop),
+one scheduler thread runs the loop, and each engine worker has a thread of
+its own (on CUDA it also has its own stream, so workers overlap on the GPU;
+on CPU at most ``cpu_lanes`` workers execute at once, see ``config.py``).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from handlers.codecs import ModelInput
+from handlers.ebird.config import EbirdConfig
+from handlers.ebird.pool import InputPool, Run
+from handlers.ebird.scheduler import ElasticScheduler, SchedulerState, WorkerSpec
+from handlers.errors import ServiceUnavailable, bad_request
+from handlers.runtime.device import ExecutionDevice
+from handlers.runtime.engine import Engine, Ticket, layout_of
+from handlers.runtime.metrics import HandlerMetrics
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Job:
+    run: Run
+    tickets: list[Ticket]
+
+
+class EngineWorker:
+    """One Ebird engine worker: a fixed batch size and a lane of its own."""
+
+    def __init__(self, spec: WorkerSpec, stream: torch.cuda.Stream | None) -> None:
+        self.spec = spec
+        self.stream = stream
+        self.jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self.thread: threading.Thread | None = None
+
+
+class EbirdEngine(Engine):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        example: ModelInput,
+        device: ExecutionDevice,
+        config: EbirdConfig,
+        metrics: HandlerMetrics,
+    ) -> None:
+        super().__init__()
+        self.model = model
+        self.device = device
+        self.config = config
+        self.metrics = metrics
+        self.pool = InputPool(layout_of(example), config.pool_slots, device.device)
+        specs = [WorkerSpec(i, b) for i, b in enumerate(config.worker_batches)]
+        self.policy = ElasticScheduler(specs, config.max_inflight)
+        self.workers = [EngineWorker(s, device.new_stream()) for s in specs]
+        self._output_stream = device.new_stream()
+        self._lanes = None if device.is_cuda else threading.BoundedSemaphore(config.cpu_lanes)
+        self._max_running = len(self.workers) if device.is_cuda else config.cpu_lanes
+        self._threads_per_lane = max(1, torch.get_num_threads() // config.cpu_lanes)
+        self._tickets: list[Ticket | None] = [None] * config.pool_slots
+        self._outstanding: set[Ticket] = set()
+        self._cond = threading.Condition()
+        self._idle = {w.spec.worker_id: w for w in self.workers}
+        self._running = 0  # batches dispatched and not finished
+        self._inflight_inputs = 0  # CurInf
+        self._closing = False
+        self._stopping = False
+        for worker in self.workers:
+            worker.thread = threading.Thread(
+                target=self._work, args=(worker,), name=f"ebird-worker-{worker.spec.worker_id}-b{worker.spec.batch}",
+                daemon=True,
+            )  # fmt: skip
+            worker.thread.start()
+        self._scheduler = threading.Thread(target=self._schedule_loop, name="ebird-scheduler", daemon=True)
+        self._scheduler.start()
+
+    # -- admission (handler's thread) ----------------------------------------
+
+    def try_submit(self, item: ModelInput) -> concurrent.futures.Future | None:
+        if self._closing:
+            raise ServiceUnavailable("worker is shutting down")
+        if not self.pool.fits(item.tensors):
+            raise bad_request(f"input shapes {[list(t.shape) for t in item.tensors]} do not fit this input pool")
+        slot = self.pool.reserve()
+        if slot is None:
+            return None
+        ticket = Ticket()
+        with self._cond:
+            self._tickets[slot] = ticket
+            self._outstanding.add(ticket)
+        self.pool.write(slot, item.tensors)
+        with self._cond:
+            self._cond.notify_all()
+        return ticket.future
+
+    # -- the loop: state → policy → dispatch -----------------------------------
+
+    def _schedule_loop(self) -> None:
+        while True:
+            with self._cond:
+                plan = None
+                while not self._stopping:
+                    if self._idle and self._running < self._max_running:
+                        ready = self.pool.ready()
+                        if ready:
+                            state = SchedulerState(
+                                ready=ready,
+                                in_flight=self._inflight_inputs,
+                                idle=[w.spec for w in self._idle.values()],
+                            )
+                            plan = self.policy.next_batch(state)
+                            if plan.assignments:
+                                break
+                    self._cond.wait()
+                if self._stopping:
+                    return
+                dispatch = []
+                for assignment in plan.assignments:
+                    run = self.pool.take(assignment.count)
+                    slots = range(run.start, run.start + run.count)
+                    tickets = [self._tickets[s] for s in slots]
+                    for s in slots:
+                        self._tickets[s] = None
+                    worker = self._idle.pop(assignment.worker_id)
+                    self._running += 1
+                    self._inflight_inputs += run.count
+                    dispatch.append((worker, Job(run, tickets)))
+            for worker, job in dispatch:
+                worker.jobs.put(job)
+
+    # -- a worker ------------------------------------------------------------
+
+    def _work(self, worker: EngineWorker) -> None:
+        if not self.device.is_cuda:
+            # Intra-op threads are per calling thread; see config.py for the split.
+            torch.set_num_threads(self._threads_per_lane)
+        while (job := worker.jobs.get()) is not None:
+            with self._lanes if self._lanes is not None else contextlib.nullcontext():
+                started = time.monotonic()
+                self.metrics.batch_started(job.run.count, [started - t.arrived for t in job.tickets])
+                try:
+                    outputs, error = self._execute(worker, job.run), None
+                except Exception as exc:
+                    logger.exception("batch of %d on worker %d failed", job.run.count, worker.spec.worker_id)
+                    outputs, error = None, ServiceUnavailable(f"inference failed: {type(exc).__name__}: {exc}")
+                finally:
+                    self.metrics.batch_finished()
+            self.pool.release(job.run)
+            for i, ticket in enumerate(job.tickets):
+                ticket.settle(result=None if error else outputs[i], error=error)
+            with self._cond:
+                self._outstanding.difference_update(job.tickets)
+                self._idle[worker.spec.worker_id] = worker
+                self._running -= 1
+                self._inflight_inputs -= job.run.count
+                self._cond.notify_all()
+            self._notify_space()
+
+    def _execute(self, worker: EngineWorker, run: Run) -> torch.Tensor:
+        """Run one batch (a slice of the pool, no copy) and bring its output to the host."""
+        with torch.inference_mode(), self.device.on(worker.stream):
+            self.pool.wait_copied(run, worker.stream)
+            output = self.model(*self.pool.views(run))
+            if not self.device.is_cuda:
+                return output.float()
+            # Results go back on the output stream, so the next batch on this
+            # worker's stream does not queue behind the copy.
+            computed = self.device.record(worker.stream)
+            self.device.wait(self._output_stream, computed)
+            output.record_stream(self._output_stream)
+            with self.device.on(self._output_stream):
+                host = output.float().to("cpu", non_blocking=True)
+                copied = self.device.record(self._output_stream)
+        self.device.synchronize(copied)
+        return host
+
+    def warm_up(self) -> None:
+        """One batch at each worker size (torch.compile and cuDNN pick kernels per shape)."""
+        for batch in sorted(set(self.config.worker_batches)):
+            example = tuple(buf[:batch] for buf in self.pool.storage)
+            with torch.inference_mode(), self.device.on(self.workers[0].stream):
+                for tensor in example:
+                    tensor.zero_()
+                self.model(*example)
+        if self.device.is_cuda:
+            torch.cuda.synchronize(self.device.device)
+
+    # -- shutdown ------------------------------------------------------------
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            self._closing = True
+            while self._outstanding and time.monotonic() < deadline:
+                self._cond.wait(timeout=max(deadline - time.monotonic(), 0.0))
+            self._stopping = True
+            leftover = list(self._outstanding)
+            self._cond.notify_all()
+        for ticket in leftover:
+            ticket.settle(error=ServiceUnavailable("worker shut down before this request finished"))
+        for worker in self.workers:
+            worker.jobs.put(None)
+        for thread in [self._scheduler, *(w.thread for w in self.workers)]:
+            thread.join(timeout=max(deadline - time.monotonic(), 0.1))
+        self._notify_space()

@@ -1,0 +1,209 @@
+"""Template for handlers that schedule requests themselves (TorchServe async mode).
+
+With ``asyncCommunication: true`` in model-config.yaml, TorchServe's worker
+awaits ``handle(data, context)`` once per incoming message, concurrently,
+each with its own copy of the context, and sends each answer as soon as
+that call returns.  So the handler sees requests as they arrive and answers
+them independently; batching is the engine's business, not the frontend's.
+
+``AsyncModelHandler`` does the shared part (TorchServe's template methods
+stay recognisable):
+
+- ``initialize``: read the archive's spec, load the model on the worker's
+  device, build one engine per declared input layout (``create_engine``),
+  warm it up.
+- ``handle``: decode and validate each request on arrival (same codecs and
+  4xx answers as the CPU handler), admit it into the engine (waiting while
+  the engine is full, at most the response timeout), await its future,
+  ``postprocess`` the output row.
+
+``handle`` never raises.  In async mode a non-200 answer for a message makes
+TorchServe's frontend fail *every* request it has in flight on this worker
+(``AsyncBatchAggregator.sendResponse``), so each failure is reported as that
+request's own status instead.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from typing import Any
+
+import torch
+
+from handlers.codecs import DEFAULT_MAX_PAYLOAD_BYTES, InputCodec, ModelInput, encode_logits
+from handlers.cpu_handler import load_model
+from handlers.errors import ResponseError, ServiceUnavailable, bad_request
+from handlers.runtime.device import ExecutionDevice
+from handlers.runtime.engine import Engine, input_key
+from handlers.runtime.metrics import HandlerMetrics
+from model_store.catalog import ModelSpec
+from packrat_plugin.worker import PackratWorkerMixin
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_RESPONSE_TIMEOUT_S = 120.0
+
+
+def declared_inputs(codec: InputCodec) -> list[ModelInput]:
+    """One zero input per input layout the archive accepts (engines preallocate per layout)."""
+    spec = codec.spec
+    if spec.input_kind == "image":
+        return [ModelInput((torch.zeros(shape),)) for shape in codec.image_shapes]
+    ids = torch.zeros(spec.seq_len, dtype=torch.long)
+    return [ModelInput((ids, torch.ones_like(ids)))]
+
+
+class _Admission:
+    """FIFO admission into one engine, with backpressure while it is full.
+
+    The lock makes waiting requests enter in arrival order; the event is set
+    from engine threads whenever slots are freed.
+    """
+
+    def __init__(self, engine: Engine, metrics: HandlerMetrics) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.lock = asyncio.Lock()
+        self.space = asyncio.Event()
+        loop = asyncio.get_running_loop()
+
+        def wake() -> None:  # called from engine threads
+            # RuntimeError: the loop has closed, so nobody is waiting any more.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(self.space.set)
+
+        engine.on_space(wake)
+
+    async def admit(self, item: ModelInput, deadline: float) -> Any:
+        loop = asyncio.get_running_loop()
+        async with self.lock:
+            waited = False
+            while True:
+                self.space.clear()
+                future = self.engine.try_submit(item)
+                if future is not None:
+                    return future
+                if not waited:
+                    self.metrics.admission_waited()
+                    waited = True
+                remaining = deadline - loop.time()
+                try:
+                    await asyncio.wait_for(self.space.wait(), max(remaining, 0.0))
+                except TimeoutError:
+                    raise ServiceUnavailable(
+                        "input pool stayed full for the whole response timeout; retry later"
+                    ) from None
+
+
+class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
+    """Base class; a subclass supplies ``configure`` and ``create_engine``."""
+
+    def __init__(self) -> None:
+        self.initialized = False
+        self.spec: ModelSpec | None = None
+        self.codec: InputCodec | None = None
+        self.model: torch.nn.Module | None = None
+        self.device = ExecutionDevice("cpu")
+        self.metrics = HandlerMetrics(None, "")
+        self.engines: dict[tuple[tuple[int, ...], ...], Engine] = {}
+        self.response_timeout_s = DEFAULT_RESPONSE_TIMEOUT_S
+        # Per event loop: TorchServe runs one for the worker's life, but a
+        # handler driven directly (tests) may see several.
+        self._admissions: dict[tuple[int, tuple[tuple[int, ...], ...]], _Admission] = {}
+
+    # -- hooks ---------------------------------------------------------------
+
+    def configure(self, handler_config: dict[str, Any]) -> None:  # noqa: B027 - optional hook
+        """Read the subclass's own section of ``handler:`` in model-config.yaml."""
+
+    @abc.abstractmethod
+    def create_engine(self, layout_example: ModelInput) -> Engine:
+        """An engine for inputs shaped like ``layout_example``."""
+
+    def postprocess(self, output: torch.Tensor) -> Any:
+        """One request's answer from its output row."""
+        return encode_logits(output)
+
+    # -- template methods ----------------------------------------------------
+
+    def initialize(self, context: Any) -> None:
+        model_config = getattr(context, "model_yaml_config", None) or {}
+        handler_config = model_config.get("handler") or {}
+        if "spec" not in handler_config:
+            raise RuntimeError("archive model-config.yaml lacks handler.spec; rebuild it with `packrat archive`")
+        self.spec = ModelSpec.from_dict(handler_config["spec"])
+        self.codec = InputCodec(
+            self.spec,
+            int(handler_config.get("max_payload_bytes", DEFAULT_MAX_PAYLOAD_BYTES)),
+            image_shapes=handler_config.get("input_shapes") or (),
+        )
+        self.response_timeout_s = float(model_config.get("responseTimeout", DEFAULT_RESPONSE_TIMEOUT_S))
+        self.configure(handler_config)
+        self.configure_runtime(context)
+        self.device = ExecutionDevice.from_context(context)
+        model_dir = context.system_properties["model_dir"]
+        artefact = os.path.join(model_dir, context.manifest["model"]["serializedFile"])
+        self.model = load_model(self.spec, artefact, self.device.device)
+        self.metrics = HandlerMetrics(getattr(context, "metrics", None), context.model_name)
+        for example in declared_inputs(self.codec):
+            engine = self.create_engine(example)
+            engine.warm_up()
+            self.engines[input_key(example)] = engine
+        self.initialized = True
+        logger.info(
+            "%s serving %s (%s mode) on %s with %d input layout(s)",
+            type(self).__name__,
+            self.spec.name,
+            self.spec.mode,
+            self.device,
+            len(self.engines),
+        )
+
+    async def handle(self, data: list[dict[str, Any]], context: Any) -> list[Any]:
+        answers = await asyncio.gather(*(self._serve(index, row, context) for index, row in enumerate(data)))
+        return list(answers)
+
+    async def _serve(self, index: int, row: dict[str, Any], context: Any) -> Any:
+        try:
+            item = self.codec.decode(row)
+            return self.postprocess(await self.infer(item))
+        except ResponseError as err:
+            answer = err
+        except Exception as exc:  # a bug or a device fault: this request fails, the worker serves on
+            logger.exception("request %d failed", index)
+            answer = ServiceUnavailable(f"inference failed: {type(exc).__name__}: {exc}")
+        context.set_response_status(code=answer.status, phrase=answer.reason, idx=index)
+        context.set_response_content_type(index, "application/json")
+        logger.info("request %d answered %d: %s", index, answer.status, answer.reason)
+        return answer.body()
+
+    async def infer(self, item: ModelInput) -> torch.Tensor:
+        """The model's output row for one decoded input, through the engine."""
+        key = input_key(item)
+        if key not in self.engines:
+            raise bad_request(f"input shape {[list(k) for k in key]} is not one this archive declares")
+        loop = asyncio.get_running_loop()
+        admission = self._admissions.get((id(loop), key))
+        if admission is None:
+            admission = self._admissions[(id(loop), key)] = _Admission(self.engines[key], self.metrics)
+        deadline = loop.time() + self.response_timeout_s
+        future = await admission.admit(item, deadline)
+        self.metrics.request_admitted()
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(future), max(deadline - loop.time(), 0.0))
+        except TimeoutError:
+            limit = self.response_timeout_s
+            raise ServiceUnavailable(f"no result within the response timeout of {limit:g} s") from None
+        finally:
+            self.metrics.request_answered()
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Finish admitted requests (up to ``timeout_s``), answer the rest with 503, stop engine threads."""
+        started = time.monotonic()
+        for engine in self.engines.values():
+            engine.close(max(timeout_s - (time.monotonic() - started), 0.0))

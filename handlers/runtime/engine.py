@@ -1,0 +1,78 @@
+"""What a scheduling handler's engine promises the runtime.
+
+An engine owns the policy and the mechanism (memory, workers, streams) of
+one paper.  The runtime only admits inputs and awaits answers: every input
+the engine accepts gets its future settled exactly once, with the model's
+output row or an exception, even when the engine is closed.
+"""
+
+from __future__ import annotations
+
+import abc
+import concurrent.futures
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from handlers.codecs import ModelInput
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One admitted request: the future its answer goes to, and when it arrived."""
+
+    arrived: float = field(default_factory=time.monotonic)
+    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+
+    def settle(self, result: Any = None, error: BaseException | None = None) -> bool:
+        """Answer once; a second answer (a late worker after close) is ignored."""
+        try:
+            if error is not None:
+                self.future.set_exception(error)
+            else:
+                self.future.set_result(result)
+            return True
+        except concurrent.futures.InvalidStateError:
+            return False
+
+
+class Engine(abc.ABC):
+    """Admits model inputs and answers each through its own future."""
+
+    def __init__(self) -> None:
+        self._space_listeners: list[Callable[[], None]] = []
+
+    @abc.abstractmethod
+    def try_submit(self, item: ModelInput) -> concurrent.futures.Future | None:
+        """Admit ``item`` now, or return None when there is no room (the caller waits for space).
+
+        Raises ``ResponseError`` for an input the engine can never take, and
+        ``ServiceUnavailable`` once closing.  Called from one thread only.
+        """
+
+    @abc.abstractmethod
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Stop admitting, finish what was admitted within ``timeout_s``, fail the rest with 503."""
+
+    def warm_up(self) -> None:  # noqa: B027 - optional hook
+        """Run every shape the engine will run once, before TorchServe marks the worker READY."""
+
+    def on_space(self, listener: Callable[[], None]) -> None:
+        """Call ``listener`` (from any thread) whenever room for new inputs may have appeared."""
+        self._space_listeners.append(listener)
+
+    def _notify_space(self) -> None:
+        for listener in self._space_listeners:
+            listener()
+
+
+def input_key(item: ModelInput) -> tuple[tuple[int, ...], ...]:
+    """Shapes of one input's tensors: which preallocated memory it fits."""
+    return tuple(tuple(t.shape) for t in item.tensors)
+
+
+def layout_of(item: ModelInput) -> tuple[tuple[tuple[int, ...], torch.dtype], ...]:
+    return tuple((tuple(t.shape), t.dtype) for t in item.tensors)

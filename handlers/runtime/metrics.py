@@ -1,0 +1,107 @@
+"""Handler metrics, through TorchServe's metrics cache and in-process.
+
+TorchServe's backend metrics are log lines (``[METRICS]…``) that the
+frontend parses and serves on its Prometheus endpoint; custom names appear
+there because ``config.properties`` sets ``model_metrics_auto_detect``.
+The same numbers are kept in-process (``snapshot()``) so a handler driven
+directly, without a frontend, can be observed too.
+
+Names (Prometheus, per ModelName):
+
+- ``HandlerQueueSeconds`` (histogram): arrival → start of the request's batch.
+- ``HandlerBatches`` (counter, ``BatchSize`` label): batches run, by size;
+  the batch-size histogram with exact buckets.
+- ``HandlerInflight`` (gauge): requests admitted and not yet answered.
+- ``HandlerPeakConcurrentBatches`` (gauge): most batches in flight at once.
+- ``HandlerAdmissionWaits`` (counter): requests that found the engine full
+  and waited for room (backpressure), rather than being dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+class HandlerMetrics:
+    def __init__(self, cache: Any | None, model_name: str) -> None:
+        self._cache = cache
+        self._model = model_name
+        self._lock = threading.Lock()
+        self.batches: Counter[int] = Counter()
+        self.queue_seconds: list[float] = []
+        self.inflight = 0
+        self.peak_concurrent_batches = 0
+        self._concurrent_batches = 0
+        self.admission_waits = 0
+
+    # -- events ------------------------------------------------------------
+
+    def request_admitted(self) -> None:
+        with self._lock:
+            self.inflight += 1
+            value = self.inflight
+        self._emit("HandlerInflight", value, "count", "GAUGE")
+
+    def request_answered(self) -> None:
+        with self._lock:
+            self.inflight -= 1
+            value = self.inflight
+        self._emit("HandlerInflight", value, "count", "GAUGE")
+
+    def admission_waited(self) -> None:
+        with self._lock:
+            self.admission_waits += 1
+        self._emit("HandlerAdmissionWaits", 1, "count", "COUNTER")
+
+    def batch_started(self, size: int, queue_seconds: list[float]) -> None:
+        with self._lock:
+            self.batches[size] += 1
+            self.queue_seconds.extend(queue_seconds)
+            self._concurrent_batches += 1
+            new_peak = self._concurrent_batches > self.peak_concurrent_batches
+            if new_peak:
+                self.peak_concurrent_batches = self._concurrent_batches
+            peak = self.peak_concurrent_batches
+        self._emit("HandlerBatches", 1, "count", "COUNTER", BatchSize=str(size))
+        for seconds in queue_seconds:
+            self._emit("HandlerQueueSeconds", seconds, "s", "HISTOGRAM")
+        if new_peak:
+            self._emit("HandlerPeakConcurrentBatches", peak, "count", "GAUGE")
+
+    def batch_finished(self) -> None:
+        with self._lock:
+            self._concurrent_batches -= 1
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "batches": dict(self.batches),
+                "requests_batched": sum(size * n for size, n in self.batches.items()),
+                "inflight": self.inflight,
+                "peak_concurrent_batches": self.peak_concurrent_batches,
+                "admission_waits": self.admission_waits,
+                "queue_seconds": list(self.queue_seconds),
+            }
+
+    # -- TorchServe ----------------------------------------------------------
+
+    def _emit(self, name: str, value: float, unit: str, kind: str, **labels: str) -> None:
+        if self._cache is None:
+            return
+        from ts.metrics.dimension import Dimension
+        from ts.metrics.metric_type_enum import MetricTypes
+
+        # Explicit ModelName and Level: without a request index TorchServe's
+        # cache would label the metric Level=Error, and its default argument
+        # for dimensions is a shared mutable list.
+        dims = [Dimension("ModelName", self._model), Dimension("Level", "Model")]
+        dims += [Dimension(k, v) for k, v in labels.items()]
+        try:
+            self._cache.add_metric(name, value, unit, None, dims, MetricTypes[kind])
+        except Exception:  # a metrics fault must never fail a request
+            logger.warning("could not emit metric %s", name, exc_info=True)

@@ -1,0 +1,64 @@
+"""Drive a handler object directly, with TorchServe's own Context class.
+
+For places without a TorchServe frontend (the lent GPU machine has PyTorch
+but no Java): the handler is initialised and called exactly as
+``ts.model_loader`` and ``ts.async_service`` do, minus the socket.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import ts
+from ts.context import Context, RequestProcessor
+from ts.metrics.metric_cache_yaml_impl import MetricsCacheYamlImpl
+
+from model_store.build import ServingOptions, model_config, write_artefact
+from model_store.catalog import ModelSpec
+
+
+def model_dir_for(spec: ModelSpec, directory: Path) -> Path:
+    """An unpacked archive's directory: the artefact, as the builder writes it."""
+    directory.mkdir(parents=True, exist_ok=True)
+    if not any(directory.glob("*.pt")):
+        write_artefact(spec, directory)
+    return directory
+
+
+def load_context(
+    spec: ModelSpec, model_dir: Path, options: ServingOptions, gpu: int | None = None, **overrides: Any
+) -> Context:
+    """The context TorchServe passes to ``initialize`` for this archive."""
+    yaml_config = model_config(spec, options)
+    yaml_config.update(overrides)
+    artefact = next(model_dir.glob("*.pt")).name
+    metrics = MetricsCacheYamlImpl(str(Path(ts.__file__).parent / "configs" / "metrics.yaml"))
+    metrics.initialize_cache()
+    return Context(
+        model_name=f"{spec.name}-direct",
+        model_dir=str(model_dir),
+        manifest={"model": {"modelName": spec.name, "serializedFile": artefact}},
+        batch_size=1,
+        gpu=gpu,
+        mms_version="direct",
+        metrics=metrics,
+        model_yaml_config=yaml_config,
+    )
+
+
+def request_context(load: Context, n_requests: int) -> Context:
+    """The per-message copy ``ts.async_service.predict`` makes, with one status slot per request."""
+    ctx = copy.deepcopy(load)
+    ctx.request_ids = {i: f"req-{i}" for i in range(n_requests)}
+    ctx.request_processor = [RequestProcessor({}) for _ in range(n_requests)]
+    return ctx
+
+
+async def call(handler: Any, load: Context, row: dict) -> tuple[int, Any]:
+    """One request through ``handle``: (status, answer)."""
+    ctx = request_context(load, 1)
+    [answer] = await handler.handle([row], ctx)
+    status, _ = ctx.get_response_status(0)
+    return status, answer

@@ -1,0 +1,148 @@
+"""The Ebird handler object driven directly, as TorchServe's worker drives it.
+
+Runs on CPU everywhere and on CUDA where a GPU is present (the GPU machine
+has no Java, so this is how the device path is tested: pool on the device,
+copy stream and per-slot events, a stream per worker, results equal to the
+model's direct output).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+import torch
+
+from handlers.ebird.config import EbirdConfig, EbirdConfigError
+from handlers.ebird.handler import EbirdHandler
+from model_store.build import ServingOptions
+from model_store.catalog import get_spec
+from model_store.factory import outputs_close
+from model_store.samples import image_tensor_json, jpeg_bytes
+from tests.handler_context import call, load_context, model_dir_for
+from tests.payloads import reference_logits
+
+SPEC = get_spec("resnet50", "eager")
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")),
+]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return model_dir_for(SPEC, tmp_path_factory.mktemp("resnet50-direct"))
+
+
+@pytest.fixture
+def make_handler(model_dir):
+    handlers = []
+
+    def make(device: str = "cpu", response_timeout_s: int = 120, input_shapes=None, **settings):
+        options = ServingOptions(handler="ebird", handler_settings=tuple(sorted(settings.items())))
+        ctx = load_context(SPEC, model_dir, options, gpu=0 if device == "cuda" else None)
+        ctx.model_yaml_config["responseTimeout"] = response_timeout_s
+        if input_shapes:
+            ctx.model_yaml_config["handler"]["input_shapes"] = input_shapes
+        handler = EbirdHandler()
+        handler.initialize(ctx)
+        handlers.append(handler)
+        return handler, ctx
+
+    yield make
+    for handler in handlers:
+        handler.close(timeout_s=30)
+
+
+def serve_all(handler, ctx, rows):
+    async def main():
+        return await asyncio.gather(*(call(handler, ctx, row) for row in rows))
+
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_every_answer_equals_the_models_direct_output(make_handler, device):
+    handler, ctx = make_handler(device, worker_batches=[1, 1, 2, 4], max_inflight=8, pool_slots=8)
+    assert handler.device.device.type == device
+    assert handler.engines[((3, 224, 224),)].pool.storage[0].device.type == device
+    rows = [{"body": jpeg_bytes(seed=i) if i % 2 else image_tensor_json(SPEC, seed=i)} for i in range(11)]
+    answers = serve_all(handler, ctx, rows)
+    assert [status for status, _ in answers] == [200] * len(rows), answers
+    expected = reference_logits(SPEC, rows)
+    tol = 1e-4 if device == "cpu" else 1e-2  # cuDNN/TF32 kernels differ from the CPU reference
+    for (_, body), row in zip(answers, expected, strict=True):
+        assert outputs_close(torch.tensor(body["logits"]), row, tol)
+    snap = handler.metrics.snapshot()
+    assert snap["requests_batched"] == len(rows) and snap["inflight"] == 0
+    assert max(snap["batches"]) > 1  # eleven requests at once were batched, not run one by one
+
+
+def test_bad_requests_fail_alone_with_their_4xx(make_handler):
+    handler, ctx = make_handler(worker_batches=[1, 1, 2], pool_slots=4)
+    rows = [
+        {"body": jpeg_bytes(seed=1)},
+        {"body": b"{not json"},
+        {"body": {"data": [[[0.0] * 8] * 8] * 3}},
+        {"body": jpeg_bytes(seed=2)},
+    ]
+    answers = serve_all(handler, ctx, rows)
+    assert [status for status, _ in answers] == [200, 400, 400, 200]
+    assert "malformed JSON" in json.loads(answers[1][1])["message"]
+    assert "wrong tensor shape [3, 8, 8]" in json.loads(answers[2][1])["message"]
+
+
+def test_declared_extra_shape_gets_its_own_pool(make_handler):
+    handler, ctx = make_handler(worker_batches=[1, 1, 2], pool_slots=4, input_shapes=[[3, 160, 160]])
+    assert set(handler.engines) == {((3, 224, 224),), ((3, 160, 160),)}
+    small = {"body": {"data": torch.rand(3, 160, 160).tolist()}}
+    [(status, body)] = serve_all(handler, ctx, [small])
+    assert status == 200
+    with torch.inference_mode():
+        expected = handler.model(torch.tensor(small["body"]["data"]).unsqueeze(0))[0]
+    assert outputs_close(torch.tensor(body["logits"]), expected, 1e-4)
+
+
+def test_full_pool_makes_requests_wait_not_disappear(make_handler):
+    handler, ctx = make_handler(worker_batches=[1, 2], max_inflight=3, pool_slots=2)
+    rows = [{"body": jpeg_bytes(seed=i)} for i in range(9)]
+    answers = serve_all(handler, ctx, rows)
+    assert [status for status, _ in answers] == [200] * len(rows)
+    snap = handler.metrics.snapshot()
+    assert snap["admission_waits"] > 0 and snap["requests_batched"] == len(rows)
+
+
+def test_pool_full_past_the_response_timeout_is_a_503_not_a_hang(make_handler):
+    handler, ctx = make_handler(response_timeout_s=0, worker_batches=[1], max_inflight=1, pool_slots=1)
+    answers = serve_all(handler, ctx, [{"body": jpeg_bytes(seed=i)} for i in range(4)])
+    assert {status for status, _ in answers} == {503}
+    assert all("response timeout" in json.loads(body)["message"] for _, body in answers)
+
+
+def test_close_finishes_admitted_requests_then_refuses_new_ones(make_handler):
+    handler, ctx = make_handler(worker_batches=[1, 1, 2], pool_slots=4)
+    engine = handler.engines[((3, 224, 224),)]
+    codec = handler.codec
+    futures = [engine.try_submit(codec.decode({"body": jpeg_bytes(seed=i)})) for i in range(3)]
+    handler.close(timeout_s=60)
+    assert all(f.done() and f.exception() is None for f in futures)
+    [(status, body)] = serve_all(handler, ctx, [{"body": jpeg_bytes(seed=9)}])
+    assert status == 503 and "shutting down" in body
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"worker_batches": [2, 4]}, "batch 1"),
+        ({"worker_batches": [1, 3]}, "powers of two"),
+        ({"worker_batches": [1, 32], "pool_slots": 16}, "largest worker batch"),
+        ({"max_inflight": 0}, "max_inflight"),
+        ({"lanes": 2}, "unknown ebird settings"),
+    ],
+)
+def test_bad_ebird_config_is_refused_at_build_time(settings, message):
+    with pytest.raises(EbirdConfigError, match=message):
+        ServingOptions(handler="ebird", handler_settings=tuple(settings.items()))
+    with pytest.raises(EbirdConfigError, match=message):
+        EbirdConfig.from_dict(settings)

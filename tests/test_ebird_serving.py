@@ -1,0 +1,129 @@
+"""Ebird served by a real TorchServe in async mode, on CPU.
+
+The session's Ebird archive (``EBIRD_TEST_SETTINGS`` in conftest) has
+workers of batch 1, 1, 2, 4, 8, two CPU lanes and a 16-slot input pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import zipfile
+
+import aiohttp
+import pytest
+import yaml
+
+from bench.loadgen import open_loop, run
+from model_store.catalog import get_spec
+from model_store.samples import image_tensor_json, jpeg_bytes
+from tests.conftest import EBIRD_TEST_SETTINGS
+from tests.test_serving import assert_matches_reference
+
+pytestmark = pytest.mark.torchserve
+
+LARGEST_WORKER = max(EBIRD_TEST_SETTINGS["worker_batches"])
+
+
+def handler_metric(torchserve, name: str, model: str) -> list[tuple[dict[str, str], float]]:
+    return [(labels, value) for labels, value in torchserve.metrics().samples(name) if labels.get("ModelName") == model]
+
+
+def burst(torchserve, model: str, payloads: list, rate: float):
+    """Send ``payloads`` open-loop at ``rate`` per second; returns the load result (every request accounted for)."""
+    url = f"{torchserve.inference_url}/predictions/{model}"
+    return run(open_loop(url, lambda i: payloads[i], [((len(payloads) + 0.5) / rate, rate)], poisson=False))
+
+
+def post_all(url: str, payloads: list) -> list[tuple[int, str]]:
+    """POST every payload at once; (status, body) per payload, in order."""
+
+    async def send() -> list[tuple[int, str]]:
+        async with aiohttp.ClientSession() as session:
+
+            async def one(payload) -> tuple[int, str]:
+                data = json.dumps(payload).encode() if isinstance(payload, dict) else payload
+                async with session.post(url, data=data) as resp:
+                    return resp.status, await resp.text()
+
+            return list(await asyncio.gather(*(one(p) for p in payloads)))
+
+    return asyncio.run(send())
+
+
+def test_ebird_archive_asks_torchserve_for_async_mode(archive):
+    with zipfile.ZipFile(archive("resnet50", "eager", "ebird")) as mar:
+        config = yaml.safe_load(mar.read("model-config.yaml"))
+        manifest = json.loads(mar.read("MAR-INF/MANIFEST.json"))
+    assert config["asyncCommunication"] is True
+    assert (config["batchSize"], config["maxBatchDelay"]) == (1, 0)  # Ebird batches, not the frontend
+    assert config["handler"]["ebird"] == EBIRD_TEST_SETTINGS
+    assert manifest["model"]["handler"] == "ebird_handler.py"
+
+
+def test_burst_is_split_across_workers_and_every_result_equals_direct_output(served, torchserve):
+    spec = get_spec("resnet50", "eager")
+    model = served("resnet50", "eager", "ebird")
+    n = LARGEST_WORKER + 5
+    rows = [{"body": jpeg_bytes(seed=i) if i % 2 else image_tensor_json(spec, seed=i)} for i in range(n)]
+    client = torchserve.inference()
+    answers = post_all(f"{torchserve.inference_url}/predictions/{model}", [row["body"] for row in rows])
+    assert [status for status, _ in answers] == [200] * len(rows), answers
+    bodies = {i: json.loads(body) for i, (_, body) in enumerate(answers)}
+    assert_matches_reference(spec, rows, [bodies[i] for i in range(len(rows))])
+    assert client.predict(model, rows[0]["body"]).status == 200  # still serving
+
+    batches = {int(labels["BatchSize"]): value for labels, value in handler_metric(torchserve, "HandlerBatches", model)}
+    assert sum(size * n for size, n in batches.items()) >= len(rows) + 1
+    assert len(batches) >= 2, batches  # the burst was not run as one batch, nor one request at a time
+    [(_, peak)] = handler_metric(torchserve, "HandlerPeakConcurrentBatches", model)
+    assert peak >= 2  # two workers' batches ran at the same time
+    [(_, inflight)] = handler_metric(torchserve, "HandlerInflight", model)
+    assert inflight == 0
+
+
+def test_small_batch_answered_before_an_earlier_large_one(served, torchserve):
+    model = served("resnet50", "eager", "ebird")
+    payloads = [jpeg_bytes(seed=i) for i in range(16)]
+    result = burst(torchserve, model, payloads, rate=40.0)
+    assert [s.status for s in result.samples] == [200] * len(payloads)
+    by_sent = sorted(result.samples, key=lambda s: s.sent)
+    overtaken = [
+        (a, b)
+        for i, a in enumerate(by_sent)
+        for b in by_sent[i + 1 :]
+        if b.sent - a.sent >= 0.04 and b.sent + b.latency_s < a.sent + a.latency_s
+    ]
+    assert overtaken, "every answer came back in arrival order"
+
+
+def test_no_request_lost_when_the_pool_is_full(served, torchserve):
+    model = served("resnet50", "eager", "ebird")
+    before = sum(v for _, v in handler_metric(torchserve, "HandlerAdmissionWaits", model))
+    n = 3 * EBIRD_TEST_SETTINGS["pool_slots"]
+    result = burst(torchserve, model, [jpeg_bytes(seed=i) for i in range(n)], rate=500.0)
+    assert len(result.samples) == n
+    assert [s.status for s in result.samples] == [200] * n
+    after = sum(v for _, v in handler_metric(torchserve, "HandlerAdmissionWaits", model))
+    assert after > before  # the pool was full and requests waited for room
+
+
+def test_bad_input_gets_its_4xx_and_requests_in_flight_are_unaffected(served, torchserve):
+    spec = get_spec("resnet50", "eager")
+    model = served("resnet50", "eager", "ebird")
+    good = [{"body": jpeg_bytes(seed=100 + i)} for i in range(6)]
+    bad = [
+        (b"{not json", 400),
+        (json.dumps({"data": [[[0.0] * 5] * 5] * 3}).encode(), 400),  # wrong shape: not declared
+        (b"GIF89a" + b"\xfe\xff" * 32, 415),
+        (b"\xff\xd8\xff" + bytes(9 * 1024 * 1024), 413),
+    ]
+    payloads = [row["body"] for row in good[:3]] + [p for p, _ in bad] + [row["body"] for row in good[3:]]
+    result = burst(torchserve, model, payloads, rate=50.0)
+    by_sent = sorted(result.samples, key=lambda s: s.sent)
+    statuses = [s.status for s in by_sent]
+    assert statuses == [200] * 3 + [code for _, code in bad] + [200] * 3
+    client = torchserve.inference()
+    answers = [client.predict(model, row["body"]) for row in good[:2]]
+    assert [a.status for a in answers] == [200, 200]
+    assert_matches_reference(spec, good[:2], [a.body for a in answers])
