@@ -50,9 +50,11 @@ def make_handler(model_dir):
         handlers.append(handler)
         return handler, ctx
 
+    threads = torch.get_num_threads()  # the handler makes its calling thread single-threaded
     yield make
     for handler in handlers:
         handler.close(timeout_s=30)
+    torch.set_num_threads(threads)
 
 
 def serve_all(handler, ctx, rows):

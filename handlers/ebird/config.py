@@ -9,9 +9,11 @@ handler:
     cpu_lanes: 1                          # CPU only: batches that run at once
 ```
 
-``cpu_lanes`` is how the CPU path splits intra-op threads: each worker runs
-its batch on its own thread, at most ``cpu_lanes`` of them at a time, each
-with ``cores // cpu_lanes`` intra-op threads.  The default, 1, gives every
+``cpu_lanes`` is how the CPU path splits intra-op threads: workers hand
+their batches to ``cpu_lanes`` lane threads, so at most that many batches
+run at once, each with ``threads // cpu_lanes`` intra-op threads (threads:
+the worker's Packrat slot, or torch's default of one per core).  The
+thread that decodes requests runs single-threaded.  The default, 1, gives every
 batch all cores (on a CPU a lone request is fastest that way); raise it on
 many-core machines where one batch cannot use all cores well.  On CUDA the
 lanes are the workers' streams and all of them may run at once.

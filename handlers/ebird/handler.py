@@ -19,4 +19,4 @@ class EbirdHandler(AsyncModelHandler):
         self.config = EbirdConfig.from_dict(handler_config.get("ebird"))
 
     def create_engine(self, layout_example: ModelInput) -> EbirdEngine:
-        return EbirdEngine(self.model, layout_example, self.device, self.config, self.metrics)
+        return EbirdEngine(self.model, layout_example, self.device, self.config, self.metrics, self.cpu_threads)

@@ -112,6 +112,7 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
         self.metrics = HandlerMetrics(None, "")
         self.engines: dict[tuple[tuple[int, ...], ...], Engine] = {}
         self.response_timeout_s = DEFAULT_RESPONSE_TIMEOUT_S
+        self.cpu_threads = torch.get_num_threads()
         # Per event loop: TorchServe runs one for the worker's life, but a
         # handler driven directly (tests) may see several.
         self._admissions: dict[tuple[int, tuple[tuple[int, ...], ...]], _Admission] = {}
@@ -146,6 +147,13 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
         self.configure(handler_config)
         self.configure_runtime(context)
         self.device = ExecutionDevice.from_context(context)
+        # Intra-op threads (Packrat's slot count, or torch's default) belong
+        # to the engine's execution threads.  This thread runs the event
+        # loop, which only decodes and copies inputs: single-threaded, so it
+        # never starts an OpenMP team that would compete with theirs.
+        self.cpu_threads = torch.get_num_threads()
+        if not self.device.is_cuda:
+            torch.set_num_threads(1)
         model_dir = context.system_properties["model_dir"]
         artefact = os.path.join(model_dir, context.manifest["model"]["serializedFile"])
         self.model = load_model(self.spec, artefact, self.device.device)

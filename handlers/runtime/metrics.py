@@ -11,6 +11,7 @@ Names (Prometheus, per ModelName):
 - ``HandlerQueueSeconds`` (histogram): arrival → start of the request's batch.
 - ``HandlerBatches`` (counter, ``BatchSize`` label): batches run, by size;
   the batch-size histogram with exact buckets.
+- ``HandlerBatchSeconds`` (histogram): one batch's execution, start to output on the host.
 - ``HandlerInflight`` (gauge): requests admitted and not yet answered.
 - ``HandlerPeakConcurrentBatches`` (gauge): most batches in flight at once.
 - ``HandlerAdmissionWaits`` (counter): requests that found the engine full
@@ -34,6 +35,7 @@ class HandlerMetrics:
         self._lock = threading.Lock()
         self.batches: Counter[int] = Counter()
         self.queue_seconds: list[float] = []
+        self.batch_seconds: list[float] = []
         self.inflight = 0
         self.peak_concurrent_batches = 0
         self._concurrent_batches = 0
@@ -73,9 +75,11 @@ class HandlerMetrics:
         if new_peak:
             self._emit("HandlerPeakConcurrentBatches", peak, "count", "GAUGE")
 
-    def batch_finished(self) -> None:
+    def batch_finished(self, seconds: float) -> None:
         with self._lock:
             self._concurrent_batches -= 1
+            self.batch_seconds.append(seconds)
+        self._emit("HandlerBatchSeconds", seconds, "s", "HISTOGRAM")
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
@@ -86,6 +90,7 @@ class HandlerMetrics:
                 "peak_concurrent_batches": self.peak_concurrent_batches,
                 "admission_waits": self.admission_waits,
                 "queue_seconds": list(self.queue_seconds),
+                "batch_seconds": list(self.batch_seconds),
             }
 
     # -- TorchServe ----------------------------------------------------------
