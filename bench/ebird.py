@@ -47,15 +47,13 @@ CLAIM_MARGIN = 1.05  # the issue's bar: Ebird within 5% of the better baseline
 
 
 def phase_stats(result: LoadResult, start: float, end: float, qos_s: float) -> dict[str, Any]:
-    samples = [s for s in result.samples if start <= s.sent < end]
-    ok = sorted(s.latency_s for s in samples if s.status == 200)
-    p99 = ok[min(len(ok) - 1, round(0.99 * (len(ok) - 1)))] if ok else float("nan")
+    phase = LoadResult([s for s in result.samples if start <= s.sent < end], end - start)
     return {
-        "mean_ms": 1e3 * statistics.fmean(ok) if ok else float("nan"),
-        "p99_ms": 1e3 * p99,
-        "requests": len(samples),
-        "failed": sum(s.status != 200 for s in samples),
-        "goodput_rps": sum(lat <= qos_s for lat in ok) / (end - start),
+        "mean_ms": phase.mean_latency_ms(),
+        "p99_ms": phase.percentile_ms(99),
+        "requests": len(phase.samples),
+        "failed": phase.failed,
+        "goodput_rps": sum(s.latency_s <= qos_s for s in phase.ok) / (end - start),
     }
 
 

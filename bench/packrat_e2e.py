@@ -25,21 +25,21 @@ from tqdm import tqdm
 
 from bench.loadgen import closed_loop, run
 from bench.report import (
+    PACKRAT_ROW_HEADER,
     add_output_arguments,
     markdown_table,
     median_and_spread,
+    packrat_row_cells,
     provenance,
     provenance_block,
     publish,
-    ratio_cell,
     speedup_bars,
-    speedup_cell,
 )
 from model_store.build import ARCHIVE_DIR, build_archive
 from model_store.catalog import get_spec
 from model_store.samples import client_payload
 from packrat_plugin.archives import versioned_copy
-from packrat_plugin.optimizer import KnapsackOptimizer, Plan, PlanItem, expected_speedup, format_instances
+from packrat_plugin.optimizer import KnapsackOptimizer, Plan, PlanItem, expected_speedup
 from packrat_plugin.plans import PLAN_DIR_ENV, PlanStore
 from packrat_plugin.profile import load_profile
 from packrat_plugin.profiler import parse_int_list
@@ -134,22 +134,9 @@ def plot(data: dict, path: Path) -> None:
 
 def render(data: dict, args: argparse.Namespace, stem: str) -> str:
     table = markdown_table(
-        ["B", "Packrat plan", "fat ms", "Packrat ms", "latency speedup (min-max)", "throughput speedup", "expected",
-         "requests (failed)"],
-        [
-            [
-                r["batch"],
-                format_instances(r["plan"]),
-                f"{r['fat_latency_ms']:.1f}",
-                f"{r['packrat_latency_ms']:.1f}",
-                speedup_cell(r),
-                f"{r['throughput_speedup']:.2f}×",
-                ratio_cell(r["expected_speedup"]),
-                f"{r['requests']} ({r['failed']})",
-            ]
-            for r in data["rows"]
-        ],
-    )  # fmt: skip
+        [*PACKRAT_ROW_HEADER, "requests (failed)"],
+        [[*packrat_row_cells(r), f"{r['requests']} ({r['failed']})"] for r in data["rows"]],
+    )
     return (
         f"# Packrat end to end in TorchServe: {data['model']} ({data['mode']}), T={data['threads']}\n\n"
         f"Fat instance ⟨1,{data['threads']},B⟩ vs Packrat's uniform plan, both served by one real TorchServe, "

@@ -25,17 +25,17 @@ from pathlib import Path
 from tqdm import tqdm
 
 from bench.report import (
+    PACKRAT_ROW_HEADER,
     markdown_table,
     median_and_spread,
+    packrat_row_cells,
     provenance,
     provenance_block,
-    ratio_cell,
     speedup_bars,
-    speedup_cell,
     write_outputs,
 )
 from packrat_plugin.measure import InstanceJob, InstanceProcess, WindowResult, run_concurrently
-from packrat_plugin.optimizer import KnapsackOptimizer, Plan, PlanItem, expected_speedup, format_instances
+from packrat_plugin.optimizer import KnapsackOptimizer, Plan, PlanItem, expected_speedup
 from packrat_plugin.profile import load_profile
 from packrat_plugin.profiler import PreparedModel, parse_int_list, prepare_model
 from packrat_plugin.topology import CpuTopology, allocate
@@ -151,21 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     stem = f"packrat_micro_{prepared.spec.name}" + (f"_T{T}" if args.threads else "")
     args.out_dir.mkdir(parents=True, exist_ok=True)
     plot(data, args.out_dir / f"{stem}.png")
-    table = markdown_table(
-        ["B", "Packrat plan", "fat ms", "Packrat ms", "latency speedup (min-max)", "throughput speedup", "expected"],
-        [
-            [
-                r["batch"],
-                format_instances(r["plan"]),
-                f"{r['fat_latency_ms']:.1f}",
-                f"{r['packrat_latency_ms']:.1f}",
-                speedup_cell(r),
-                f"{r['throughput_speedup']:.2f}×",
-                ratio_cell(r["expected_speedup"]),
-            ]
-            for r in rows
-        ],
-    )
+    table = markdown_table(PACKRAT_ROW_HEADER, [packrat_row_cells(r) for r in rows])
     markdown = (
         f"# Packrat micro-benchmark: {data['model']} ({data['mode']}), T={T}\n\n"
         f"Fat instance ⟨1,{T},B⟩ vs Packrat's plan, real pinned processes, no TorchServe; "

@@ -55,6 +55,25 @@ def ratio_cell(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}×"
 
 
+PACKRAT_ROW_HEADER = ["B", "Packrat plan", "fat ms", "Packrat ms", "latency speedup (min-max)", "throughput speedup",
+                      "expected"]  # fmt: skip
+
+
+def packrat_row_cells(row: dict[str, Any]) -> list[str]:
+    """The cells of one B in a fat-vs-Packrat table (micro and end-to-end benchmarks alike)."""
+    from packrat_plugin.optimizer import format_instances
+
+    return [
+        str(row["batch"]),
+        format_instances(row["plan"]),
+        f"{row['fat_latency_ms']:.1f}",
+        f"{row['packrat_latency_ms']:.1f}",
+        speedup_cell(row),
+        f"{row['throughput_speedup']:.2f}×",
+        ratio_cell(row["expected_speedup"]),
+    ]
+
+
 def markdown_table(header: list[str], rows: list[list[Any]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]

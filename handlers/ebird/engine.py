@@ -90,8 +90,6 @@ class EbirdEngine(Engine):
         self._outstanding: set[Ticket] = set()
         self._cond = threading.Condition()
         self._idle = {w.spec.worker_id: w for w in self.workers}
-        self._running = 0  # batches dispatched and not finished
-        self._inflight_inputs = 0  # CurInf
         self._closing = False
         self._stopping = False
         for worker in self.workers:
@@ -129,12 +127,14 @@ class EbirdEngine(Engine):
             with self._cond:
                 plan = None
                 while not self._stopping:
-                    if self._idle and self._running < self._max_running:
+                    busy = [w for w in self.workers if w.spec.worker_id not in self._idle]
+                    if self._idle and len(busy) < self._max_running:
                         ready = self.pool.ready()
                         if ready:
                             state = SchedulerState(
                                 ready=ready,
-                                in_flight=self._inflight_inputs,
+                                # CurInf: a busy worker holds exactly its batch size of inputs.
+                                in_flight=sum(w.spec.batch for w in busy),
                                 idle=[w.spec for w in self._idle.values()],
                             )
                             plan = self.policy.next_batch(state)
@@ -151,8 +151,6 @@ class EbirdEngine(Engine):
                     for s in slots:
                         self._tickets[s] = None
                     worker = self._idle.pop(assignment.worker_id)
-                    self._running += 1
-                    self._inflight_inputs += run.count
                     dispatch.append((worker, Job(run, tickets)))
             for worker, job in dispatch:
                 worker.jobs.put(job)
@@ -171,8 +169,6 @@ class EbirdEngine(Engine):
             with self._cond:
                 self._outstanding.difference_update(job.tickets)
                 self._idle[worker.spec.worker_id] = worker
-                self._running -= 1
-                self._inflight_inputs -= job.run.count
                 self._cond.notify_all()
             self._notify_space()
 

@@ -60,9 +60,5 @@ class ExecutionDevice:
         if event is not None:
             event.synchronize()
 
-    def host_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """Host memory for device copies: pinned on CUDA so copies are truly asynchronous."""
-        return torch.empty(shape, dtype=dtype, pin_memory=self.is_cuda)
-
     def __repr__(self) -> str:
         return f"ExecutionDevice({str(self.device)!r})"

@@ -20,12 +20,14 @@ Names (Prometheus, per ModelName):
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
-from collections import Counter
 from typing import Any
 
 logger = logging.getLogger(__name__)
+
+RECENT_SAMPLES = 10_000
 
 
 class HandlerMetrics:
@@ -33,9 +35,10 @@ class HandlerMetrics:
         self._cache = cache
         self._model = model_name
         self._lock = threading.Lock()
-        self.batches: Counter[int] = Counter()
-        self.queue_seconds: list[float] = []
-        self.batch_seconds: list[float] = []
+        self.batches: collections.Counter[int] = collections.Counter()
+        # The most recent samples only: a worker serves for weeks.
+        self.queue_seconds: collections.deque[float] = collections.deque(maxlen=RECENT_SAMPLES)
+        self.batch_seconds: collections.deque[float] = collections.deque(maxlen=RECENT_SAMPLES)
         self.inflight = 0
         self.peak_concurrent_batches = 0
         self._concurrent_batches = 0
