@@ -46,17 +46,19 @@ class HandlerMetrics:
 
     # -- events ------------------------------------------------------------
 
+    # Gauges are emitted while the lock is held: TorchServe keeps the last
+    # value it reads, so two threads' values must reach it in the order they
+    # were set (a peak of 2 overwritten by a late 1 was seen in a test run).
+
     def request_admitted(self) -> None:
         with self._lock:
             self.inflight += 1
-            value = self.inflight
-        self._emit("HandlerInflight", value, "count", "GAUGE")
+            self._emit("HandlerInflight", self.inflight, "count", "GAUGE")
 
     def request_answered(self) -> None:
         with self._lock:
             self.inflight -= 1
-            value = self.inflight
-        self._emit("HandlerInflight", value, "count", "GAUGE")
+            self._emit("HandlerInflight", self.inflight, "count", "GAUGE")
 
     def admission_waited(self) -> None:
         with self._lock:
@@ -68,15 +70,12 @@ class HandlerMetrics:
             self.batches[size] += 1
             self.queue_seconds.extend(queue_seconds)
             self._concurrent_batches += 1
-            new_peak = self._concurrent_batches > self.peak_concurrent_batches
-            if new_peak:
+            if self._concurrent_batches > self.peak_concurrent_batches:
                 self.peak_concurrent_batches = self._concurrent_batches
-            peak = self.peak_concurrent_batches
+                self._emit("HandlerPeakConcurrentBatches", self.peak_concurrent_batches, "count", "GAUGE")
         self._emit("HandlerBatches", 1, "count", "COUNTER", BatchSize=str(size))
         for seconds in queue_seconds:
             self._emit("HandlerQueueSeconds", seconds, "s", "HISTOGRAM")
-        if new_peak:
-            self._emit("HandlerPeakConcurrentBatches", peak, "count", "GAUGE")
 
     def batch_finished(self, seconds: float) -> None:
         with self._lock:
