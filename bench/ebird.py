@@ -33,11 +33,11 @@ from typing import Any
 
 from tqdm import tqdm
 
-from bench.loadgen import LoadResult, closed_loop, open_loop, run
 from bench.report import add_output_arguments, markdown_table, provenance, provenance_block, publish
 from model_store.build import ServingOptions, build_archive
 from model_store.catalog import get_spec
 from model_store.samples import client_payload
+from packrat_plugin.loadgen import LoadResult, closed_loop, open_loop, run
 from packrat_plugin.torchserve import TorchServeProcess
 
 SYSTEMS = ("ebird", "nowait", "optwait")

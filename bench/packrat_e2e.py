@@ -23,7 +23,6 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from bench.loadgen import closed_loop, run
 from bench.report import (
     PACKRAT_ROW_HEADER,
     add_output_arguments,
@@ -39,7 +38,9 @@ from model_store.build import ARCHIVE_DIR, build_archive
 from model_store.catalog import get_spec
 from model_store.samples import client_payload
 from packrat_plugin.archives import versioned_copy
-from packrat_plugin.optimizer import KnapsackOptimizer, Plan, PlanItem, expected_speedup
+from packrat_plugin.loadgen import closed_loop, run
+from packrat_plugin.optimizer import KnapsackOptimizer, expected_speedup
+from packrat_plugin.plan_types import Plan, PlanItem
 from packrat_plugin.plans import PLAN_DIR_ENV, PlanStore
 from packrat_plugin.profile import load_profile
 from packrat_plugin.profiler import parse_int_list

@@ -35,7 +35,8 @@ from bench.report import (
     write_outputs,
 )
 from packrat_plugin.measure import InstanceJob, InstanceProcess, WindowResult, run_concurrently
-from packrat_plugin.optimizer import KnapsackOptimizer, Plan, PlanItem, expected_speedup
+from packrat_plugin.optimizer import KnapsackOptimizer, expected_speedup
+from packrat_plugin.plan_types import Plan, PlanItem
 from packrat_plugin.profile import load_profile
 from packrat_plugin.profiler import PreparedModel, parse_int_list, prepare_model
 from packrat_plugin.topology import CpuTopology, allocate

@@ -17,14 +17,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.loadgen import open_loop, run
 from bench.report import markdown_table, provenance, provenance_block, write_outputs
 from model_store.build import ARCHIVE_DIR, build_archive
 from model_store.catalog import get_spec
 from model_store.samples import client_payload
 from packrat_plugin.controller import ControllerConfig, ModelTarget, PackratController
 from packrat_plugin.estimator import EstimatorConfig
-from packrat_plugin.optimizer import format_instances
+from packrat_plugin.loadgen import open_loop, run
+from packrat_plugin.plan_types import format_instances
 from packrat_plugin.profile import load_profile
 
 

@@ -61,7 +61,7 @@ PACKRAT_ROW_HEADER = ["B", "Packrat plan", "fat ms", "Packrat ms", "latency spee
 
 def packrat_row_cells(row: dict[str, Any]) -> list[str]:
     """The cells of one B in a fat-vs-Packrat table (micro and end-to-end benchmarks alike)."""
-    from packrat_plugin.optimizer import format_instances
+    from packrat_plugin.plan_types import format_instances
 
     return [
         str(row["batch"]),

@@ -28,7 +28,8 @@ from typing import Any
 from packrat_plugin.archives import versioned_copy
 from packrat_plugin.clients import ManagementClient, TorchServeAPIError
 from packrat_plugin.estimator import BatchSizeEstimator, EstimatorConfig, floor_power_of_two
-from packrat_plugin.optimizer import InfeasibleError, KnapsackOptimizer, Plan
+from packrat_plugin.optimizer import InfeasibleError, KnapsackOptimizer
+from packrat_plugin.plan_types import Plan
 from packrat_plugin.plans import PLAN_DIR_ENV, PlanStore
 from packrat_plugin.profile import Profile
 from packrat_plugin.swapper import VERSIONS, ActivePassiveSwapper, SwapError, SwapperConfig, SwapReport

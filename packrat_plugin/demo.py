@@ -67,16 +67,16 @@ def run_demo(models: list[str] | None, mode: str, requests: int, ports: Ports) -
 
 def packrat_demo(args: argparse.Namespace) -> int:
     try:
-        from bench.loadgen import closed_loop, run
         from bench.packrat_e2e import run_e2e
         from bench.report import ratio_cell
+        from packrat_plugin.loadgen import closed_loop, run
     except ModuleNotFoundError:
         raise RuntimeError(
             "the Packrat demo uses the repository's bench/ and profiles/: run it from the repository root "
             "(make demo, or python -m packrat_plugin.cli demo)"
         ) from None
     from packrat_plugin.controller import ControllerConfig, ModelTarget, PackratController
-    from packrat_plugin.optimizer import format_instances
+    from packrat_plugin.plan_types import format_instances
     from packrat_plugin.profile import ProfileError, load_profile
     from packrat_plugin.profiler import run_profile
     from packrat_plugin.serve import format_status

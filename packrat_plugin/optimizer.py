@@ -21,58 +21,15 @@ DP over the items no slower than the optimum: ``g[β] = min Σ(t·K + 1)`` with
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
+from packrat_plugin.plan_types import Plan, PlanItem
 from packrat_plugin.profile import Profile
 
 
 class InfeasibleError(ValueError):
     """No multiset of profiled items meets the (T, B) constraints."""
-
-
-@dataclass(frozen=True, order=True)
-class PlanItem:
-    count: int
-    threads: int
-    batch: int
-
-    def to_dict(self) -> dict[str, int]:
-        return {"count": self.count, "threads": self.threads, "batch": self.batch}
-
-
-@dataclass(frozen=True)
-class Plan:
-    threads: int  # T the plan was asked for
-    batch: int  # B the plan serves
-    latency_ms: float  # max profiled latency among its items
-    instances: tuple[PlanItem, ...]
-
-    @property
-    def threads_used(self) -> int:
-        return sum(i.count * i.threads for i in self.instances)
-
-    @property
-    def instance_count(self) -> int:
-        return sum(i.count for i in self.instances)
-
-    @property
-    def uniform(self) -> bool:
-        return len(self.instances) == 1
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "threads": self.threads,
-            "batch": self.batch,
-            "latency_ms": self.latency_ms,
-            "instances": [i.to_dict() for i in self.instances],
-        }
-
-    def describe(self) -> str:
-        parts = " + ".join(f"{i.count}×⟨t={i.threads}, b={i.batch}⟩" for i in self.instances)
-        return f"{parts}  ({self.threads_used}/{self.threads} threads, {self.latency_ms:.1f} ms)"
 
 
 def expected_speedup(profile: Profile, plan: Plan) -> float | None:
@@ -82,14 +39,6 @@ def expected_speedup(profile: Profile, plan: Plan) -> float | None:
         return profile.latency(plan.threads, plan.batch) / plan.latency_ms
     except KeyError:
         return None
-
-
-def format_instances(instances: list[dict[str, int]] | None, labels: bool = False) -> str:
-    """``[{count, threads, batch}]`` as ``2×⟨1,4⟩`` (``2×⟨t=1,b=4⟩`` with labels)."""
-    if not instances:
-        return "-"
-    t, b = ("t=", "b=") if labels else ("", "")
-    return " + ".join(f"{i['count']}×⟨{t}{i['threads']},{b}{i['batch']}⟩" for i in instances)
 
 
 def _group(items: list[tuple[int, int]]) -> tuple[PlanItem, ...]:

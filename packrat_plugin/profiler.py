@@ -27,7 +27,7 @@ from tqdm import tqdm
 from model_store.build import catalog_name, write_artefact
 from model_store.catalog import ModelSpec, get_spec
 from packrat_plugin.measure import InstanceJob, InstanceProcess, WindowResult
-from packrat_plugin.optimizer import Plan, PlanItem
+from packrat_plugin.plan_types import Plan, PlanItem
 from packrat_plugin.profile import Profile, ProfileError, ProfilePoint, hardware_fingerprint, load_profile
 from packrat_plugin.topology import CpuTopology, allocate
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from model_store.build import catalog_name
 from packrat_plugin.controller import ControllerConfig, ModelTarget, PackratController
 from packrat_plugin.estimator import EstimatorConfig
-from packrat_plugin.optimizer import format_instances
+from packrat_plugin.plan_types import format_instances
 from packrat_plugin.profile import load_profile
 from packrat_plugin.swapper import SwapperConfig
 from packrat_plugin.torchserve import REPO_CONFIG, Ports, read_properties

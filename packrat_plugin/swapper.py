@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from packrat_plugin.clients import ManagementClient, TorchServeAPIError
-from packrat_plugin.optimizer import Plan, PlanItem
+from packrat_plugin.plan_types import Plan, PlanItem
 from packrat_plugin.plans import PlanStore, VersionPlan
 from packrat_plugin.topology import CpuTopology, allocate
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from packrat_plugin.optimizer import Plan
+from packrat_plugin.plan_types import Plan
 
 
 class AllocationError(ValueError):

@@ -14,9 +14,9 @@ import aiohttp
 import pytest
 import yaml
 
-from bench.loadgen import open_loop, run
 from model_store.catalog import get_spec
 from model_store.samples import image_tensor_json, jpeg_bytes
+from packrat_plugin.loadgen import open_loop, run
 from tests.conftest import EBIRD_TEST_SETTINGS
 from tests.test_serving import assert_matches_reference
 

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from bench.loadgen import closed_loop, run
 from model_store.catalog import get_spec
 from model_store.samples import image_tensor_json
 from packrat_plugin.controller import ControllerConfig, ModelTarget, PackratController
 from packrat_plugin.estimator import EstimatorConfig
+from packrat_plugin.loadgen import closed_loop, run
 from packrat_plugin.profile import Profile, ProfilePoint
 from packrat_plugin.swapper import SwapperConfig
 from packrat_plugin.topology import CpuTopology

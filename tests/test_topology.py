@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from packrat_plugin.optimizer import Plan, PlanItem
+from packrat_plugin.plan_types import Plan, PlanItem
 from packrat_plugin.topology import AllocationError, CpuTopology, Slot, allocate
 
 
