@@ -6,6 +6,7 @@ Layout under the plan directory (``PACKRAT_PLAN_DIR``)::
                                        "slots": [{"cores", "threads", "batch"}]}
     <model>/<version>.slot-<i>.lock   held (flock LOCK_EX) by the worker in slot i
     <model>/<version>.slot-<i>.inflight   8+8 bytes: worker pid, requests in service
+    <model>/<version>.slot-<i>.startup.json  {"pid", "spawn_s", "load_s", "warmup_s"}
 
 The controller writes plan files; each worker claims one slot for its whole
 life by an exclusive ``flock`` on the slot's lock file.  The kernel drops the
@@ -93,6 +94,22 @@ class PlanStore:
 
     def inflight_path(self, model: str, version: str, index: int) -> Path:
         return self.root / model / f"{version}.slot-{index}.inflight"
+
+    def startup_path(self, model: str, version: str, index: int) -> Path:
+        return self.root / model / f"{version}.slot-{index}.startup.json"
+
+    def startup_timings(self, model: str, version: str) -> list[dict[str, float]]:
+        """Start-up timings the live workers of this version wrote (see worker.py)."""
+        plan = self.read(model, version)
+        out = []
+        for index in range(len(plan.slots) if plan else 0):
+            try:
+                data = json.loads(self.startup_path(model, version, index).read_text())
+            except (FileNotFoundError, ValueError):
+                continue
+            if _pid_alive(int(data.get("pid", 0))):
+                out.append(data)
+        return out
 
     def write(self, plan: VersionPlan) -> Path:
         path = self.plan_path(plan.model, plan.version)

@@ -13,6 +13,14 @@ handler works in plain TorchServe.  With one, it:
    that creates them, so OpenMP's pool, started after this, stays inside;
 3. calls ``torch.set_num_threads(t)``.
 
+Start-up is where a swap's time goes (DESIGN.md: the new set must be READY
+before it serves), so the worker measures it: seconds from process spawn to
+``initialize`` (interpreter, ``ts`` and torch imports), model load and warm-up,
+written beside its slot as ``<version>.slot-<i>.startup.json`` for the
+controller's swap report.  While it starts, the worker runs at low CPU
+priority (nice 10): a worker set brought up beside a serving one (a swap, a
+standby set) then takes only the cycles the serving set leaves.
+
 We pin here rather than use TorchServe's ``cpu_launcher_enable``: the
 launcher splits cores evenly over all workers of a version and restarts every
 worker on any scale, which would break active/passive swapping.
@@ -24,11 +32,14 @@ import contextlib
 import fcntl
 import logging
 import os
+import resource
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from packrat_plugin.plans import InflightCounter, PlanStore, VersionPlan
+from packrat_plugin.profile import write_json_atomic
 from packrat_plugin.topology import Slot
 
 logger = logging.getLogger(__name__)
@@ -73,10 +84,72 @@ def pin_process(cores: tuple[int, ...]) -> None:
             os.sched_setaffinity(int(tid), cores)
 
 
+STARTUP_NICE = 10
+
+
+def _set_nice_of_all_threads(value: int) -> None:
+    # Linux keeps a nice value per thread; threads created later inherit the
+    # creating thread's, so setting every existing one covers OpenMP's pool.
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(ProcessLookupError):
+            os.setpriority(os.PRIO_PROCESS, int(tid), value)
+
+
+def _can_restore_nice(original: int) -> bool:
+    """Raising priority back needs root or an RLIMIT_NICE that allows it."""
+    if os.geteuid() == 0:
+        return True
+    soft, _ = resource.getrlimit(resource.RLIMIT_NICE)
+    # setpriority(2): an unprivileged thread may lower its nice value down to 20 - RLIMIT_NICE.
+    return soft == resource.RLIM_INFINITY or 20 - soft <= original
+
+
+@contextlib.contextmanager
+def startup_priority(nice: int = STARTUP_NICE) -> Iterator[None]:
+    """Run a worker's start-up at low CPU priority, then restore it.
+
+    Skipped where the priority could not be restored afterwards: a worker that
+    stayed niced would serve slower for its whole life.
+    """
+    original = os.getpriority(os.PRIO_PROCESS, 0)
+    if nice <= original or not _can_restore_nice(original):
+        yield
+        return
+    _set_nice_of_all_threads(nice)
+    try:
+        yield
+    finally:
+        try:
+            _set_nice_of_all_threads(original)
+        except PermissionError:
+            logger.warning("could not restore this worker's CPU priority to %d after start-up", original)
+
+
+def process_age_s() -> float:
+    """Seconds since this process was spawned (interpreter start, imports included)."""
+    import psutil
+
+    return max(0.0, time.time() - psutil.Process().create_time())
+
+
 class PackratWorkerMixin:
     """Slot claiming and pinning for a TorchServe handler (no-op without a plan)."""
 
     packrat_claim: SlotClaim | None = None
+
+    @property
+    def slot_batch(self) -> int | None:
+        """The batch size this worker's slot serves (None outside Packrat)."""
+        return self.packrat_claim.slot.batch if self.packrat_claim else None
+
+    def record_startup(self, phases: dict[str, float]) -> None:
+        """Write this worker's start-up timings beside its slot (Packrat only)."""
+        claim = self.packrat_claim
+        store = PlanStore.from_env()
+        if claim is None or store is None:
+            return
+        path = store.startup_path(claim.plan.model, claim.plan.version, claim.index)
+        write_json_atomic(path, {"pid": os.getpid(), **{k: round(v, 4) for k, v in phases.items()}})
 
     def configure_runtime(self, context: Any) -> None:
         store = PlanStore.from_env()

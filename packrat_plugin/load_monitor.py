@@ -1,0 +1,104 @@
+"""Arrival rate and queue growth from periodic samples, for the policy.
+
+The controller scrapes TorchServe's ``ts_inference_requests_total`` (counted
+by the frontend when a request *arrives*, per model version) and the queue
+depth (queued + in service) a few times a second and feeds both here.  Pure:
+no I/O, so the tests feed it plain numbers.
+
+Counters are read per series: a version that is unregistered takes its series
+away, and a restarted frontend starts again at zero, so only positive steps of
+each series are added up.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from dataclasses import dataclass
+
+from packrat_plugin.policy import Observation
+
+
+@dataclass(frozen=True)
+class MonitorConfig:
+    period_s: float = 0.25  # how often the controller samples
+    short_window_s: float = 2.0
+    long_window_s: float = 6.0
+
+    def __post_init__(self) -> None:
+        if self.period_s <= 0:
+            raise ValueError(f"sampling period must be positive, got {self.period_s}")
+        if not 0 < self.short_window_s <= self.long_window_s:
+            raise ValueError("need 0 < short window ≤ long window")
+
+
+class LoadMonitor:
+    def __init__(self, config: MonitorConfig = MonitorConfig()) -> None:
+        self.config = config
+        self.arrivals = 0.0  # cumulative, across every series ever seen
+        self._last: dict[str, float] = {}
+        keep = int(config.long_window_s / config.period_s) + 8
+        self._samples: collections.deque[tuple[float, float, float]] = collections.deque(maxlen=keep)
+
+    def record(self, now: float, counters: dict[str, float], depth: float) -> None:
+        """``counters``: arrival counter per series; ``depth``: queued + in service."""
+        for key, value in counters.items():
+            previous = self._last.get(key)
+            if previous is not None and value > previous:
+                self.arrivals += value - previous
+            elif previous is None and self._samples:
+                # A series that appears after the first sample (a version
+                # registered meanwhile) counted its requests since then.
+                self.arrivals += value
+            self._last[key] = value
+        self._samples.append((now, self.arrivals, float(depth)))
+
+    def _at_or_before(self, when: float) -> tuple[float, float, float]:
+        oldest = self._samples[0]
+        for sample in reversed(self._samples):
+            if sample[0] <= when:
+                return sample
+        return oldest
+
+    def rate(self, window_s: float) -> float:
+        """Arrivals per second over the last ``window_s`` (or as much of it as was sampled)."""
+        return self._rate_and_span(window_s)[0]
+
+    def _rate_and_span(self, window_s: float) -> tuple[float, float]:
+        if len(self._samples) < 2:
+            return 0.0, 0.0
+        now, total, _ = self._samples[-1]
+        then, before, _ = self._at_or_before(now - window_s)
+        span = now - then
+        return ((total - before) / span if span > 0 else 0.0), span
+
+    @property
+    def ready(self) -> bool:
+        """Whether a whole short window has been sampled (rates before that are noise)."""
+        return bool(self._samples) and self._samples[-1][0] - self._samples[0][0] >= self.config.short_window_s
+
+    def depth_growth(self, window_s: float) -> float:
+        """Change of the queue depth over the last ``window_s``."""
+        if len(self._samples) < 2:
+            return 0.0
+        _, _, depth_now = self._samples[-1]
+        _, _, depth_then = self._at_or_before(self._samples[-1][0] - window_s)
+        return depth_now - depth_then
+
+    @property
+    def depth(self) -> float:
+        return self._samples[-1][2] if self._samples else 0.0
+
+    def observation(self, now: float, round_batch: int, z: float = 1.5) -> Observation:
+        """The policy's input.
+
+        The backlog counts as growing when the queue grew over the long window
+        by more than one round (``round_batch`` requests) plus ``z`` standard
+        deviations of the arrivals' Poisson noise, and holds at least two
+        rounds: a queue near capacity wanders by about √N on its own.
+        """
+        rate_short, span_short = self._rate_and_span(self.config.short_window_s)
+        rate_long, span_long = self._rate_and_span(self.config.long_window_s)
+        noise = z * math.sqrt(max(1.0, rate_long * span_long))
+        growing = self.depth_growth(self.config.long_window_s) > round_batch + noise and self.depth >= 2 * round_batch
+        return Observation(now, rate_short, rate_long, span_short, span_long, growing)

@@ -1,0 +1,315 @@
+"""When to reconfigure, and to what: Packrat's control policy, pure.
+
+The controller measures; this module decides.  It reads plain numbers (the
+arrival rate over two windows, the queue depth, what swaps have cost so far)
+and answers with a level to move to, or nothing.  No TorchServe, no threads,
+no clock of its own: tests drive it with plain data.
+
+Why the arrival rate and not the queue depth.  Packrat's paper sizes ``B``
+from the observed queue depth.  A swap builds a backlog (the old set serves
+while the new set starts), and a depth-driven estimator reads that backlog as
+more load and swaps again: one step of load caused three swaps in
+``docs/benchmarks/packrat_swap_resnet50.md``.  Arrivals are what the clients
+send, so a backlog does not change them.
+
+A *level* is a power-of-two ``B`` with its uniform plan from the optimizer:
+``i`` instances of ⟨t, b⟩ (``i·b = B``).  TorchServe does not wait for full
+batches: a worker takes what is queued, up to its ``batch_size`` ``b``, so
+the batch adapts to the load.  A level's mean latency at arrival rate λ is
+therefore predicted as the best over the profiled batch sizes ``k ≤ b`` of a
+batch server (M/D/1 on rounds of ``k`` per instance, profiled round time
+``L[t][k]``)::
+
+    ρ_k = λ · L[t][k] / (i · k),   W(λ) = min_k L[t][k] · (1 + ρ_k / (2 (1 − ρ_k)))   (∞ for ρ ≥ 1)
+
+So a larger cap ``b`` is never predicted worse than a smaller one of the same
+⟨i, t⟩: the decisions that matter are the split into instances and threads,
+and enough batch capacity for the load.
+
+A move happens only when all of these hold:
+
+- **direction, beyond noise.** Arrivals are Poisson-noisy: 16 requests in
+  a 2 s window say 8 ± 4 per second, enough to cross the boundary between
+  two levels all the time.  So the *direction* of a move is decided on
+  confidence bounds (``N ± z·√N`` arrivals in the window): growing needs the
+  lower bound of the short-window rate (react within ~2 s) to want a higher
+  level; shrinking needs the upper bounds of the short *and* the long window
+  to want a lower one (a lull is not a new load).  The *target* is the best
+  level at the upper bound of the short-window rate (a larger cap costs
+  little), so one step of load gives one move, not a walk through the
+  levels in between;
+- **persistence.** The same direction has been wanted for ``up_confirm_s``
+  (growing) or ``down_confirm_s`` (shrinking): noise does not flap;
+- **worth it.** The predicted latency improves by at least ``min_gain``
+  (hysteresis around the boundary between two levels), and the latency
+  saved over the expected time at the new load outweighs the swap's
+  measured cost: ``λ·(W_cur − W_new)·(H − S) > λ·S·W_cur·κ``, with ``S`` the
+  measured time until a swap of that kind serves (warm: the target worker
+  set is already running; cold: it must start), ``H`` the learned time
+  between load changes, ``κ`` the share of the serving set's speed that a
+  swap of that kind takes away (a cold start competes for the cores).
+
+A safety net covers a profile that is too optimistic: if the queue keeps
+growing (beyond its Poisson wander, over the long window) while the policy
+believes the current level keeps up, the current level is treated as
+overloaded.  A *growing* queue, not a long one: the
+backlog a swap leaves behind shrinks, and must not trigger another swap.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from packrat_plugin.optimizer import InfeasibleError, KnapsackOptimizer
+from packrat_plugin.plan_types import Plan
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """Knobs of the policy; every one is a ``packrat serve`` flag."""
+
+    up_confirm_s: float = 0.5
+    down_confirm_s: float = 3.0
+    confirm_grace_s: float = 0.5  # a gap this short does not restart a confirmation
+    noise_z: float = 2.0  # width of the Poisson confidence bound that gates a move
+    min_gain: float = 0.10  # relative latency improvement a move must promise
+    horizon_s: float = 30.0  # expected time at a load, until swaps measure it
+    min_horizon_s: float = 10.0
+    warm_swap_s: float = 1.0  # time to serve after a warm swap, until measured
+    cold_swap_s: float = 8.0  # ... after a cold one
+    warm_interference: float = 0.1  # κ: share of serving speed a swap takes
+    cold_interference: float = 1.0
+    learning_rate: float = 0.5  # EWMA weight of a new measurement
+
+    def __post_init__(self) -> None:
+        if self.up_confirm_s < 0 or self.down_confirm_s < 0:
+            raise ValueError("confirm times must be non-negative")
+        if self.noise_z < 0:
+            raise ValueError(f"noise_z must be non-negative, got {self.noise_z}")
+        if not 0.0 <= self.min_gain < 1.0:
+            raise ValueError(f"min_gain must be in [0, 1), got {self.min_gain}")
+        if self.horizon_s <= 0 or self.min_horizon_s <= 0:
+            raise ValueError("horizons must be positive")
+        if self.warm_swap_s < 0 or self.cold_swap_s < 0:
+            raise ValueError("swap times must be non-negative")
+        if not 0.0 < self.learning_rate <= 1.0:
+            raise ValueError(f"learning_rate must be in (0, 1], got {self.learning_rate}")
+
+
+@dataclass(frozen=True)
+class Level:
+    """One power-of-two B, the uniform plan that serves it, and the profiled
+    round times ``L[t][k]`` (ms) of the batch sizes ``k ≤ b`` its workers may form."""
+
+    batch: int
+    plan: Plan
+    rounds_ms: tuple[tuple[int, float], ...]  # (k, L[t][k]) for profiled k ≤ b
+
+    @property
+    def instances(self) -> int:
+        return self.plan.instances[0].count
+
+    @property
+    def capacity(self) -> float:
+        """Requests per second this level sustains (its best batch size, back to back)."""
+        return max(self.instances * k / (ms / 1000.0) for k, ms in self.rounds_ms)
+
+    def predicted_latency_s(self, rate: float) -> float:
+        """Mean latency at ``rate`` requests/s; inf when no batch size keeps up."""
+        best = math.inf
+        for k, ms in self.rounds_ms:
+            round_s = ms / 1000.0
+            rho = rate * round_s / (self.instances * k)
+            if rho < 1.0:
+                best = min(best, round_s * (1.0 + rho / (2.0 * (1.0 - rho))))
+        return best
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What the controller measured at one tick."""
+
+    now: float  # seconds, monotonic
+    rate_short: float  # arrivals/s over the short window
+    rate_long: float  # arrivals/s over the long window
+    short_span_s: float = 2.0  # seconds the short rate was measured over
+    long_span_s: float = 6.0
+    backlog_growing: bool = False  # queue grew by more than a round over the short window
+
+    def bounds(self, rate: float, span_s: float, z: float) -> tuple[float, float]:
+        """Poisson confidence bounds of a rate measured as ``rate·span`` arrivals."""
+        if span_s <= 0:
+            return 0.0, math.inf
+        n = rate * span_s
+        spread = z * math.sqrt(max(n, 1.0))
+        return max(0.0, n - spread) / span_s, (n + spread) / span_s
+
+
+@dataclass(frozen=True)
+class Decision:
+    """A move the policy wants now, with the numbers that justified it."""
+
+    target: Level
+    rate: float
+    reason: str
+    predicted_now_s: float
+    predicted_new_s: float
+    warm: bool
+
+    def to_dict(self) -> dict[str, object]:
+        def finite(x: float) -> float | None:
+            return round(x, 4) if math.isfinite(x) else None
+
+        return {
+            "target_batch": self.target.batch,
+            "rate": round(self.rate, 3),
+            "reason": self.reason,
+            "predicted_now_s": finite(self.predicted_now_s),
+            "predicted_new_s": finite(self.predicted_new_s),
+            "warm": self.warm,
+        }
+
+
+@dataclass
+class SwapCosts:
+    """What swaps have cost, learned from the swapper's phase timings."""
+
+    warm_s: float
+    cold_s: float
+    horizon_s: float
+    rate: float
+    last_swap_at: float | None = None
+
+    def record_swap(self, now: float, serving_after_s: float, warm: bool, min_horizon_s: float) -> None:
+        if warm:
+            self.warm_s += self.rate * (serving_after_s - self.warm_s)
+        else:
+            self.cold_s += self.rate * (serving_after_s - self.cold_s)
+        if self.last_swap_at is not None:
+            dwell = max(min_horizon_s, now - self.last_swap_at)
+            self.horizon_s += self.rate * (dwell - self.horizon_s)
+        self.last_swap_at = now
+
+
+@dataclass
+class ReconfigurationPolicy:
+    """Chooses the level to serve; see the module docstring for the rules."""
+
+    levels: list[Level]
+    config: PolicyConfig = field(default_factory=PolicyConfig)
+    _direction: int = 0
+    _since: float = 0.0
+    _last_wanted: float = -math.inf
+    costs: SwapCosts = field(init=False)
+
+    def __post_init__(self) -> None:
+        if not self.levels:
+            raise ValueError("the policy needs at least one level")
+        self.levels = sorted(self.levels, key=lambda lv: lv.batch)
+        cfg = self.config
+        self.costs = SwapCosts(cfg.warm_swap_s, cfg.cold_swap_s, cfg.horizon_s, cfg.learning_rate)
+
+    def level(self, batch: int) -> Level:
+        for lv in self.levels:
+            if lv.batch == batch:
+                return lv
+        raise KeyError(f"no level for B={batch}; levels are {[lv.batch for lv in self.levels]}")
+
+    def best(self, rate: float) -> Level:
+        """The level with the lowest predicted latency at ``rate`` (the smaller B on a tie).
+
+        Past every level's capacity, the one with the most capacity: its queue
+        grows slowest.
+        """
+        finite = [lv for lv in self.levels if math.isfinite(lv.predicted_latency_s(rate))]
+        if not finite:
+            return max(self.levels, key=lambda lv: (lv.capacity, -lv.batch))
+        return min(finite, key=lambda lv: (lv.predicted_latency_s(rate), lv.batch))
+
+    def record_swap(self, now: float, serving_after_s: float, warm: bool) -> None:
+        self.costs.record_swap(now, serving_after_s, warm, self.config.min_horizon_s)
+        self._direction, self._last_wanted = 0, -math.inf
+
+    def observe(self, obs: Observation, current: int, warm: set[int] | frozenset[int] = frozenset()) -> Decision | None:
+        """The move to make now, if any.  ``warm``: levels whose workers already run."""
+        cur = self.level(current)
+        candidate, rate, reason = self._candidate(obs, cur)
+        direction = 0 if candidate is None else (1 if candidate.batch > cur.batch else -1)
+        if direction == 0:
+            if obs.now - self._last_wanted > self.config.confirm_grace_s:
+                self._direction = 0
+            return None
+        if direction != self._direction:
+            self._direction, self._since = direction, obs.now
+        self._last_wanted = obs.now
+        confirm = self.config.up_confirm_s if direction > 0 else self.config.down_confirm_s
+        if obs.now - self._since < confirm:
+            return None
+        is_warm = candidate.batch in warm
+        w_now = math.inf if reason == "backlog growing" else cur.predicted_latency_s(rate)
+        w_new = candidate.predicted_latency_s(rate)
+        if not self._worth_it(rate, w_now, w_new, cur, candidate, is_warm):
+            return None
+        return Decision(candidate, rate, reason, w_now, w_new, is_warm)
+
+    # -- rules -------------------------------------------------------------------
+
+    def _clearly_better(self, new: Level, cur: Level, rate: float) -> bool:
+        w_cur, w_new = cur.predicted_latency_s(rate), new.predicted_latency_s(rate)
+        if not math.isfinite(w_cur):
+            return math.isfinite(w_new) or new.capacity > cur.capacity
+        return w_new < w_cur * (1.0 - self.config.min_gain)
+
+    def _candidate(self, obs: Observation, cur: Level) -> tuple[Level | None, float, str]:
+        z = self.config.noise_z
+        rate = obs.rate_short
+        short_low, short_high = obs.bounds(obs.rate_short, obs.short_span_s, z)
+        _, long_high = obs.bounds(obs.rate_long, obs.long_span_s, z)
+        up = self.best(short_high)
+        # Growing: even at the low end of the rate's noise, the target beats the current level.
+        if up.batch > cur.batch and self._clearly_better(up, cur, short_low):
+            return up, rate, "load rose"
+        if obs.backlog_growing:
+            bigger = [lv for lv in self.levels if lv.capacity > cur.capacity]
+            if bigger:
+                nearest = min(bigger, key=lambda lv: lv.batch)
+                return max(nearest, up, key=lambda lv: lv.batch), rate, "backlog growing"
+            return None, rate, ""
+        # Shrinking: even at the high end of both windows, a smaller level is clearly better.
+        high = max(short_high, long_high)
+        down = self.best(high)
+        if down.batch < cur.batch and self._clearly_better(down, cur, high):
+            return down, rate, "load fell"
+        return None, rate, ""
+
+    def _worth_it(self, rate: float, w_now: float, w_new: float, cur: Level, new: Level, warm: bool) -> bool:
+        if not math.isfinite(w_now):
+            # Overloaded now: any level that keeps up, or has more capacity, is better.
+            return math.isfinite(w_new) or new.capacity > cur.capacity
+        if not math.isfinite(w_new) or w_new >= w_now:
+            return False
+        swap_s = self.costs.warm_s if warm else self.costs.cold_s
+        kappa = self.config.warm_interference if warm else self.config.cold_interference
+        saved = rate * (w_now - w_new) * max(0.0, self.costs.horizon_s - swap_s)
+        cost = rate * swap_s * w_now * kappa
+        return saved > cost
+
+
+def levels_for(optimizer: KnapsackOptimizer, threads: int, max_batch: int) -> list[Level]:
+    """Levels B = 1, 2, 4, … ≤ ``max_batch`` that have a uniform plan on ``threads`` cores."""
+    profile = optimizer.profile
+    levels = []
+    b = 1
+    while b <= max_batch:
+        try:
+            plan = optimizer.plan(threads, b, uniform=True)
+        except InfeasibleError:
+            b *= 2
+            continue
+        item = plan.instances[0]
+        points = sorted(profile.points)
+        rounds = tuple((p.batch, p.latency_ms) for p in points if p.threads == item.threads and p.batch <= item.batch)
+        levels.append(Level(b, plan, rounds))
+        b *= 2
+    return levels

@@ -1,0 +1,204 @@
+"""The reconfiguration policy and the load monitor on synthetic arrival traces."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from packrat_plugin.load_monitor import LoadMonitor, MonitorConfig
+from packrat_plugin.optimizer import KnapsackOptimizer
+from packrat_plugin.policy import Level, Observation, PolicyConfig, ReconfigurationPolicy, levels_for
+from packrat_plugin.profile import Profile, ProfilePoint
+
+PERIOD = 0.25
+
+# ResNet-50 (TorchScript) as profiled on a 2-core Xeon VM (profiles/resnet50.json).
+LATENCY_MS = {
+    (1, 1): 147.0, (1, 2): 215.2, (1, 4): 371.5, (1, 8): 730.4, (1, 16): 1872.4,
+    (2, 1): 88.1, (2, 2): 150.5, (2, 4): 334.4, (2, 8): 415.6, (2, 16): 1144.9,
+}  # fmt: skip
+
+
+def levels() -> list[Level]:
+    profile = Profile("resnet50", tuple(ProfilePoint(t, b, lat) for (t, b), lat in LATENCY_MS.items()))
+    optimizer = KnapsackOptimizer(profile)
+    return levels_for(optimizer, threads=2, max_batch=32)
+
+
+def simulate(policy, rates, start_batch=1, seed=0, warm=None, depth=None):
+    """Play ``rates`` [(seconds, req/s)] as Poisson arrivals; apply every decision at once.
+
+    The queue is a fluid one served at the current level's capacity, unless
+    ``depth(t)`` imposes one.
+    """
+    rng = random.Random(seed)
+    monitor = LoadMonitor(MonitorConfig(period_s=PERIOD))
+    current, total, now, moves, queue = start_batch, 0, 0.0, [], 0.0
+    for seconds, rate in rates:
+        for _ in range(int(seconds / PERIOD)):
+            now += PERIOD
+            arrived = _poisson(rng, rate * PERIOD)
+            total += arrived
+            queue = max(0.0, queue + arrived - policy.level(current).capacity * PERIOD)
+            monitor.record(now, {"v": total}, depth(now) if depth else queue)
+            if not monitor.ready:
+                continue
+            decision = policy.observe(monitor.observation(now, current), current, warm or set())
+            if decision is not None:
+                moves.append((round(now, 2), current, decision.target.batch, decision.reason))
+                current = decision.target.batch
+                policy.record_swap(now, serving_after_s=0.3, warm=True)
+    return moves
+
+
+def _poisson(rng: random.Random, mean: float) -> int:
+    # Knuth's method; the means here are small.
+    limit, k, p = math.exp(-mean), 0, 1.0
+    while True:
+        p *= rng.random()
+        if p <= limit:
+            return k
+        k += 1
+
+
+def test_levels_follow_the_optimizer_and_capacity_grows_with_batch():
+    lv = levels()
+    assert [x.batch for x in lv] == [1, 2, 4, 8, 16, 32]
+    assert lv[0].plan.instances[0].threads == 2  # B=1: one fat instance
+    assert all(x.plan.instances[0].count * x.plan.instances[0].batch == x.batch for x in lv)
+    caps = [x.capacity for x in lv]
+    assert caps[0] == pytest.approx(1 / 0.0881)
+    assert caps[1] == pytest.approx(2 / 0.147)  # 2×⟨1,1⟩
+    assert caps[3] > caps[1] > caps[0]
+    assert lv[3].rounds_ms == ((1, 147.0), (2, 215.2), (4, 371.5))  # 2×⟨1,4⟩ forms batches of 1, 2 or 4
+
+
+def test_predicted_latency_is_the_round_at_no_load_and_infinite_past_capacity():
+    one = levels()[0]
+    assert one.predicted_latency_s(0.0) == pytest.approx(0.0881)
+    assert one.predicted_latency_s(one.capacity * 0.5) == pytest.approx(0.0881 * 1.5)
+    assert math.isinf(one.predicted_latency_s(one.capacity))
+
+
+def test_a_larger_batch_cap_is_never_predicted_slower_in_the_same_instance_class():
+    lv = levels()
+    for rate in (0.5, 5.0, 12.0, 18.0):
+        assert lv[3].predicted_latency_s(rate) <= lv[2].predicted_latency_s(rate) <= lv[1].predicted_latency_s(rate)
+    assert lv[3].predicted_latency_s(0.1) == pytest.approx(lv[1].predicted_latency_s(0.1))  # batches of one
+
+
+def test_best_level_rises_with_load_and_saturates_at_the_largest_capacity():
+    policy = ReconfigurationPolicy(levels())
+    chosen = [policy.best(rate).batch for rate in (0.5, 5.0, 11.0, 18.0, 50.0)]
+    assert chosen == sorted(chosen)
+    assert chosen[0] == 1 and chosen[-1] == max(policy.levels, key=lambda x: x.capacity).batch
+
+
+@pytest.mark.parametrize("high", [17.0, 19.0])
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_one_step_of_load_gives_exactly_one_move_within_about_two_seconds(high, seed):
+    policy = ReconfigurationPolicy(levels())
+    moves = simulate(policy, [(20, 2.0), (40, high)], seed=seed, warm={1, 2, 4, 8, 16, 32})
+    assert len(moves) == 1, moves
+    when, before, after, reason = moves[0]
+    assert before == 1 and reason in ("load rose", "backlog growing")
+    # Not necessarily the argmin at the true rate (levels 4 and 8 are ~15% of
+    # rate apart, within a 2 s window's Poisson noise), but one that keeps up.
+    assert policy.level(after).capacity > high
+    # A 2 s window at 17/s reads 17 ± 3: an unlucky lull after the step delays the move.
+    assert 20.0 < when <= 25.0
+
+
+# Rates inside a level's range; at a boundary between two levels either is
+# within noise of the other, and the first move's hysteresis holds it there.
+@pytest.mark.parametrize("rate", [1.0, 4.0, 6.5, 13.0, 19.0])
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_constant_poisson_load_gives_no_move_over_a_minute(rate, seed):
+    policy = ReconfigurationPolicy(levels())
+    start = policy.best(rate).batch
+    moves = simulate(policy, [(60, rate)], start_batch=start, seed=seed, warm={1, 2, 4, 8, 16, 32})
+    assert moves == []
+
+
+def test_load_falling_is_followed_after_the_longer_confirmation():
+    policy = ReconfigurationPolicy(levels())
+    moves = simulate(policy, [(30, 17.0), (40, 1.0)], start_batch=policy.best(17.0).batch, warm={1, 2, 4, 8, 16})
+    assert len(moves) == 1, moves
+    when, _, after, reason = moves[0]
+    assert after == 1 and reason == "load fell"
+    assert when >= 30 + PolicyConfig().down_confirm_s
+
+
+def test_a_shrinking_backlog_after_a_swap_is_not_read_as_load():
+    policy = ReconfigurationPolicy(levels())
+    start = policy.best(8.0).batch
+    # A swap left 40 requests queued, draining over 10 s; the arrival rate never changed.
+    moves = simulate(policy, [(30, 8.0)], start_batch=start, depth=lambda t: max(0.0, 40 - 4 * t), warm={1, 2, 4, 8})
+    assert moves == []
+
+
+def test_a_growing_backlog_moves_up_even_when_the_profile_says_the_level_keeps_up():
+    policy = ReconfigurationPolicy(levels())
+    moves = simulate(policy, [(10, 3.0)], start_batch=1, depth=lambda t: 4.0 * t, warm={1, 2, 4})
+    assert moves and moves[0][3] == "backlog growing"
+    assert moves[0][2] == 2  # one level up: the next one with more capacity
+
+
+def test_a_cold_swap_must_pay_for_itself_where_a_warm_one_need_not():
+    policy = ReconfigurationPolicy(
+        levels(), PolicyConfig(up_confirm_s=0.0, cold_swap_s=20.0, horizon_s=30.0, noise_z=0.0)
+    )
+    rate = 10.5  # B=1 still keeps up (ρ≈0.92); B=4 is better, but not by enough to pay for 20 s of a cold start
+    obs = Observation(now=1.0, rate_short=rate, rate_long=rate)
+    policy.observe(Observation(0.0, rate, rate), current=1)
+    assert policy.observe(obs, current=1, warm=set()) is None
+    decision = policy.observe(obs, current=1, warm={policy.best(rate).batch})
+    assert decision is not None and decision.warm and decision.target.batch == policy.best(rate).batch
+
+
+def test_overload_always_moves_to_a_level_with_more_capacity():
+    policy = ReconfigurationPolicy(levels(), PolicyConfig(up_confirm_s=0.0, cold_swap_s=1e6))
+    policy.observe(Observation(0.0, 40.0, 40.0), current=1)
+    decision = policy.observe(Observation(1.0, 40.0, 40.0), current=1)
+    assert decision is not None and decision.target.capacity > policy.level(1).capacity
+
+
+def test_swap_costs_are_learned_from_measurements():
+    policy = ReconfigurationPolicy(levels(), PolicyConfig(warm_swap_s=1.0, cold_swap_s=8.0, learning_rate=0.5))
+    policy.record_swap(10.0, serving_after_s=0.2, warm=True)
+    policy.record_swap(50.0, serving_after_s=4.0, warm=False)
+    assert policy.costs.warm_s == pytest.approx(0.6)
+    assert policy.costs.cold_s == pytest.approx(6.0)
+    assert policy.costs.horizon_s == pytest.approx(35.0)  # one dwell of 40 s measured
+
+
+def test_bad_policy_config_is_refused():
+    with pytest.raises(ValueError):
+        PolicyConfig(min_gain=1.5)
+    with pytest.raises(ValueError):
+        PolicyConfig(up_confirm_s=-1)
+    with pytest.raises(ValueError):
+        ReconfigurationPolicy([])
+
+
+def test_monitor_survives_series_that_vanish_or_appear():
+    monitor = LoadMonitor(MonitorConfig(period_s=1.0, short_window_s=2.0, long_window_s=4.0))
+    monitor.record(0.0, {"a": 100.0}, 0)
+    monitor.record(1.0, {"a": 110.0}, 0)
+    monitor.record(2.0, {"a": 120.0, "b": 5.0}, 0)  # version b registered and took 5 requests
+    monitor.record(3.0, {"b": 15.0}, 0)  # version a unregistered: its series is gone
+    assert monitor.arrivals == pytest.approx(35.0)
+    assert monitor.rate(2.0) == pytest.approx((35.0 - 10.0) / 2.0)
+    assert monitor.rate(10.0) == pytest.approx(35.0 / 3.0)
+
+
+def test_monitor_reports_growth_only_when_the_queue_grows():
+    monitor = LoadMonitor(MonitorConfig(period_s=0.5, short_window_s=2.0, long_window_s=4.0))
+    for i in range(10):
+        monitor.record(i * 0.5, {"a": float(i)}, 40 - i)  # a shrinking backlog
+    assert not monitor.observation(4.5, round_batch=4).backlog_growing
+    for i in range(10, 20):
+        monitor.record(i * 0.5, {"a": float(i)}, 3 * i)  # +6 requests/s, on 2 arrivals/s
+    assert monitor.observation(9.5, round_batch=4).backlog_growing
