@@ -1,21 +1,22 @@
-"""The Packrat controller: sample load, estimate B, plan, swap.
+"""The Packrat controller: measure load, decide, swap.
 
 One ``ModelController`` per served model runs a short loop, in the shape of
-an engine step::
+an engine step (measure → policy → mechanism)::
 
-    depth = sample()                      # queued (describe API) + in service (slot files)
-    new_b = estimator.observe(depth, now) # EWMA → power of two → mode → timeout
-    if new_b: swapper.apply(plan_for(new_b))
+    monitor.record(now, arrivals, depth)   # TorchServe's arrival counter + queue depth
+    decision = policy.observe(monitor.observation(now), level, warm_levels)
+    if decision: swapper.apply(decision.target.plan); swapper.keep_warm(standby_items(...))
 
-``plan_for`` asks the optimizer for a *uniform* plan (one TorchServe version
-holds one batch size).  ``PackratController`` owns the TorchServe process,
-the plan directory its workers read, one thread per model, and a small JSON
-status endpoint that ``packrat status`` reads.
+The policy (``policy.py``) chooses among *levels*: power-of-two batch sizes B
+with their uniform plans from the optimizer (one TorchServe version holds one
+batch size).  The swapper (``swapper.py``) is the mechanism: warm or cold
+bring-up, set-default, drain, retire.  ``PackratController`` owns the
+TorchServe process, the plan directory its workers read, one thread per
+model, and a small JSON status endpoint that ``packrat status`` reads.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import threading
@@ -25,18 +26,20 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from packrat_plugin.archives import versioned_copy
-from packrat_plugin.clients import ManagementClient, TorchServeAPIError
-from packrat_plugin.estimator import BatchSizeEstimator, EstimatorConfig, floor_power_of_two
+from packrat_plugin.clients import ManagementClient, MetricsClient, TorchServeAPIError
+from packrat_plugin.load_monitor import LoadMonitor, MonitorConfig
 from packrat_plugin.optimizer import InfeasibleError, KnapsackOptimizer
 from packrat_plugin.plan_types import Plan
 from packrat_plugin.plans import PLAN_DIR_ENV, PlanStore
+from packrat_plugin.policy import Decision, Level, PolicyConfig, ReconfigurationPolicy, levels_for, standby_items
 from packrat_plugin.profile import Profile
-from packrat_plugin.swapper import VERSIONS, ActivePassiveSwapper, SwapError, SwapperConfig, SwapReport
+from packrat_plugin.swapper import ActivePassiveSwapper, SwapError, SwapperConfig, SwapReport, version_name
 from packrat_plugin.topology import CpuTopology
 from packrat_plugin.torchserve import Ports, TorchServeProcess
 
 logger = logging.getLogger(__name__)
+
+ARRIVALS_METRIC = "ts_inference_requests_total"
 
 
 @dataclass
@@ -50,10 +53,37 @@ class ModelTarget:
 
 @dataclass
 class ControllerConfig:
-    estimator: EstimatorConfig = field(default_factory=EstimatorConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
     swapper: SwapperConfig = field(default_factory=SwapperConfig)
-    fixed_batch: int | None = None  # pin B (benchmarks)
+    # Idle workers kept warm beside the serving set, so that a swap to their
+    # class starts nothing (each costs its memory: ~0.65 GB for ResNet-50).
+    standby_workers: int = 8
+    standby_wait_s: float = 600.0  # start() waits this long for the standby set (0: not at all)
+    fixed_batch: int | None = None  # pin B (benchmarks, static settings)
     reconfigure: bool = True  # False: keep the first plan
+
+    def __post_init__(self) -> None:
+        if self.standby_workers < 0:
+            raise ValueError(f"standby_workers must be ≥ 0, got {self.standby_workers}")
+        if self.fixed_batch is not None and self.fixed_batch < 1:
+            raise ValueError(f"fixed_batch must be ≥ 1, got {self.fixed_batch}")
+
+
+def floor_power_of_two(x: float) -> int:
+    """Largest power of two ≤ x (1 for x < 2)."""
+    if x < 2:
+        return 1
+    return 1 << (int(x).bit_length() - 1)
+
+
+def arrival_counters(metrics: MetricsClient, model: str) -> dict[str, float]:
+    """TorchServe's arrival counter of ``model``, one value per series."""
+    out = {}
+    for labels, value in metrics.samples(ARRIVALS_METRIC):
+        if labels.get("model_name") == model:
+            out[f"{labels.get('model_version', '')}@{labels.get('hostname', '')}"] = value
+    return out
 
 
 class ModelController:
@@ -61,30 +91,34 @@ class ModelController:
         self,
         target: ModelTarget,
         management: ManagementClient,
+        metrics: MetricsClient,
         store: PlanStore,
+        model_store: Path,
         topology: CpuTopology,
         config: ControllerConfig,
     ) -> None:
         self.target = target
         self.management = management
+        self.metrics = metrics
         self.store = store
         self.topology = topology
         self.config = config
         self.threads = len(topology.cores)
         self.optimizer = KnapsackOptimizer(target.profile)
         self.max_batch = self._largest_feasible_batch()
-        est_cfg = config.estimator
-        if est_cfg.max_batch > self.max_batch:
-            est_cfg = dataclasses.replace(est_cfg, max_batch=self.max_batch)
-        initial = config.fixed_batch or 1
-        self.estimator = BatchSizeEstimator(est_cfg, initial_batch=initial)
-        archives = {v: f"{target.name}.packrat-{v}.mar" for v in VERSIONS}
-        self.swapper = ActivePassiveSwapper(management, store, target.name, archives, topology, config.swapper)
+        self.levels: list[Level] = levels_for(self.optimizer, self.threads, self.max_batch)
+        self.policy = ReconfigurationPolicy(self.levels, config.policy)
+        self.monitor = LoadMonitor(config.monitor)
+        self.swapper = ActivePassiveSwapper(
+            management, store, target.name, target.archive, model_store, topology, config.swapper
+        )
+        self.level: Level | None = None
         self.plan: Plan | None = None
-        self.last_depth = 0.0
         self.last_pending = 0
         self.last_in_service = 0
+        self.ready: dict[str, int] = {}
         self.swaps: list[SwapReport] = []
+        self.decisions: list[dict[str, Any]] = []
         self.last_error: str | None = None
         self.lock = threading.Lock()
 
@@ -102,63 +136,94 @@ class ModelController:
             raise InfeasibleError(f"no uniform plan for {self.target.name} fits {self.threads} cores at any B")
         return best
 
+    def level_for(self, batch: int) -> Level:
+        """The level for ``batch``, or for the largest one below it."""
+        b = min(floor_power_of_two(batch), self.max_batch)
+        candidates = [lv for lv in self.levels if lv.batch <= b]
+        if not candidates:
+            raise InfeasibleError(f"no uniform plan for {self.target.name} at B ≤ {batch}")
+        return max(candidates, key=lambda lv: lv.batch)
+
     def plan_for(self, batch: int) -> Plan:
         """The uniform plan for ``batch``, or for the largest feasible power of two below it."""
-        b = min(floor_power_of_two(batch), self.max_batch)
-        while b >= 1:
-            try:
-                return self.optimizer.plan(self.threads, b, uniform=True)
-            except InfeasibleError:
-                b //= 2
-        raise InfeasibleError(f"no uniform plan for {self.target.name} at B ≤ {batch}")
-
-    def prepare_archives(self, model_store: Path) -> None:
-        for version, name in self.swapper.archives.items():
-            versioned_copy(self.target.archive, model_store / name, version)
+        return self.level_for(batch).plan
 
     def start(self) -> SwapReport:
-        return self._apply(self.plan_for(self.estimator.current))
+        level = self.level_for(self.config.fixed_batch or 1)
+        report = self._apply(level)
+        # The first bring-up is the first measurement of what a cold start costs.
+        self.policy.costs.cold_s = report.seconds
+        if self.config.reconfigure and not self.config.fixed_batch:
+            self._refresh_standby()
+            if self.config.standby_wait_s > 0 and not self.swapper.wait_warm(self.config.standby_wait_s):
+                logger.warning("%s: standby workers not all READY after %.0f s", self.target.name,
+                               self.config.standby_wait_s)  # fmt: skip
+        return report
 
-    def _apply(self, plan: Plan) -> SwapReport:
+    def _refresh_standby(self) -> None:
+        if self.level is None:
+            return
+        items = standby_items(self.levels, self.level.batch, self.config.standby_workers)
         try:
-            report = self.swapper.apply(plan)
+            self.swapper.keep_warm(items)
+        except (TorchServeAPIError, OSError) as exc:
+            logger.warning("%s: could not update the standby set: %s", self.target.name, exc)
+
+    def _apply(self, level: Level, decision: Decision | None = None) -> SwapReport:
+        try:
+            report = self.swapper.apply(level.plan)
         except (SwapError, TorchServeAPIError) as exc:
             logger.error("%s: reconfiguration failed: %s", self.target.name, exc)
             with self.lock:
                 self.last_error = str(exc)
             raise
         with self.lock:
-            self.plan = plan
+            self.level, self.plan = level, level.plan
             if report.kind != "none":
                 self.swaps.append(report)
+            if decision is not None:
+                self.decisions.append({"at": report.started, **decision.to_dict(), "kind": report.kind})
             self.last_error = None
-        logger.info("%s: %s to %s in %.2f s", self.target.name, report.kind, plan.describe(), report.seconds)
+        logger.info("%s: %s to %s in %.2f s%s", self.target.name, report.kind, level.plan.describe(),
+                    report.seconds, " (warm)" if report.warm else "")  # fmt: skip
         return report
 
-    def sample(self) -> float:
+    def sample(self, now: float) -> None:
         versions = self.management.describe(self.target.name, "all")
         pending = sum(v["jobQueueStatus"]["pendingRequests"] for v in versions)
         busy = sum(self.store.in_service(self.target.name, v["modelVersion"]) for v in versions)
+        ready = {
+            str(v["modelVersion"]): sum(w.get("status") == "READY" for w in v.get("workers", [])) for v in versions
+        }
+        counters = arrival_counters(self.metrics, self.target.name)
         with self.lock:
-            self.last_pending, self.last_in_service = pending, busy
-            self.last_depth = float(pending + busy)
-        return self.last_depth
+            self.last_pending, self.last_in_service, self.ready = pending, busy, ready
+            self.monitor.record(now, counters, pending + busy)
+
+    def warm_levels(self) -> set[int]:
+        ready = self.ready
+        return {lv.batch for lv in self.levels if ready.get(version_name(lv.plan.instances[0]), 0) >= lv.instances}
 
     def step(self, now: float) -> SwapReport | None:
-        new_batch = self.estimator.observe(self.sample(), now)
-        if new_batch is None or self.config.fixed_batch or not self.config.reconfigure:
+        self.sample(now)
+        if self.config.fixed_batch or not self.config.reconfigure or self.level is None or not self.monitor.ready:
             return None
-        plan = self.plan_for(new_batch)
+        observation = self.monitor.observation(now, self.level.plan.instances[0].batch, self.config.policy.noise_z)
+        decision = self.policy.observe(observation, self.level.batch, self.warm_levels())
+        if decision is None:
+            return None
         try:
-            return self._apply(plan)
+            report = self._apply(decision.target, decision)
         except (SwapError, TorchServeAPIError):
-            # Keep serving the old plan; forget the proposal so the estimator
-            # proposes again only once the load says so for a full timeout.
-            self.estimator.current = self.plan.batch if self.plan else 1
+            # Keep serving the old plan; the policy proposes again only if the load still says so.
+            self.policy.record_swap(time.monotonic(), self.policy.costs.cold_s, warm=False)
             return None
+        self.policy.record_swap(time.monotonic(), report.serving_after_s, report.warm)
+        self._refresh_standby()
+        return report
 
     def run(self, stop: threading.Event) -> None:
-        period = self.config.estimator.sample_period_s
+        period = self.config.monitor.period_s
         while not stop.is_set():
             started = time.monotonic()
             try:
@@ -176,17 +241,28 @@ class ModelController:
             if plan is not None and self.swapper.active:
                 vplan = self.store.read(self.target.name, self.swapper.active)
                 slots = [s.to_dict() for s in vplan.slots] if vplan else None
+            short, long_ = self.config.monitor.short_window_s, self.config.monitor.long_window_s
+            costs = self.policy.costs
             return {
                 "model": self.target.name,
                 "active_version": self.swapper.active,
                 "plan": plan.to_dict() if plan else None,
                 "slots": slots,
-                "estimated_batch": self.estimator.current,
-                "ewma_depth": None if self.estimator.ewma is None else round(self.estimator.ewma, 3),
+                "estimated_batch": self.level.batch if self.level else None,
+                "arrival_rate": round(self.monitor.rate(short), 3),
+                "arrival_rate_long": round(self.monitor.rate(long_), 3),
                 "pending_requests": self.last_pending,
                 "in_service": self.last_in_service,
+                "standby": sorted(self.swapper.standby),
+                "ready_workers": dict(self.ready),
+                "swap_costs": {
+                    "warm_s": round(costs.warm_s, 3),
+                    "cold_s": round(costs.cold_s, 3),
+                    "horizon_s": round(costs.horizon_s, 1),
+                },  # fmt: skip
                 "swaps": len(self.swaps),
                 "last_swap": last.to_dict() if last else None,
+                "last_decision": self.decisions[-1] if self.decisions else None,
                 "last_error": self.last_error,
             }
 
@@ -248,12 +324,12 @@ class PackratController:
         self.store.root.mkdir(parents=True, exist_ok=True)
         self.server.start()
         try:
-            management = self.server.management()
+            management, metrics = self.server.management(), self.server.metrics()
             for target in self.targets:
-                mc = ModelController(target, management, self.store, self.topology, self.config)
-                mc.prepare_archives(self.model_store)
-                mc.start()
+                mc = ModelController(target, management, metrics, self.store, self.model_store, self.topology,
+                                     self.config)  # fmt: skip
                 self.models[target.name] = mc
+                mc.start()
             for mc in self.models.values():
                 thread = threading.Thread(target=mc.run, args=(self._stop,), name=f"packrat-{mc.target.name}")
                 thread.daemon = True

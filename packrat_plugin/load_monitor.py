@@ -101,4 +101,23 @@ class LoadMonitor:
         rate_long, span_long = self._rate_and_span(self.config.long_window_s)
         noise = z * math.sqrt(max(1.0, rate_long * span_long))
         growing = self.depth_growth(self.config.long_window_s) > round_batch + noise and self.depth >= 2 * round_batch
-        return Observation(now, rate_short, rate_long, span_short, span_long, growing)
+        return Observation(now, rate_short, rate_long, span_short, span_long, growing, self.concurrency(round_batch))
+
+    def concurrency(self, round_batch: int) -> float:
+        """Requests persistently in the system: the least depth over the long
+        window, or 0 while the queue drains.
+
+        Under a closed loop (N clients each waiting for its answer) arrivals
+        only follow completions, so the rate says little and the depth it
+        holds is the load: Packrat's own B.  A draining queue (a swap's
+        backlog) is not load; a queue that grew within the long window (an
+        open-loop overload, which the rate and backlog rules handle) shows
+        its earlier, lower depth here.
+        """
+        if len(self._samples) < 2 or self.depth_growth(self.config.short_window_s) < -max(1, round_batch):
+            return 0.0
+        newest = self._samples[-1][0]
+        if newest - self._samples[0][0] < self.config.long_window_s:
+            return 0.0
+        since = newest - self.config.long_window_s
+        return min(d for t, _, d in self._samples if t >= since)

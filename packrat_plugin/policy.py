@@ -49,6 +49,12 @@ A move happens only when all of these hold:
   between load changes, ``κ`` the share of the serving set's speed that a
   swap of that kind takes away (a cold start competes for the cores).
 
+A closed loop (N clients, each waiting for its answer) sends only as fast
+as answers come, so its rate says little; its load is the depth it keeps in
+the system, Packrat's own B.  The policy therefore never serves a level below
+the persistent concurrency (the least depth over the short window, ignored
+while the queue drains).
+
 A safety net covers a profile that is too optimistic: if the queue keeps
 growing (beyond its Poisson wander, over the long window) while the policy
 believes the current level keeps up, the current level is treated as
@@ -62,7 +68,7 @@ import math
 from dataclasses import dataclass, field
 
 from packrat_plugin.optimizer import InfeasibleError, KnapsackOptimizer
-from packrat_plugin.plan_types import Plan
+from packrat_plugin.plan_types import Plan, PlanItem
 
 
 @dataclass(frozen=True)
@@ -111,6 +117,11 @@ class Level:
         return self.plan.instances[0].count
 
     @property
+    def round_s(self) -> float:
+        """The plan's profiled latency for a full round of B."""
+        return self.plan.latency_ms / 1000.0
+
+    @property
     def capacity(self) -> float:
         """Requests per second this level sustains (its best batch size, back to back)."""
         return max(self.instances * k / (ms / 1000.0) for k, ms in self.rounds_ms)
@@ -135,7 +146,8 @@ class Observation:
     rate_long: float  # arrivals/s over the long window
     short_span_s: float = 2.0  # seconds the short rate was measured over
     long_span_s: float = 6.0
-    backlog_growing: bool = False  # queue grew by more than a round over the short window
+    backlog_growing: bool = False  # queue grew beyond its noise over the long window
+    concurrency: float = 0.0  # requests persistently in the system (0 while a backlog drains)
 
     def bounds(self, rate: float, span_s: float, z: float) -> tuple[float, float]:
         """Poisson confidence bounds of a rate measured as ``rate·span`` arrivals."""
@@ -247,6 +259,9 @@ class ReconfigurationPolicy:
         if obs.now - self._since < confirm:
             return None
         is_warm = candidate.batch in warm
+        if reason == "requests in flight rose":
+            # A closed loop: Packrat's plan for B in flight; the rate model does not apply.
+            return Decision(candidate, rate, reason, cur.round_s, candidate.round_s, candidate.batch in warm)
         w_now = math.inf if reason == "backlog growing" else cur.predicted_latency_s(rate)
         w_new = candidate.predicted_latency_s(rate)
         if not self._worth_it(rate, w_now, w_new, cur, candidate, is_warm):
@@ -261,15 +276,23 @@ class ReconfigurationPolicy:
             return math.isfinite(w_new) or new.capacity > cur.capacity
         return w_new < w_cur * (1.0 - self.config.min_gain)
 
+    def floor_level(self, concurrency: float) -> Level:
+        """The largest level whose B the persistent concurrency fills."""
+        fitting = [lv for lv in self.levels if lv.batch <= max(1.0, concurrency)]
+        return fitting[-1] if fitting else self.levels[0]
+
     def _candidate(self, obs: Observation, cur: Level) -> tuple[Level | None, float, str]:
         z = self.config.noise_z
         rate = obs.rate_short
         short_low, short_high = obs.bounds(obs.rate_short, obs.short_span_s, z)
         _, long_high = obs.bounds(obs.rate_long, obs.long_span_s, z)
+        floor = self.floor_level(obs.concurrency)
         up = self.best(short_high)
         # Growing: even at the low end of the rate's noise, the target beats the current level.
         if up.batch > cur.batch and self._clearly_better(up, cur, short_low):
-            return up, rate, "load rose"
+            return max(up, floor, key=lambda lv: lv.batch), rate, "load rose"
+        if floor.batch > cur.batch:
+            return floor, rate, "requests in flight rose"
         if obs.backlog_growing:
             bigger = [lv for lv in self.levels if lv.capacity > cur.capacity]
             if bigger:
@@ -278,7 +301,7 @@ class ReconfigurationPolicy:
             return None, rate, ""
         # Shrinking: even at the high end of both windows, a smaller level is clearly better.
         high = max(short_high, long_high)
-        down = self.best(high)
+        down = max(self.best(high), floor, key=lambda lv: lv.batch)
         if down.batch < cur.batch and self._clearly_better(down, cur, high):
             return down, rate, "load fell"
         return None, rate, ""
@@ -313,3 +336,30 @@ def levels_for(optimizer: KnapsackOptimizer, threads: int, max_batch: int) -> li
         levels.append(Level(b, plan, rounds))
         b *= 2
     return levels
+
+
+def standby_items(levels: list[Level], current: int, budget_workers: int) -> list[PlanItem]:
+    """The worker classes to keep warm beside the active one, nearest levels first.
+
+    Levels are visited outwards from ``current``, the next larger before the
+    next smaller (a rising load hurts more than a falling one), and each new
+    class is kept if its workers still fit ``budget_workers``.
+    """
+    ordered = sorted(levels, key=lambda lv: lv.batch)
+    index = next(i for i, lv in enumerate(ordered) if lv.batch == current)
+    active = ordered[index].plan.instances[0]
+    seen = {(active.threads, active.batch)}
+    chosen: list[PlanItem] = []
+    used = 0
+    for distance in range(1, len(ordered)):
+        for j in (index + distance, index - distance):
+            if not 0 <= j < len(ordered):
+                continue
+            item = ordered[j].plan.instances[0]
+            if (item.threads, item.batch) in seen:
+                continue
+            seen.add((item.threads, item.batch))
+            if used + item.count <= budget_workers:
+                chosen.append(item)
+                used += item.count
+    return chosen

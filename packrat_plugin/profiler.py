@@ -206,3 +206,41 @@ def format_table(profile: Profile) -> str:
                 cells.append(f"{'-':>10}")
         lines.append(f"{t:>15} " + "".join(cells))
     return "\n".join(lines)
+
+
+LOCAL_PROFILE_DIR = Path("logs/profiles")
+BRIEF_BATCHES = [1, 2, 4, 8]
+
+
+def profile_for_this_machine(
+    model: str,
+    path: Path | None = None,
+    force: bool = False,
+    mode: str = "script",
+    batches: list[int] | None = None,
+    local_dir: Path = LOCAL_PROFILE_DIR,
+) -> tuple[Profile, Path]:
+    """A profile of ``model`` that is valid on this machine, measuring one if need be.
+
+    Tries ``path`` (default ``profiles/<model>.json``), then a profile this
+    machine measured earlier under ``local_dir``; when neither fits this
+    hardware, profiles briefly (every usable thread count, ``batches``, few
+    iterations) into ``local_dir``, as ``packrat demo`` does, and says so.
+    A longer, more exact profile is one ``packrat profile`` away.
+    """
+    candidates = [path or Path("profiles") / f"{model}.json", local_dir / f"{model}.json"]
+    reasons = []
+    for candidate in candidates:
+        try:
+            return load_profile(candidate, force=force), candidate
+        except ProfileError as exc:
+            reasons.append(str(exc))
+    out = local_dir / f"{model}.json"
+    cores = len(CpuTopology.from_system().cores)
+    print(
+        f"no profile of {model} for this machine ({'; '.join(reasons)}); profiling briefly into {out}. "
+        f"For a thorough one: packrat profile {model} --out profiles/{model}.json",
+        file=sys.stderr,
+    )
+    profile = run_profile(model, list(range(1, cores + 1)), batches or BRIEF_BATCHES, out, mode=mode, warmup=1, iters=3)
+    return profile, out

@@ -11,9 +11,10 @@ from pathlib import Path
 
 from model_store.build import catalog_name
 from packrat_plugin.controller import ControllerConfig, ModelTarget, PackratController
-from packrat_plugin.estimator import EstimatorConfig
+from packrat_plugin.load_monitor import MonitorConfig
 from packrat_plugin.plan_types import format_instances
-from packrat_plugin.profile import load_profile
+from packrat_plugin.policy import PolicyConfig
+from packrat_plugin.profiler import profile_for_this_machine
 from packrat_plugin.swapper import SwapperConfig
 from packrat_plugin.torchserve import REPO_CONFIG, Ports, read_properties
 
@@ -52,11 +53,24 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--no-reconfigure", action="store_true", help="keep the first plan")
     p.add_argument("--max-batch-delay", type=int, default=5, help="TorchServe max_batch_delay (ms)")
-    p.add_argument("--sample-ms", type=float, default=5.0, help="queue-depth sampling period")
-    p.add_argument("--alpha", type=float, default=0.1, help="EWMA weight of a new sample")
-    p.add_argument("--window", type=int, default=10, help="estimates the mode is taken over")
-    p.add_argument("--timeout", type=float, default=1.0, help="reconfiguration timeout (s)")
     p.add_argument("--force-profile", action="store_true", help="use profiles measured on other hardware")
+    add_policy_arguments(p)
+
+
+def add_policy_arguments(p: argparse.ArgumentParser) -> None:
+    """The controller's knobs (defaults: PolicyConfig, MonitorConfig, ControllerConfig)."""
+    pol, mon, ctl = PolicyConfig(), MonitorConfig(), ControllerConfig()
+    g = p.add_argument_group("reconfiguration policy (see packrat_plugin/policy.py)")
+    g.add_argument("--sample-ms", type=float, default=mon.period_s * 1000, help="load sampling period")
+    g.add_argument("--short-window", type=float, default=mon.short_window_s, help="arrival-rate window for growing (s)")
+    g.add_argument("--long-window", type=float, default=mon.long_window_s, help="... that must agree to shrink (s)")
+    g.add_argument("--up-confirm", type=float, default=pol.up_confirm_s, help="a rise must last this long (s)")
+    g.add_argument("--down-confirm", type=float, default=pol.down_confirm_s, help="a fall must last this long (s)")
+    g.add_argument("--noise-z", type=float, default=pol.noise_z, help="Poisson confidence bound that gates a move")
+    g.add_argument("--min-gain", type=float, default=pol.min_gain, help="least relative latency gain worth a swap")
+    g.add_argument("--horizon", type=float, default=pol.horizon_s, help="expected seconds at a load, until measured")
+    g.add_argument("--standby-workers", type=int, default=ctl.standby_workers,
+                   help="idle workers kept warm for fast swaps (each holds a copy of the model; 0: none)")  # fmt: skip
 
 
 def targets_from(args: argparse.Namespace) -> list[ModelTarget]:
@@ -67,21 +81,26 @@ def targets_from(args: argparse.Namespace) -> list[ModelTarget]:
         path = Path(archive)
         if not path.is_file():
             raise ValueError(f"no archive at {path} (build one with `packrat archive`)")
-        default = Path("profiles") / f"{catalog_name(path)}.json"
-        profile = load_profile(profiles.get(name, default), force=args.force_profile)
+        given = profiles.get(name)
+        profile, _ = profile_for_this_machine(catalog_name(path), Path(given) if given else None, args.force_profile)
         targets.append(ModelTarget(name, path, profile))
     return targets
 
 
 def config_from(args: argparse.Namespace) -> ControllerConfig:
     return ControllerConfig(
-        estimator=EstimatorConfig(
-            alpha=args.alpha, window=args.window, sample_period_s=args.sample_ms / 1000, timeout_s=args.timeout
+        policy=PolicyConfig(
+            up_confirm_s=args.up_confirm, down_confirm_s=args.down_confirm, noise_z=args.noise_z,
+            min_gain=args.min_gain, horizon_s=args.horizon,
+        ),
+        monitor=MonitorConfig(
+            period_s=args.sample_ms / 1000, short_window_s=args.short_window, long_window_s=args.long_window
         ),
         swapper=SwapperConfig(max_batch_delay_ms=args.max_batch_delay),
+        standby_workers=args.standby_workers,
         fixed_batch=args.fixed_batch,
         reconfigure=not args.no_reconfigure,
-    )
+    )  # fmt: skip
 
 
 def run_serve(args: argparse.Namespace) -> int:

@@ -1,22 +1,28 @@
 """Active/passive worker-set swapping through TorchServe's management API.
 
-One TorchServe version holds one ``batch_size``, so a Packrat plan that needs a
-different (threads, batch) class is a different version.  Each model has two
-versions, ``a`` and ``b``; one is active (the default, serving), the other
-passive.  Applying a plan:
+One TorchServe version holds one ``batch_size``, so each (threads, batch)
+class of a uniform plan is a version of its own, named ``t<threads>b<batch>``
+(a copy of the user's archive whose manifest says so).  One version is
+active (the default, serving); others may be kept *warm*: registered, with
+their workers started, pinned to their slots and idle, so that swapping to
+them costs no worker start.  An idle TorchServe worker uses no CPU (measured:
+0 %) but keeps its memory (ResNet-50 TorchScript: ~0.65 GB unique per
+worker), so the controller bounds how many are kept (``standby``).
 
-- same (threads, batch) as the active version: scale the active version to
-  the new instance count (its slot list already covers every instance that
-  fits, so no worker moves);
-- otherwise: unregister the passive version if it is registered (it has zero
-  workers), write its slot plan, register it with the plan's batch size and
-  instance count, wait until every worker is READY, make it the default
-  (new requests go to it), wait until the old version has nothing queued and
-  nothing in service, then scale the old version to zero.
+Applying a plan:
+
+- same class as the active version: scale the active version to the new
+  instance count (its slot list covers every instance that fits, so no
+  worker moves);
+- otherwise: bring the target version up unless it is warm (register if
+  needed, scale to the plan's count, wait until every worker is READY), make
+  it the default (new requests go to it), wait until the old version has
+  nothing queued and nothing in service, then retire the old version: scale
+  it to zero, or to its standby count if the controller keeps it warm.
 
 A failure before ``set-default`` (a worker that cannot start, a timeout)
-unregisters the half-built passive version and leaves the active one serving:
-the old version never loses its workers before the new one serves.
+unregisters the half-built version and leaves the active one serving: the
+old version never loses its workers before the new one serves.
 """
 
 from __future__ import annotations
@@ -24,8 +30,10 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+from packrat_plugin.archives import versioned_copy
 from packrat_plugin.clients import ManagementClient, TorchServeAPIError
 from packrat_plugin.plan_types import Plan, PlanItem
 from packrat_plugin.plans import PlanStore, VersionPlan
@@ -33,7 +41,10 @@ from packrat_plugin.topology import CpuTopology, allocate
 
 logger = logging.getLogger(__name__)
 
-VERSIONS = ("a", "b")
+
+def version_name(item: PlanItem) -> str:
+    """The TorchServe version that serves instances of ``item``'s class."""
+    return f"t{item.threads}b{item.batch}"
 
 
 class SwapError(RuntimeError):
@@ -48,12 +59,18 @@ class SwapReport:
     started: float  # wall clock
     seconds: float
     active_version: str
-    # Seconds per step of a swap: "bring_up" (register + workers READY),
-    # "switch" (set-default), "drain" (old version empties), "retire"
-    # (old version scaled to zero).  The new plan serves after bring_up +
-    # switch; drain and retire finish requests already queued on the old one.
+    # Seconds per step of a swap: "bring_up" (register + workers READY; near
+    # zero when the target was warm), "switch" (set-default), "drain" (old
+    # version empties), "retire" (old version scaled down).  The new plan
+    # serves after bring_up + switch; drain and retire finish requests
+    # already queued on the old one.
     phases: dict[str, float] = field(default_factory=dict)
     error: str | None = None
+    warm: bool = False  # the target version's workers were already running
+    # Where a cold bring-up's time went, per worker (median over workers):
+    # "spawn_s" (process start + imports), "load_s", "warmup_s"; from the
+    # timings workers write beside their slots (worker.py).
+    worker_startup: dict[str, float] = field(default_factory=dict)
 
     @property
     def serving_after_s(self) -> float:
@@ -94,12 +111,58 @@ class ActivePassiveSwapper:
     management: ManagementClient
     store: PlanStore
     model: str
-    archives: dict[str, str]  # version → archive file name in the model store
+    archive: Path  # the user's archive; versions are copies of it
+    model_store: Path  # TorchServe's model store, where the copies go
     topology: CpuTopology
     config: SwapperConfig = field(default_factory=SwapperConfig)
     active: str | None = None
     active_item: PlanItem | None = None
     registered: set[str] = field(default_factory=set)
+    standby: dict[str, PlanItem] = field(default_factory=dict)  # version → workers kept warm
+
+    def archive_name(self, version: str) -> str:
+        return f"{self.model}.packrat-{version}.mar"
+
+    def ready_workers(self) -> dict[str, int]:
+        """READY workers per registered version (one describe call)."""
+        try:
+            versions = self.management.describe(self.model, "all")
+        except TorchServeAPIError as exc:
+            if exc.status == 404:
+                return {}
+            raise
+        return {str(v["modelVersion"]): sum(w.get("status") == "READY" for w in v.get("workers", [])) for v in versions}
+
+    def is_warm(self, item: PlanItem, ready: dict[str, int] | None = None) -> bool:
+        ready = self.ready_workers() if ready is None else ready
+        return ready.get(version_name(item), 0) >= item.count
+
+    def keep_warm(self, items: list[PlanItem]) -> None:
+        """Keep these classes' workers running beside the active version; stop the rest.
+
+        Asynchronous: TorchServe starts the workers in the background (at low
+        priority, see worker.py) and ``is_warm`` says when they are READY.
+        """
+        wanted = {version_name(i): i for i in items if version_name(i) != self.active}
+        for version in list(self.standby):
+            if version not in wanted and version != self.active and version in self.registered:
+                self._scale(version, 0)
+        for version, item in wanted.items():
+            if version not in self.registered:
+                self._register(version, item, workers=0)
+            self._scale(version, item.count, synchronous=False)
+        self.standby = wanted
+
+    def wait_warm(self, timeout_s: float) -> bool:
+        """Wait until every standby version is READY; False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            ready = self.ready_workers()
+            if all(self.is_warm(item, ready) for item in self.standby.values()):
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.25)
 
     def apply(self, plan: Plan) -> SwapReport:
         if not plan.uniform:
@@ -107,6 +170,8 @@ class ActivePassiveSwapper:
         item = plan.instances[0]
         before = [self.active_item.to_dict()] if self.active_item else None
         start_wall, start = time.time(), time.monotonic()
+        warm = False
+        startup: dict[str, float] = {}
 
         phases: dict[str, float] = {}
         mark = [start]
@@ -118,14 +183,19 @@ class ActivePassiveSwapper:
 
         def report(kind: str) -> SwapReport:
             seconds = time.monotonic() - start
-            return SwapReport(kind, before, [item.to_dict()], start_wall, seconds, self.active or "", phases)
+            return SwapReport(
+                kind, before, [item.to_dict()], start_wall, seconds, self.active or "", phases,
+                warm=warm, worker_startup=startup,
+            )  # fmt: skip
 
+        new = version_name(item)
         if self.active is None:
-            self._bring_up(VERSIONS[0], item)
-            self.active, self.active_item = VERSIONS[0], item
+            self._bring_up(new, item)
+            startup = self._startup_summary(new)
+            self.active, self.active_item = new, item
             return report("initial")
         current = self.active_item
-        if (item.threads, item.batch) == (current.threads, current.batch):
+        if new == self.active:
             if item.count == current.count:
                 return report("none")
             try:
@@ -136,47 +206,78 @@ class ActivePassiveSwapper:
             self.active_item = item
             return report("scale")
         old = self.active
-        new = VERSIONS[1] if old == VERSIONS[0] else VERSIONS[0]
-        self._bring_up(new, item)
+        ready = self.ready_workers()
+        warm = ready.get(new, 0) >= item.count
+        if warm:
+            if ready[new] > item.count:  # a standby set larger than this plan: stop the extra workers
+                self._scale(new, item.count)
+        else:
+            self._bring_up(new, item)
+            startup = self._startup_summary(new)
         phase("bring_up")
         try:
             self.management.set_default(self.model, new)
         except TorchServeAPIError as exc:
-            self._discard(new)
+            if new not in self.standby:
+                self._discard(new)
             raise SwapError(f"set-default to version {new} failed: {exc}") from exc
         self.active, self.active_item = new, item
         phase("switch")
         self._drain(old)
         phase("drain")
-        self.management.scale(self.model, 0, version=old, synchronous=True)
+        keep = self.standby.get(old)
+        self._scale(old, keep.count if keep else 0)
+        self.standby.pop(new, None)
         phase("retire")
         return report("swap")
 
     # -- steps -----------------------------------------------------------------
 
-    def _bring_up(self, version: str, item: PlanItem) -> None:
-        """Register ``version`` with ``item``'s workers, READY, or roll back."""
-        if version in self.registered:
-            self._discard(version)
+    def _register(self, version: str, item: PlanItem, workers: int) -> None:
+        target = self.model_store / self.archive_name(version)
+        if not target.exists():
+            versioned_copy(self.archive, target, version)
         self.store.write(version_slots(self.model, version, item, self.topology))
+        self.management.register(
+            self.archive_name(version),
+            model_name=self.model,
+            initial_workers=workers,
+            batch_size=item.batch,
+            max_batch_delay_ms=self.config.max_batch_delay_ms,
+            response_timeout_s=self.config.response_timeout_s,
+            synchronous=True,
+        )
+        self.registered.add(version)
+
+    def _scale(self, version: str, workers: int, synchronous: bool = True) -> None:
         try:
-            self.management.register(
-                self.archives[version],
-                model_name=self.model,
-                initial_workers=item.count,
-                batch_size=item.batch,
-                max_batch_delay_ms=self.config.max_batch_delay_ms,
-                response_timeout_s=self.config.response_timeout_s,
-                synchronous=True,
-            )
-            self.registered.add(version)
+            self.management.scale(self.model, workers, version=version, synchronous=synchronous)
+        except TorchServeAPIError as exc:
+            logger.warning("could not scale %s/%s to %d workers: %s", self.model, version, workers, exc)
+
+    def _bring_up(self, version: str, item: PlanItem) -> None:
+        """``version`` with ``item``'s workers READY, or roll back."""
+        try:
+            if version not in self.registered:
+                self._register(version, item, workers=item.count)
             # An archive's own minWorkers/maxWorkers override initial_workers
             # at register time; the scale API sets the count we planned.
             self.management.scale(self.model, item.count, version=version, synchronous=True)
             self._wait_ready(version, item.count)
         except (TorchServeAPIError, SwapError, OSError) as exc:
             self._discard(version)
+            self.standby.pop(version, None)
             raise SwapError(f"version {version} of {self.model} failed to start {item.to_dict()}: {exc}") from exc
+
+    def _startup_summary(self, version: str) -> dict[str, float]:
+        timings = self.store.startup_timings(self.model, version)
+        keys = ("spawn_s", "load_s", "warmup_s")
+        out = {}
+        for key in keys:
+            values = sorted(t[key] for t in timings if key in t)
+            if values:
+                out[key] = values[len(values) // 2]
+        return out
 
     def _discard(self, version: str) -> None:
         try:

@@ -202,3 +202,41 @@ def test_monitor_reports_growth_only_when_the_queue_grows():
     for i in range(10, 20):
         monitor.record(i * 0.5, {"a": float(i)}, 3 * i)  # +6 requests/s, on 2 arrivals/s
     assert monitor.observation(9.5, round_batch=4).backlog_growing
+
+
+def test_standby_keeps_the_nearest_classes_within_the_worker_budget():
+    from packrat_plugin.policy import standby_items
+
+    lv = levels()  # B=1: 1×⟨2,1⟩; B=2..32: 2×⟨1,b⟩ with b = B/2
+    assert standby_items(lv, current=1, budget_workers=0) == []
+    near = standby_items(lv, current=4, budget_workers=4)
+    assert [(i.threads, i.batch) for i in near] == [(1, 4), (1, 1)]  # B=8 first, then B=2
+    everything = standby_items(lv, current=1, budget_workers=100)
+    assert sorted((i.threads, i.batch) for i in everything) == [(1, 1), (1, 2), (1, 4), (1, 8), (1, 16)]
+    assert all(i.count == 2 for i in everything)
+
+
+def test_a_closed_loop_is_served_at_its_requests_in_flight():
+    policy = ReconfigurationPolicy(levels(), PolicyConfig(up_confirm_s=0.0))
+    # Eight clients in flight on the fat instance: 11 answers/s, so 11 arrivals/s, a steady queue of 8.
+    obs = dict(rate_short=11.0, rate_long=11.0, short_span_s=2.0, long_span_s=6.0, concurrency=8.0)
+    policy.observe(Observation(0.0, **obs), current=1)
+    decision = policy.observe(Observation(0.5, **obs), current=1)
+    assert decision is not None and decision.target.batch == 8 and decision.reason == "requests in flight rose"
+    # ... and the rate alone (the same 11/s as Poisson arrivals) would not move it: it stays at 8.
+    assert policy.observe(Observation(1.0, **obs), current=8) is None
+
+
+def test_monitor_concurrency_ignores_a_draining_backlog():
+    monitor = LoadMonitor(MonitorConfig(period_s=0.5, short_window_s=2.0, long_window_s=4.0))
+    monitor.record(0.0, {"a": 0.0}, 0)
+    assert monitor.concurrency(round_batch=2) == 0.0
+    for i in range(1, 9):
+        monitor.record(i * 0.5, {"a": float(i)}, 8)  # a closed loop holding 8
+    assert monitor.concurrency(round_batch=2) == 0.0  # the ramp from 0 is still in the long window
+    monitor.record(4.5, {"a": 9.0}, 8)
+    monitor.record(5.0, {"a": 10.0}, 8)
+    assert monitor.concurrency(round_batch=2) == 8
+    for i in range(11, 20):
+        monitor.record(i * 0.5, {"a": float(i)}, 40 - 3 * (i - 10))  # a backlog draining
+    assert monitor.concurrency(round_batch=2) == 0.0
