@@ -26,12 +26,16 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
+
+if __package__ in (None, ""):  # `python bench/NAME.py` from the repository root
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.report import add_output_arguments, markdown_table, provenance, provenance_block, publish
 from model_store.build import ServingOptions, build_archive

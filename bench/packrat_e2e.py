@@ -18,10 +18,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import tempfile
 from pathlib import Path
 
 from tqdm import tqdm
+
+if __package__ in (None, ""):  # `python bench/NAME.py` from the repository root
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.report import (
     PACKRAT_ROW_HEADER,
@@ -37,14 +41,12 @@ from bench.report import (
 from model_store.build import ARCHIVE_DIR, build_archive
 from model_store.catalog import get_spec
 from model_store.samples import client_payload
-from packrat_plugin.archives import versioned_copy
 from packrat_plugin.loadgen import closed_loop, run
 from packrat_plugin.optimizer import KnapsackOptimizer, expected_speedup
 from packrat_plugin.plan_types import Plan, PlanItem
 from packrat_plugin.plans import PLAN_DIR_ENV, PlanStore
-from packrat_plugin.profile import load_profile
-from packrat_plugin.profiler import parse_int_list
-from packrat_plugin.swapper import VERSIONS, ActivePassiveSwapper, SwapperConfig
+from packrat_plugin.profiler import parse_int_list, profile_for_this_machine
+from packrat_plugin.swapper import ActivePassiveSwapper, SwapperConfig
 from packrat_plugin.topology import CpuTopology
 from packrat_plugin.torchserve import TorchServeProcess
 
@@ -55,7 +57,7 @@ def fat_plan(threads: int, batch: int) -> Plan:
 
 def run_e2e(args: argparse.Namespace, workdir: Path) -> dict:
     spec = get_spec(args.model, args.mode)
-    profile = load_profile(args.profile or Path("profiles") / f"{args.model}.json", force=args.force)
+    profile, _ = profile_for_this_machine(args.model, args.profile, args.force, args.mode)
     topology = CpuTopology.from_system()
     T = len(topology.cores)
     optimizer = KnapsackOptimizer(profile)
@@ -67,11 +69,8 @@ def run_e2e(args: argparse.Namespace, workdir: Path) -> dict:
         management = server.management()
         swappers = {}
         for name in ("fat", "packrat"):
-            archives = {v: f"{name}.{v}.mar" for v in VERSIONS}
-            for version, file in archives.items():
-                versioned_copy(archive, store_dir / file, version)
             config = SwapperConfig(max_batch_delay_ms=args.max_batch_delay)
-            swappers[name] = ActivePassiveSwapper(management, plans, name, archives, topology, config)
+            swappers[name] = ActivePassiveSwapper(management, plans, name, archive, store_dir, topology, config)
         for B in tqdm(parse_int_list(args.batches), desc=f"e2e {args.model}", unit="B"):
             deployed = {"fat": fat_plan(T, B), "packrat": optimizer.plan(T, B, uniform=True)}
             for name, plan in deployed.items():

@@ -18,11 +18,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm import tqdm
+
+if __package__ in (None, ""):  # `python bench/NAME.py` from the repository root
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.report import (
     PACKRAT_ROW_HEADER,
@@ -37,8 +41,7 @@ from bench.report import (
 from packrat_plugin.measure import InstanceJob, InstanceProcess, WindowResult, run_concurrently
 from packrat_plugin.optimizer import KnapsackOptimizer, expected_speedup
 from packrat_plugin.plan_types import Plan, PlanItem
-from packrat_plugin.profile import load_profile
-from packrat_plugin.profiler import PreparedModel, parse_int_list, prepare_model
+from packrat_plugin.profiler import PreparedModel, parse_int_list, prepare_model, profile_for_this_machine
 from packrat_plugin.topology import CpuTopology, allocate
 
 
@@ -118,7 +121,7 @@ def plot(data: dict, path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", required=True, help="catalog name or .mar")
-    parser.add_argument("--profile", type=Path, help="default: profiles/<model>.json")
+    parser.add_argument("--profile", type=Path, help="default: profiles/<model>.json, else profile this machine")
     parser.add_argument("--batches", default="2,4,8,16")
     parser.add_argument("--threads", type=int, help="T (default: all usable cores)")
     parser.add_argument("--seconds", type=float, default=4.0, help="length of one timed window")
@@ -131,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="also write the JSON result here")
     args = parser.parse_args(argv)
 
-    profile = load_profile(args.profile or Path("profiles") / f"{args.model}.json", force=args.force)
+    profile, _ = profile_for_this_machine(args.model, args.profile, args.force)
     topology = CpuTopology.from_system()
     T = args.threads or len(topology.cores)
     optimizer = KnapsackOptimizer(profile)

@@ -1,141 +1,270 @@
-"""Packrat live reconfiguration under a load step (the paper's Figure 6 analogue).
+"""Packrat live reconfiguration under changing load, against static settings.
 
-    python -m bench.packrat_swap --model resnet50 --json out.json
+    python bench/packrat_swap.py --model resnet50            # or python -m bench.packrat_swap
+    python bench/packrat_swap.py --model resnet50 --quick    # shorter loads
 
-Starts TorchServe under the full Packrat controller (default estimator:
-5 ms sampling, α = 0.1, n = 10, 1 s timeout) with the model's profile, then
-drives an open-loop Poisson load that steps from a low rate to a high rate.
-Every request is counted; the result reports failures (any non-200, or a
-connection error), the swap's duration, and the plans before and after, and
-plots per-request latency over time with the swap marked.
+Uses the model's profile if it was measured on this machine, else profiles
+briefly first (``profile_for_this_machine``).  Loads are open-loop Poisson,
+set as fractions of the largest capacity the profile predicts (so they mean
+the same on any machine):
+
+- step: low, then high;
+- spike: low, a 10 s burst at high, low again;
+- diurnal: a slow sine between low and high over ``--diurnal-seconds``.
+
+Each load is played against three systems, one after another on the same
+machine: Packrat (the full controller, default knobs), TorchServe's default
+(one worker with every core, batch 1) and the static multi-worker setting of
+the CPU tuning guides (one pinned worker per core, batch 1).  The report gives
+mean and p99 latency of each, failures, Packrat's swaps per load change with
+each swap's phases (and, for a cold bring-up, where a worker's start-up time
+went), and Packrat's p99 inside swap windows against outside them.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-from bench.report import markdown_table, provenance, provenance_block, write_outputs
+if __package__ in (None, ""):  # `python bench/packrat_swap.py` from the repository root
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.report import add_output_arguments, markdown_table, provenance, provenance_block, publish
 from model_store.build import ARCHIVE_DIR, build_archive
 from model_store.catalog import get_spec
 from model_store.samples import client_payload
 from packrat_plugin.controller import ControllerConfig, ModelTarget, PackratController
-from packrat_plugin.estimator import EstimatorConfig
-from packrat_plugin.loadgen import open_loop, run
-from packrat_plugin.plan_types import format_instances
-from packrat_plugin.profile import load_profile
+from packrat_plugin.loadgen import LoadResult, open_loop, run
+from packrat_plugin.optimizer import KnapsackOptimizer
+from packrat_plugin.plan_types import Plan, PlanItem, format_instances
+from packrat_plugin.plans import PLAN_DIR_ENV, PlanStore
+from packrat_plugin.policy import levels_for
+from packrat_plugin.profiler import profile_for_this_machine
+from packrat_plugin.swapper import ActivePassiveSwapper, SwapperConfig
+from packrat_plugin.topology import CpuTopology
+from packrat_plugin.torchserve import TorchServeProcess
+
+SYSTEMS = ("packrat", "fat", "static")
 
 
-def plot(samples, swaps, load_start_wall: float, phases, path: Path, title: str) -> None:
+def load_shapes(low: float, high: float, args: argparse.Namespace) -> dict[str, list[tuple[float, float]]]:
+    """Phases ``[(seconds, rate)]`` of each load; ``changes`` = load changes in it."""
+    scale = 0.5 if args.quick else 1.0
+    step = [(15 * scale, low), (30 * scale, high)]
+    spike = [(15 * scale, low), (10.0, high), (20 * scale, low)]
+    period = args.diurnal_seconds * scale
+    pieces = max(8, int(period / 5))
+    diurnal = [
+        (period / pieces, low + (high - low) * 0.5 * (1 - math.cos(2 * math.pi * (i + 0.5) / pieces)))
+        for i in range(pieces)
+    ]
+    return {"step": step, "spike": spike, "diurnal": diurnal}
+
+
+LOAD_CHANGES = {"step": 1, "spike": 2, "diurnal": 2}  # diurnal: up, then down
+
+
+def static_plans(threads: int) -> dict[str, Plan]:
+    return {
+        "fat": Plan(threads, 1, math.nan, (PlanItem(1, threads, 1),)),
+        "static": Plan(threads, threads, math.nan, (PlanItem(threads, 1, 1),)),
+    }
+
+
+def summarize(result: LoadResult) -> dict:
+    return {
+        "requests": len(result.samples),
+        "failed": result.failed,
+        "mean_ms": result.mean_latency_ms(),
+        "p99_ms": result.percentile_ms(99),
+    }
+
+
+def swap_windows(result: LoadResult, swaps: list[dict], load_start_wall: float) -> dict:
+    """p99 of requests sent inside a swap (start → old set retired) vs outside."""
+    windows = [(s["started"] - load_start_wall, s["started"] - load_start_wall + s["seconds"]) for s in swaps]
+    inside = [s for s in result.ok if any(a <= s.sent <= b for a, b in windows)]
+    outside = [s for s in result.ok if not any(a <= s.sent <= b for a, b in windows)]
+    return {
+        "p99_inside_ms": LoadResult(inside, 1.0).percentile_ms(99) if inside else None,
+        "p99_outside_ms": LoadResult(outside, 1.0).percentile_ms(99) if outside else None,
+        "requests_inside": len(inside),
+    }
+
+
+def run_packrat(spec, archive, profile, shapes, payloads, workdir: Path) -> dict:
+    out = {}
+    controller = PackratController(workdir / "packrat", [ModelTarget(spec.name, archive, profile)], ControllerConfig(),
+                                   status_port=None)  # fmt: skip
+    with controller:
+        url = f"{controller.server.inference_url}/predictions/{spec.name}"
+        model = controller.models[spec.name]
+        for name, phases in shapes.items():
+            # Start every load from the plan for its opening rate, settled.
+            run(open_loop(url, lambda i: payloads[i % len(payloads)], [(8.0, phases[0][1])], seed=99))
+            seen = len(model.swaps)
+            start_wall = time.time()
+            result = run(open_loop(url, lambda i: payloads[i % len(payloads)], phases, seed=1))
+            swaps = [s.to_dict() for s in model.swaps[seen:]]
+            decisions = [d for d in model.decisions if d["at"] >= start_wall]
+            out[name] = {**summarize(result), "swaps": swaps, "decisions": decisions,
+                         **swap_windows(result, swaps, start_wall)}  # fmt: skip
+            out[name]["timeline"] = [(round(s.sent, 3), round(s.latency_s * 1e3, 1), s.status) for s in result.samples]
+            out[name]["swap_marks"] = [(s["started"] - start_wall, s["seconds"]) for s in swaps]
+            time.sleep(2.0)
+    return out
+
+
+def run_static(spec, archive, shapes, payloads, workdir: Path) -> dict:
+    topology = CpuTopology.from_system()
+    plans = PlanStore(workdir / "plans")
+    out: dict[str, dict] = {name: {} for name in static_plans(len(topology.cores))}
+    with TorchServeProcess(workdir / "ts", workdir / "store", env={PLAN_DIR_ENV: str(plans.root)}) as server:
+        management = server.management()
+        for system, plan in static_plans(len(topology.cores)).items():
+            swapper = ActivePassiveSwapper(management, plans, system, archive, workdir / "store", topology,
+                                           SwapperConfig())  # fmt: skip
+            swapper.apply(plan)
+            url = f"{server.inference_url}/predictions/{system}"
+            for name, phases in shapes.items():
+                run(open_loop(url, lambda i: payloads[i % len(payloads)], [(8.0, phases[0][1])], seed=99))
+                result = run(open_loop(url, lambda i: payloads[i % len(payloads)], phases, seed=1))
+                out[system][name] = summarize(result)
+                time.sleep(2.0)
+            management.unregister(system)
+    return out
+
+
+def plot(data: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7.5, 3.6))
-    ok = [(s.sent, s.latency_s * 1e3) for s in samples if s.status == 200]
-    bad = [(s.sent, s.latency_s * 1e3) for s in samples if s.status != 200]
-    ax.scatter([x for x, _ in ok], [y for _, y in ok], s=4, label="request latency")
-    if bad:
-        ax.scatter([x for x, _ in bad], [y for _, y in bad], s=12, c="red", marker="x", label="failed")
-    for swap in swaps:
-        start = swap["started"] - load_start_wall
-        ax.axvspan(start, start + swap["seconds"], color="orange", alpha=0.3)
-        ax.annotate(f"{swap['kind']} ({swap['seconds']:.1f} s)", (start, ax.get_ylim()[1] * 0.9), fontsize=8)
-    edge = 0.0
-    for seconds, _rate in phases[:-1]:
-        edge += seconds
-        ax.axvline(edge, color="grey", ls="--", lw=0.8)
-    ax.set_xlabel("time since load start (s)")
-    ax.set_ylabel("latency (ms)")
-    ax.set_title(title)
-    ax.legend(fontsize=8, loc="upper left")
+    loads = list(data["loads"])
+    fig, axes = plt.subplots(len(loads), 1, figsize=(8, 2.6 * len(loads)), squeeze=False)
+    for ax, name in zip(axes[:, 0], loads, strict=True):
+        run_ = data["packrat"][name]
+        ok = [(t, ms) for t, ms, st in run_["timeline"] if st == 200]
+        bad = [(t, ms) for t, ms, st in run_["timeline"] if st != 200]
+        ax.scatter([t for t, _ in ok], [ms for _, ms in ok], s=3, label="Packrat request latency")
+        if bad:
+            ax.scatter([t for t, _ in bad], [ms for _, ms in bad], s=12, c="red", marker="x", label="failed")
+        for start, seconds in run_["swap_marks"]:
+            ax.axvspan(start, start + seconds, color="orange", alpha=0.35)
+        rate_ax = ax.twinx()
+        edges, rates, at = [], [], 0.0
+        for seconds, rate in data["loads"][name]:
+            edges += [at, at + seconds]
+            rates += [rate, rate]
+            at += seconds
+        rate_ax.plot(edges, rates, color="grey", lw=1, label="offered load")
+        rate_ax.set_ylabel("req/s", fontsize=8)
+        ax.set_yscale("log")
+        ax.set_ylabel("latency (ms)", fontsize=8)
+        ax.set_title(f"{name}: Packrat {run_['mean_ms']:.0f} ms mean, fat {data['fat'][name]['mean_ms']:.0f} ms, "
+                     f"static {data['static'][name]['mean_ms']:.0f} ms (orange: swaps)", fontsize=9)  # fmt: skip
+    axes[-1, 0].set_xlabel("time since load start (s)")
+    axes[0, 0].legend(fontsize=7, loc="upper left")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def render(data: dict) -> str:
+    rows = []
+    for name in data["loads"]:
+        p, f, s = data["packrat"][name], data["fat"][name], data["static"][name]
+        rows.append([
+            name, f"{p['mean_ms']:.0f} / {p['p99_ms']:.0f}", f"{f['mean_ms']:.0f} / {f['p99_ms']:.0f}",
+            f"{s['mean_ms']:.0f} / {s['p99_ms']:.0f}",
+            f"{f['mean_ms'] / p['mean_ms']:.2f}× / {s['mean_ms'] / p['mean_ms']:.2f}×",
+            f"{p['failed']} / {f['failed']} / {s['failed']}",
+            f"{len(p['swaps'])} ({len(p['swaps']) / LOAD_CHANGES[name]:.1f})",
+            "-" if p["p99_inside_ms"] is None else f"{p['p99_inside_ms']:.0f} / {p['p99_outside_ms']:.0f}",
+        ])  # fmt: skip
+    table = markdown_table(
+        ["load", "Packrat mean / p99 (ms)", "fat mean / p99", "static mean / p99", "Packrat speedup vs fat / static",
+         "failed (P / F / S)", "swaps (per load change)", "Packrat p99 in / out of swaps"], rows,
+    )  # fmt: skip
+    swap_rows = []
+    for name in data["loads"]:
+        for s in data["packrat"][name]["swaps"]:
+            ph = s["phases"]
+            start = s.get("worker_startup") or {}
+            swap_rows.append([
+                name, f"{format_instances(s['before'])} → {format_instances(s['after'])}",
+                "warm" if s["warm"] else "cold", f"{s['serving_after_s']:.2f}", f"{s['seconds']:.2f}",
+                *(f"{ph.get(k, 0.0):.2f}" for k in ("bring_up", "switch", "drain", "retire")),
+                " / ".join(f"{start[k]:.1f}" for k in ("spawn_s", "load_s", "warmup_s") if k in start) or "-",
+            ])  # fmt: skip
+    phase_table = markdown_table(
+        ["load", "swap", "kind", "new plan serving (s)", "done (s)", "bring up", "switch", "drain", "retire",
+         "worker start-up: spawn+imports / load / warm-up (s)"], swap_rows,
+    )  # fmt: skip
+    decisions = [
+        f"- {name}: {d['reason']} → B={d['target_batch']} at {d['rate']:.1f} req/s"
+        for name in data["loads"] for d in data["packrat"][name]["decisions"]
+    ]  # fmt: skip
+    loads = "; ".join(
+        f"{name}: " + ", ".join(f"{sec:.0f} s at {rate:.1f}/s" for sec, rate in phases[:4])
+        + (" …" if len(phases) > 4 else "") for name, phases in data["loads"].items()
+    )  # fmt: skip
+    return (
+        f"# Packrat under changing load: {data['model']} ({data['mode']}), T={data['threads']}\n\n"
+        f"Open-loop Poisson loads between {data['low']:.1f} and {data['high']:.1f} req/s "
+        f"({data['low_fraction']:.0%} and {data['high_fraction']:.0%} of the profile's largest capacity, "
+        f"{data['capacity']:.1f} req/s). {loads}.\n\n"
+        f"Systems, one after another on this machine: Packrat (controller defaults, standby workers warm); "
+        f"fat = TorchServe's default, one worker with all {data['threads']} cores ⟨1,{data['threads']},1⟩; "
+        f"static = one pinned worker per core, batch 1 ⟨{data['threads']},1,1⟩ (the CPU tuning guides' even split). "
+        f"Each load starts after 8 s at its opening rate.\n\n{table}\n\n"
+        f"Profile: `{data['profile_path']}`.\n\nEvery Packrat swap:\n\n{phase_table}\n\n"
+        f"Decisions:\n\n" + "\n".join(decisions) + f"\n\n![latency over time]({data['stem']}.png)\n\n"
+        f"{provenance_block(data['provenance'])}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="resnet50")
     parser.add_argument("--mode", default="script", choices=("eager", "script", "compile"))
-    parser.add_argument("--profile", type=Path)
-    parser.add_argument("--low-rate", type=float, default=1.0, help="requests/s before the step")
-    parser.add_argument("--high-rate", type=float, default=8.0, help="requests/s after the step")
-    parser.add_argument("--low-seconds", type=float, default=10.0)
-    parser.add_argument("--high-seconds", type=float, default=30.0)
-    parser.add_argument("--sample-ms", type=float, default=5.0)
-    parser.add_argument("--force", action="store_true")
-    parser.add_argument("--out-dir", type=Path, default=Path("docs/benchmarks"))
-    parser.add_argument("--json", type=Path)
+    parser.add_argument("--profile", type=Path, help="default: profiles/<model>.json, else profile this machine")
+    parser.add_argument("--force", action="store_true", help="use a profile measured on other hardware")
+    parser.add_argument("--low", type=float, default=0.1, help="low load, as a fraction of the largest capacity")
+    parser.add_argument("--high", type=float, default=0.7, help="high load, likewise")
+    parser.add_argument("--diurnal-seconds", type=float, default=120.0)
+    parser.add_argument("--loads", default="step,spike,diurnal")
+    parser.add_argument("--quick", action="store_true", help="halve the phases (a smoke run)")
+    add_output_arguments(parser)
     args = parser.parse_args(argv)
 
     spec = get_spec(args.model, args.mode)
-    profile = load_profile(args.profile or Path("profiles") / f"{args.model}.json", force=args.force)
+    profile, profile_path = profile_for_this_machine(spec.name, args.profile, args.force, args.mode)
     archive = build_archive(spec, ARCHIVE_DIR)
-    config = ControllerConfig(estimator=EstimatorConfig(sample_period_s=args.sample_ms / 1000))
+    threads = len(CpuTopology.from_system().cores)
+    optimizer = KnapsackOptimizer(profile)
+    capacity = max(lv.capacity for lv in levels_for(optimizer, threads, threads * max(profile.batches)))
+    low, high = args.low * capacity, args.high * capacity
+    shapes = {k: v for k, v in load_shapes(low, high, args).items() if k in args.loads.split(",")}
     payloads = [client_payload(spec, seed=i) for i in range(32)]
-    phases = [(args.low_seconds, args.low_rate), (args.high_seconds, args.high_rate)]
     prov = provenance("bench.packrat_swap")
     with tempfile.TemporaryDirectory(prefix="packrat-swap-") as tmp:
-        controller = PackratController(Path(tmp), [ModelTarget(spec.name, archive, profile)], config, status_port=None)
-        with controller:
-            url = f"{controller.server.inference_url}/predictions/{spec.name}"
-            before = controller.status()["models"][spec.name]
-            load_start_wall = time.time()
-            result = run(open_loop(url, lambda i: payloads[i % len(payloads)], phases))
-            time.sleep(1.0)
-            after = controller.status()["models"][spec.name]
-            swaps = [s.to_dict() for s in controller.models[spec.name].swaps]
-    live = [s for s in swaps if s["kind"] != "initial"]
-    data = {
-        "model": spec.name,
-        "requests": len(result.samples),
-        "failed": result.failed,
-        "swap_seconds": live[0]["seconds"] if live else None,
-        "swap_serving_after_s": live[0]["serving_after_s"] if live else None,
-        "swaps": live,
-        "before_plan": before["plan"]["instances"],
-        "after_plan": after["plan"]["instances"],
-        "phases": [{"seconds": s, "rate": r} for s, r in phases],
-        "mean_latency_ms": result.mean_latency_ms(),
-        "p99_latency_ms": result.percentile_ms(99),
-        "provenance": prov,
-    }
+        packrat = run_packrat(spec, archive, profile, shapes, payloads, Path(tmp))
+        static = run_static(spec, archive, shapes, payloads, Path(tmp))
     stem = f"packrat_swap_{spec.name}"
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    plot(result.samples, live, load_start_wall, phases, args.out_dir / f"{stem}.png",
-         f"Packrat under a load step: {spec.name} ({args.low_rate:g} → {args.high_rate:g} req/s)")  # fmt: skip
-    table = markdown_table(
-        ["requests", "failed", "plan before", "plan after", "reconfigurations",
-         "first swap: new plan serving / done (s)"],
-        [[data["requests"], data["failed"], format_instances(data["before_plan"]), format_instances(data["after_plan"]),
-          ", ".join(f"{s['kind']} → {format_instances(s['after'])}" for s in live) or "none",
-          "-" if data["swap_seconds"] is None
-          else f"{data['swap_serving_after_s']:.2f} / {data['swap_seconds']:.2f}"]],
-    )  # fmt: skip
-    phase_table = markdown_table(
-        ["swap", "bring up (s)", "switch (s)", "drain (s)", "retire (s)", "total (s)"],
-        [[f"{format_instances(s['before'])} → {format_instances(s['after'])}",
-          *(f"{s['phases'].get(k, 0.0):.2f}" for k in ("bring_up", "switch", "drain", "retire")),
-          f"{s['seconds']:.2f}"] for s in live],
-    )  # fmt: skip
-    markdown = (
-        f"# Packrat live reconfiguration: {spec.name} ({spec.mode})\n\n"
-        f"Open-loop Poisson load, {args.low_rate:g} req/s for {args.low_seconds:g} s, then "
-        f"{args.high_rate:g} req/s for {args.high_seconds:g} s, JPEG requests; the controller runs with its "
-        f"defaults (sampling every {args.sample_ms:g} ms, α=0.1, n=10, 1 s timeout).\n\n{table}\n\n"
-        f"Mean latency {data['mean_latency_ms']:.0f} ms, p99 {data['p99_latency_ms']:.0f} ms over the whole run.\n\n"
-        f"Where each swap's time went:\n\n{phase_table}\n\n"
-        f"![latency over time]({stem}.png)\n\n{provenance_block(prov)}"
-    )
-    write_outputs(stem, markdown, data, args.out_dir)
-    if args.json:
-        args.json.write_text((args.out_dir / f"{stem}.json").read_text())
-    print(markdown)
-    return 0 if data["failed"] == 0 else 1
+    data = {
+        "model": spec.name, "mode": spec.mode, "threads": threads, "capacity": capacity, "low": low, "high": high,
+        "low_fraction": args.low, "high_fraction": args.high, "loads": shapes, "packrat": packrat, **static,
+        "profile_path": str(profile_path), "stem": stem, "provenance": prov,
+    }  # fmt: skip
+    print(publish(stem, data, render, plot, args.out_dir, args.json))
+    failed = sum(data[s][name]["failed"] for s in SYSTEMS for name in shapes)
+    return 0 if failed == 0 else 1
 
 
 if __name__ == "__main__":

@@ -40,6 +40,9 @@ A move happens only when all of these hold:
   levels in between;
 - **persistence.** The same direction has been wanted for ``up_confirm_s``
   (growing) or ``down_confirm_s`` (shrinking): noise does not flap;
+- **clean signal.** For ``depth_settle_s`` after a swap the queue-depth
+  rules below are ignored: the old set drains beside the new one on the same
+  cores, and the queue that builds meanwhile is the swap's, not the load's;
 - **worth it.** The predicted latency improves by at least ``min_gain``
   (hysteresis around the boundary between two levels), and the latency
   saved over the expected time at the new load outweighs the swap's
@@ -79,6 +82,7 @@ class PolicyConfig:
     down_confirm_s: float = 3.0
     confirm_grace_s: float = 0.5  # a gap this short does not restart a confirmation
     noise_z: float = 2.0  # width of the Poisson confidence bound that gates a move
+    depth_settle_s: float = 6.0  # after a swap, queue-depth rules wait this long (one long window)
     min_gain: float = 0.10  # relative latency improvement a move must promise
     horizon_s: float = 30.0  # expected time at a load, until swaps measure it
     min_horizon_s: float = 10.0
@@ -213,6 +217,7 @@ class ReconfigurationPolicy:
     _direction: int = 0
     _since: float = 0.0
     _last_wanted: float = -math.inf
+    _depth_quiet_until: float = -math.inf
     costs: SwapCosts = field(init=False)
 
     def __post_init__(self) -> None:
@@ -242,6 +247,10 @@ class ReconfigurationPolicy:
     def record_swap(self, now: float, serving_after_s: float, warm: bool) -> None:
         self.costs.record_swap(now, serving_after_s, warm, self.config.min_horizon_s)
         self._direction, self._last_wanted = 0, -math.inf
+        # While the old set drains it shares the cores with the new one, so the
+        # queue can grow for a while after a swap: the swap's own after-effect,
+        # not load.  The depth-based rules wait for a clean window.
+        self._depth_quiet_until = now + self.config.depth_settle_s
 
     def observe(self, obs: Observation, current: int, warm: set[int] | frozenset[int] = frozenset()) -> Decision | None:
         """The move to make now, if any.  ``warm``: levels whose workers already run."""
@@ -286,6 +295,8 @@ class ReconfigurationPolicy:
         rate = obs.rate_short
         short_low, short_high = obs.bounds(obs.rate_short, obs.short_span_s, z)
         _, long_high = obs.bounds(obs.rate_long, obs.long_span_s, z)
+        if obs.now < self._depth_quiet_until:
+            obs = Observation(obs.now, obs.rate_short, obs.rate_long, obs.short_span_s, obs.long_span_s)
         floor = self.floor_level(obs.concurrency)
         up = self.best(short_high)
         # Growing: even at the low end of the rate's noise, the target beats the current level.

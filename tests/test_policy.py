@@ -240,3 +240,11 @@ def test_monitor_concurrency_ignores_a_draining_backlog():
     for i in range(11, 20):
         monitor.record(i * 0.5, {"a": float(i)}, 40 - 3 * (i - 10))  # a backlog draining
     assert monitor.concurrency(round_batch=2) == 0.0
+
+
+def test_queue_growth_right_after_a_swap_is_the_swaps_own_and_is_ignored():
+    policy = ReconfigurationPolicy(levels(), PolicyConfig(up_confirm_s=0.0, depth_settle_s=6.0))
+    policy.record_swap(10.0, serving_after_s=0.3, warm=True)
+    growing = dict(rate_short=12.0, rate_long=12.0, backlog_growing=True)
+    assert policy.observe(Observation(12.0, **growing), current=4) is None
+    assert policy.observe(Observation(17.0, **growing), current=4) is not None
