@@ -33,7 +33,7 @@ from packrat_plugin.plan_types import Plan
 from packrat_plugin.plans import PLAN_DIR_ENV, PlanStore
 from packrat_plugin.policy import Decision, Level, PolicyConfig, ReconfigurationPolicy, levels_for, standby_items
 from packrat_plugin.profile import Profile
-from packrat_plugin.swapper import ActivePassiveSwapper, SwapError, SwapperConfig, SwapReport, version_name
+from packrat_plugin.swapper import ActivePassiveSwapper, SwapError, SwapperConfig, SwapReport, ready_counts
 from packrat_plugin.topology import CpuTopology
 from packrat_plugin.torchserve import Ports, TorchServeProcess
 
@@ -192,17 +192,14 @@ class ModelController:
         versions = self.management.describe(self.target.name, "all")
         pending = sum(v["jobQueueStatus"]["pendingRequests"] for v in versions)
         busy = sum(self.store.in_service(self.target.name, v["modelVersion"]) for v in versions)
-        ready = {
-            str(v["modelVersion"]): sum(w.get("status") == "READY" for w in v.get("workers", [])) for v in versions
-        }
+        ready = ready_counts(versions)
         counters = arrival_counters(self.metrics, self.target.name)
         with self.lock:
             self.last_pending, self.last_in_service, self.ready = pending, busy, ready
             self.monitor.record(now, counters, pending + busy)
 
     def warm_levels(self) -> set[int]:
-        ready = self.ready
-        return {lv.batch for lv in self.levels if ready.get(version_name(lv.plan.instances[0]), 0) >= lv.instances}
+        return {lv.batch for lv in self.levels if self.swapper.is_warm(lv.plan.instances[0], self.ready)}
 
     def step(self, now: float) -> SwapReport | None:
         self.sample(now)

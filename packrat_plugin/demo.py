@@ -14,7 +14,6 @@ repo's ``config.properties`` and send each a few real requests.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import tempfile
 from dataclasses import dataclass
@@ -77,21 +76,13 @@ def packrat_demo(args: argparse.Namespace) -> int:
         ) from None
     from packrat_plugin.controller import ControllerConfig, ModelTarget, PackratController
     from packrat_plugin.plan_types import format_instances
-    from packrat_plugin.profile import ProfileError, load_profile
-    from packrat_plugin.profiler import run_profile
+    from packrat_plugin.profiler import profile_for_this_machine
     from packrat_plugin.serve import format_status
 
     spec = get_spec(args.model, "script")
     (archive,) = build_many([spec], ARCHIVE_DIR)
-    profile_path = Path("profiles") / f"{spec.name}.json"
-    try:
-        profile = load_profile(profile_path)
-        print(f"using the committed profile {profile_path} (measured on this hardware)")
-    except ProfileError as exc:
-        print(f"{exc}\nprofiling {spec.name} briefly instead")
-        profile_path = DEMO_DIR / f"{spec.name}.json"
-        cores = len(os.sched_getaffinity(0))
-        profile = run_profile(spec.name, list(range(1, cores + 1)), [1, 2, 4, 8], profile_path, warmup=1, iters=3)
+    profile, profile_path = profile_for_this_machine(spec.name)
+    print(f"using the profile {profile_path} (measured on this hardware)")
     payloads = [client_payload(spec, seed=i) for i in range(16)]
     ports = Ports.free() if args.free_ports else Ports.default()
     controller = PackratController(DEMO_DIR / "packrat", [ModelTarget(spec.name, archive, profile)], ControllerConfig(),

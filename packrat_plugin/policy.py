@@ -67,6 +67,7 @@ backlog a swap leaves behind shrinks, and must not trigger another swap.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -296,7 +297,7 @@ class ReconfigurationPolicy:
         short_low, short_high = obs.bounds(obs.rate_short, obs.short_span_s, z)
         _, long_high = obs.bounds(obs.rate_long, obs.long_span_s, z)
         if obs.now < self._depth_quiet_until:
-            obs = Observation(obs.now, obs.rate_short, obs.rate_long, obs.short_span_s, obs.long_span_s)
+            obs = dataclasses.replace(obs, backlog_growing=False, concurrency=0.0)
         floor = self.floor_level(obs.concurrency)
         up = self.best(short_high)
         # Growing: even at the low end of the rate's noise, the target beats the current level.

@@ -42,6 +42,11 @@ from packrat_plugin.topology import CpuTopology, allocate
 logger = logging.getLogger(__name__)
 
 
+def ready_counts(versions: list[dict[str, Any]]) -> dict[str, int]:
+    """READY workers per version, from a describe-all answer."""
+    return {str(v["modelVersion"]): sum(w.get("status") == "READY" for w in v.get("workers", [])) for v in versions}
+
+
 def version_name(item: PlanItem) -> str:
     """The TorchServe version that serves instances of ``item``'s class."""
     return f"t{item.threads}b{item.batch}"
