@@ -132,6 +132,7 @@ class CPUModelHandler(PackratWorkerMixin):
     # -- entry point ---------------------------------------------------------
 
     def handle(self, data: list[dict[str, Any]], context: Any) -> list[Any]:
+        started = time.perf_counter_ns()
         pre = self.preprocess(data)
         logger.info("batch of %d requests, %d refused", len(data), len(pre.errors))
         responses: list[Any] = [None] * len(data)
@@ -142,7 +143,12 @@ class CPUModelHandler(PackratWorkerMixin):
             logger.info("request %d refused: %d %s", index, err.status, err.reason)
         if pre.inputs:
             with self.in_service(len(pre.inputs)):
-                outputs = self.postprocess(self.inference(collate(pre.inputs)))
+                batch = collate(pre.inputs)
+                model_started = time.perf_counter_ns()
+                logits = self.inference(batch)
+                model_ns = time.perf_counter_ns() - model_started
+                outputs = self.postprocess(logits)
             for index, result in zip(pre.indices, outputs, strict=True):
                 responses[index] = result
+            self.record_batch(len(pre.inputs), time.perf_counter_ns() - started, model_ns)
         return responses

@@ -26,6 +26,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from packrat_plugin.calibration import CalibrationConfig, ServiceCalibrator
 from packrat_plugin.clients import ManagementClient, MetricsClient, TorchServeAPIError
 from packrat_plugin.load_monitor import LoadMonitor, MonitorConfig
 from packrat_plugin.optimizer import InfeasibleError, KnapsackOptimizer
@@ -56,6 +57,8 @@ class ControllerConfig:
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     swapper: SwapperConfig = field(default_factory=SwapperConfig)
+    calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
+    calibrate: bool = True  # False: plan on the bare profile
     # Idle workers kept warm beside the serving set, so that a swap to their
     # class starts nothing (each costs its memory: ~0.65 GB for ResNet-50).
     standby_workers: int = 8
@@ -109,6 +112,7 @@ class ModelController:
         self.levels: list[Level] = levels_for(self.optimizer, self.threads, self.max_batch)
         self.policy = ReconfigurationPolicy(self.levels, config.policy)
         self.monitor = LoadMonitor(config.monitor)
+        self.calibrator = ServiceCalibrator(config.calibration)
         self.swapper = ActivePassiveSwapper(
             management, store, target.name, target.archive, model_store, topology, config.swapper
         )
@@ -171,12 +175,19 @@ class ModelController:
 
     def _apply(self, level: Level, decision: Decision | None = None) -> SwapReport:
         try:
-            report = self.swapper.apply(level.plan)
+            standby = None
+            if self.config.reconfigure and not self.config.fixed_batch:
+                standby = standby_items(self.levels, level.batch, self.config.standby_workers)
+            report = self.swapper.apply(level.plan, standby)
         except (SwapError, TorchServeAPIError) as exc:
             logger.error("%s: reconfiguration failed: %s", self.target.name, exc)
             with self.lock:
                 self.last_error = str(exc)
             raise
+        if report.kind != "none":
+            # The new set's counters start where they are now; the drain is over,
+            # so its first window is not slowed by the old set.
+            self.calibrator.restart(self.store.service_totals(self.target.name, self.swapper.active))
         with self.lock:
             self.level, self.plan = level, level.plan
             if report.kind != "none":
@@ -197,6 +208,12 @@ class ModelController:
         with self.lock:
             self.last_pending, self.last_in_service, self.ready = pending, busy, ready
             self.monitor.record(now, counters, pending + busy)
+        if self.config.calibrate and self.level is not None and self.swapper.active:
+            totals = self.store.service_totals(self.target.name, self.swapper.active)
+            if self.calibrator.update(totals, self.level.rounds_ms):
+                with self.lock:
+                    self.policy.calibrate(self.calibrator.current)
+                    self.level = self.policy.level(self.level.batch)
 
     def warm_levels(self) -> set[int]:
         return {lv.batch for lv in self.levels if self.swapper.is_warm(lv.plan.instances[0], self.ready)}
@@ -257,6 +274,7 @@ class ModelController:
                     "cold_s": round(costs.cold_s, 3),
                     "horizon_s": round(costs.horizon_s, 1),
                 },  # fmt: skip
+                "calibration": self.calibrator.current.to_dict(),
                 "swaps": len(self.swaps),
                 "last_swap": last.to_dict() if last else None,
                 "last_decision": self.decisions[-1] if self.decisions else None,

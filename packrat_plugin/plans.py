@@ -5,16 +5,19 @@ Layout under the plan directory (``PACKRAT_PLAN_DIR``)::
     <model>/<version>.json            {"model", "version", "threads", "batch",
                                        "slots": [{"cores", "threads", "batch"}]}
     <model>/<version>.slot-<i>.lock   held (flock LOCK_EX) by the worker in slot i
-    <model>/<version>.slot-<i>.inflight   8+8 bytes: worker pid, requests in service
+    <model>/<version>.slot-<i>.counters   the worker's live counters (``SlotCounters``)
+    <model>/<version>.draining           present while the version drains after a swap
     <model>/<version>.slot-<i>.startup.json  {"pid", "spawn_s", "load_s", "warmup_s"}
 
 The controller writes plan files; each worker claims one slot for its whole
 life by an exclusive ``flock`` on the slot's lock file.  The kernel drops the
 lock when the process dies however it dies, so a crashed or killed worker
 frees its slot by itself and TorchServe's respawned worker takes it.  The
-in-flight file lets the controller count requests in service (TorchServe's
-describe API only reports queued ones); it carries the writer's pid so a
-dead worker's last count is not mistaken for load.
+counters file lets the controller count requests in service (TorchServe's
+describe API only reports queued ones) and learn what serving really costs
+(time in the handler and in the model, per batch), which the profile, timed
+on the model alone, does not say; it carries the writer's pid so a dead
+worker's last record is not mistaken for load.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ from packrat_plugin.profile import write_json_atomic
 from packrat_plugin.topology import Slot
 
 PLAN_DIR_ENV = "PACKRAT_PLAN_DIR"
-_INFLIGHT = struct.Struct("<qq")
+# seq, pid, in service, batches, requests, handler ns, model ns, seq again
+_COUNTERS = struct.Struct("<8q")
 
 
 @dataclass(frozen=True)
@@ -92,8 +96,19 @@ class PlanStore:
     def lock_path(self, model: str, version: str, index: int) -> Path:
         return self.root / model / f"{version}.slot-{index}.lock"
 
-    def inflight_path(self, model: str, version: str, index: int) -> Path:
-        return self.root / model / f"{version}.slot-{index}.inflight"
+    def counters_path(self, model: str, version: str, index: int) -> Path:
+        return self.root / model / f"{version}.slot-{index}.counters"
+
+    def draining_path(self, model: str, version: str) -> Path:
+        return self.root / model / f"{version}.draining"
+
+    def set_draining(self, model: str, version: str, draining: bool) -> None:
+        """Tell a version's workers that it is draining (see ``worker.PackratWorkerMixin``)."""
+        path = self.draining_path(model, version)
+        if draining:
+            path.touch()
+        else:
+            path.unlink(missing_ok=True)
 
     def startup_path(self, model: str, version: str, index: int) -> Path:
         return self.root / model / f"{version}.slot-{index}.startup.json"
@@ -122,32 +137,91 @@ class PlanStore:
             return None
         return VersionPlan.from_dict(json.loads(path.read_text()))
 
+    def _live_records(self, model: str, version: str) -> list[tuple[int, ...]]:
+        plan = self.read(model, version)
+        records = []
+        for index in range(len(plan.slots) if plan else 0):
+            record = read_counters(self.counters_path(model, version, index))
+            if record is not None and _pid_alive(record[1]):
+                records.append(record)
+        return records
+
     def in_service(self, model: str, version: str) -> int:
         """Requests being processed right now by live workers of this version."""
-        plan = self.read(model, version)
-        if plan is None:
-            return 0
-        total = 0
-        for index in range(len(plan.slots)):
-            try:
-                raw = self.inflight_path(model, version, index).read_bytes()
-            except FileNotFoundError:
-                continue
-            if len(raw) >= _INFLIGHT.size:
-                pid, count = _INFLIGHT.unpack_from(raw)
-                if count > 0 and _pid_alive(pid):
-                    total += count
+        return sum(max(0, r[2]) for r in self._live_records(model, version))
+
+    def service_totals(self, model: str, version: str) -> ServiceTotals:
+        """What the live workers of this version have served since they started."""
+        total = ServiceTotals()
+        for r in self._live_records(model, version):
+            total = total + ServiceTotals(r[3], r[4], r[5] / 1e9, r[6] / 1e9)
         return total
 
 
-class InflightCounter:
-    """A worker's view of its slot's in-flight file."""
+@dataclass(frozen=True)
+class ServiceTotals:
+    """Cumulative service counters of a set of workers."""
+
+    batches: int = 0
+    requests: int = 0
+    handler_s: float = 0.0  # whole ``handle()``: decode, model, encode
+    model_s: float = 0.0  # the model's forward pass alone
+
+    def __add__(self, other: ServiceTotals) -> ServiceTotals:
+        return ServiceTotals(self.batches + other.batches, self.requests + other.requests,
+                             self.handler_s + other.handler_s, self.model_s + other.model_s)  # fmt: skip
+
+    def __sub__(self, other: ServiceTotals) -> ServiceTotals:
+        return ServiceTotals(self.batches - other.batches, self.requests - other.requests,
+                             self.handler_s - other.handler_s, self.model_s - other.model_s)  # fmt: skip
+
+
+def read_counters(path: Path, attempts: int = 3) -> tuple[int, ...] | None:
+    """One slot's record, or None (no file, or torn by a concurrent write each time)."""
+    for _ in range(attempts):
+        try:
+            raw = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        if len(raw) < _COUNTERS.size:
+            return None
+        record = _COUNTERS.unpack_from(raw)
+        if record[0] == record[-1]:
+            return record
+    return None
+
+
+class SlotCounters:
+    """A worker's side of its slot's counters file.
+
+    One 64-byte ``pwrite`` per update, framed by a sequence number at both
+    ends: a reader that races a write sees two different numbers and reads
+    again, so it never adds up half of one record and half of another.
+    """
 
     def __init__(self, path: Path) -> None:
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         self._pid = os.getpid()
-        self.set(0)
+        self._seq = 0
+        self.in_service = 0
+        self.batches = 0
+        self.requests = 0
+        self.handler_ns = 0
+        self.model_ns = 0
+        self._write()
 
-    def set(self, count: int) -> None:
-        # One aligned 16-byte pwrite: readers see the old or the new record.
-        os.pwrite(self._fd, _INFLIGHT.pack(self._pid, count), 0)
+    def set_in_service(self, count: int) -> None:
+        self.in_service = count
+        self._write()
+
+    def add_batch(self, requests: int, handler_ns: int, model_ns: int) -> None:
+        self.batches += 1
+        self.requests += requests
+        self.handler_ns += handler_ns
+        self.model_ns += model_ns
+        self._write()
+
+    def _write(self) -> None:
+        self._seq += 1
+        fields = (self._pid, self.in_service, self.batches, self.requests, self.handler_ns, self.model_ns)
+        os.pwrite(self._fd, _COUNTERS.pack(self._seq, *fields, self._seq), 0)

@@ -242,5 +242,5 @@ def profile_for_this_machine(
         f"For a thorough one: packrat profile {model} --out profiles/{model}.json",
         file=sys.stderr,
     )
-    profile = run_profile(model, list(range(1, cores + 1)), batches or BRIEF_BATCHES, out, mode=mode, warmup=1, iters=3)
+    profile = run_profile(model, list(range(1, cores + 1)), batches or BRIEF_BATCHES, out, mode=mode, warmup=2, iters=5)
     return profile, out

@@ -67,10 +67,13 @@ def add_policy_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--up-confirm", type=float, default=pol.up_confirm_s, help="a rise must last this long (s)")
     g.add_argument("--down-confirm", type=float, default=pol.down_confirm_s, help="a fall must last this long (s)")
     g.add_argument("--noise-z", type=float, default=pol.noise_z, help="Poisson confidence bound that gates a move")
+    g.add_argument("--up-z", type=float, default=pol.up_z, help="... and that gates growing (narrower)")
     g.add_argument("--min-gain", type=float, default=pol.min_gain, help="least relative latency gain worth a swap")
     g.add_argument("--horizon", type=float, default=pol.horizon_s, help="expected seconds at a load, until measured")
     g.add_argument("--standby-workers", type=int, default=ctl.standby_workers,
                    help="idle workers kept warm for fast swaps (each holds a copy of the model; 0: none)")  # fmt: skip
+    g.add_argument("--no-calibrate", action="store_true",
+                   help="plan on the bare profile, not on measured serving costs (calibration.py)")  # fmt: skip
 
 
 def targets_from(args: argparse.Namespace) -> list[ModelTarget]:
@@ -90,7 +93,7 @@ def targets_from(args: argparse.Namespace) -> list[ModelTarget]:
 def config_from(args: argparse.Namespace) -> ControllerConfig:
     return ControllerConfig(
         policy=PolicyConfig(
-            up_confirm_s=args.up_confirm, down_confirm_s=args.down_confirm, noise_z=args.noise_z,
+            up_confirm_s=args.up_confirm, down_confirm_s=args.down_confirm, noise_z=args.noise_z, up_z=args.up_z,
             min_gain=args.min_gain, horizon_s=args.horizon,
         ),
         monitor=MonitorConfig(
@@ -98,6 +101,7 @@ def config_from(args: argparse.Namespace) -> ControllerConfig:
         ),
         swapper=SwapperConfig(max_batch_delay_ms=args.max_batch_delay),
         standby_workers=args.standby_workers,
+        calibrate=not args.no_calibrate,
         fixed_batch=args.fixed_batch,
         reconfigure=not args.no_reconfigure,
     )  # fmt: skip

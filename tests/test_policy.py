@@ -148,7 +148,7 @@ def test_a_growing_backlog_moves_up_even_when_the_profile_says_the_level_keeps_u
 
 def test_a_cold_swap_must_pay_for_itself_where_a_warm_one_need_not():
     policy = ReconfigurationPolicy(
-        levels(), PolicyConfig(up_confirm_s=0.0, cold_swap_s=20.0, horizon_s=30.0, noise_z=0.0)
+        levels(), PolicyConfig(up_confirm_s=0.0, cold_swap_s=20.0, horizon_s=30.0, noise_z=0.0, up_z=0.0)
     )
     rate = 10.5  # B=1 still keeps up (ρ≈0.92); B=4 is better, but not by enough to pay for 20 s of a cold start
     obs = Observation(now=1.0, rate_short=rate, rate_long=rate)
