@@ -5,7 +5,7 @@ an engine step (measure → policy → mechanism)::
 
     monitor.record(now, arrivals, depth)   # TorchServe's arrival counter + queue depth
     decision = policy.observe(monitor.observation(now), level, warm_levels)
-    if decision: swapper.apply(decision.target.plan); swapper.keep_warm(standby_items(...))
+    if decision: swapper.apply(decision.target.plan, standby_items(...)); swapper.keep_warm(...)
 
 The policy (``policy.py``) chooses among *levels*: power-of-two batch sizes B
 with their uniform plans from the optimizer (one TorchServe version holds one
@@ -30,7 +30,7 @@ from packrat_plugin.calibration import CalibrationConfig, ServiceCalibrator
 from packrat_plugin.clients import ManagementClient, MetricsClient, TorchServeAPIError
 from packrat_plugin.load_monitor import LoadMonitor, MonitorConfig
 from packrat_plugin.optimizer import InfeasibleError, KnapsackOptimizer
-from packrat_plugin.plan_types import Plan
+from packrat_plugin.plan_types import Plan, PlanItem
 from packrat_plugin.plans import PLAN_DIR_ENV, PlanStore
 from packrat_plugin.policy import Decision, Level, PolicyConfig, ReconfigurationPolicy, levels_for, standby_items
 from packrat_plugin.profile import Profile
@@ -157,27 +157,24 @@ class ModelController:
         report = self._apply(level)
         # The first bring-up is the first measurement of what a cold start costs.
         self.policy.costs.cold_s = report.seconds
-        if self.config.reconfigure and not self.config.fixed_batch:
-            self._refresh_standby()
-            if self.config.standby_wait_s > 0 and not self.swapper.wait_warm(self.config.standby_wait_s):
-                logger.warning("%s: standby workers not all READY after %.0f s", self.target.name,
-                               self.config.standby_wait_s)  # fmt: skip
+        waits = self.config.reconfigure and not self.config.fixed_batch and self.config.standby_wait_s > 0
+        if waits and not self.swapper.wait_warm(self.config.standby_wait_s):
+            logger.warning("%s: standby workers not all READY after %.0f s", self.target.name,
+                           self.config.standby_wait_s)  # fmt: skip
         return report
 
-    def _refresh_standby(self) -> None:
-        if self.level is None:
-            return
-        items = standby_items(self.levels, self.level.batch, self.config.standby_workers)
+    def _keep_warm(self, items: list[PlanItem]) -> None:
         try:
             self.swapper.keep_warm(items)
         except (TorchServeAPIError, OSError) as exc:
             logger.warning("%s: could not update the standby set: %s", self.target.name, exc)
 
     def _apply(self, level: Level, decision: Decision | None = None) -> SwapReport:
+        """Serve ``level``, then keep the classes around it warm (when the controller reconfigures)."""
+        standby = None
+        if self.config.reconfigure and not self.config.fixed_batch:
+            standby = standby_items(self.levels, level.batch, self.config.standby_workers)
         try:
-            standby = None
-            if self.config.reconfigure and not self.config.fixed_batch:
-                standby = standby_items(self.levels, level.batch, self.config.standby_workers)
             report = self.swapper.apply(level.plan, standby)
         except (SwapError, TorchServeAPIError) as exc:
             logger.error("%s: reconfiguration failed: %s", self.target.name, exc)
@@ -197,23 +194,28 @@ class ModelController:
             self.last_error = None
         logger.info("%s: %s to %s in %.2f s%s", self.target.name, report.kind, level.plan.describe(),
                     report.seconds, " (warm)" if report.warm else "")  # fmt: skip
+        if standby is not None:
+            self._keep_warm(standby)
         return report
 
     def sample(self, now: float) -> None:
         versions = self.management.describe(self.target.name, "all")
         pending = sum(v["jobQueueStatus"]["pendingRequests"] for v in versions)
-        busy = sum(self.store.in_service(self.target.name, v["modelVersion"]) for v in versions)
+        served = {
+            str(v["modelVersion"]): self.store.counters(self.target.name, str(v["modelVersion"])) for v in versions
+        }
+        busy = sum(c.in_service for c in served.values())
         ready = ready_counts(versions)
         counters = arrival_counters(self.metrics, self.target.name)
         with self.lock:
             self.last_pending, self.last_in_service, self.ready = pending, busy, ready
             self.monitor.record(now, counters, pending + busy)
-        if self.config.calibrate and self.level is not None and self.swapper.active:
-            totals = self.store.service_totals(self.target.name, self.swapper.active)
-            if self.calibrator.update(totals, self.level.rounds_ms):
-                with self.lock:
-                    self.policy.calibrate(self.calibrator.current)
-                    self.level = self.policy.level(self.level.batch)
+        active = served.get(self.swapper.active or "")
+        # self.level's profiled rounds; the policy's copy of each level carries the calibration.
+        calibrating = self.config.calibrate and self.level is not None and active is not None
+        if calibrating and self.calibrator.update(active.totals, self.level.rounds_ms):
+            with self.lock:
+                self.policy.calibrate(self.calibrator.current)
 
     def warm_levels(self) -> set[int]:
         return {lv.batch for lv in self.levels if self.swapper.is_warm(lv.plan.instances[0], self.ready)}
@@ -233,7 +235,6 @@ class ModelController:
             self.policy.record_swap(time.monotonic(), self.policy.costs.cold_s, warm=False)
             return None
         self.policy.record_swap(time.monotonic(), report.serving_after_s, report.warm)
-        self._refresh_standby()
         return report
 
     def run(self, stop: threading.Event) -> None:

@@ -27,14 +27,13 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from packrat_plugin.profile import write_json_atomic
 from packrat_plugin.topology import Slot
 
 PLAN_DIR_ENV = "PACKRAT_PLAN_DIR"
-# seq, pid, in service, batches, requests, handler ns, model ns, seq again
-_COUNTERS = struct.Struct("<8q")
+_COUNTERS = struct.Struct("<8q")  # the fields of CountersRecord
 
 
 @dataclass(frozen=True)
@@ -137,25 +136,27 @@ class PlanStore:
             return None
         return VersionPlan.from_dict(json.loads(path.read_text()))
 
-    def _live_records(self, model: str, version: str) -> list[tuple[int, ...]]:
+    def counters(self, model: str, version: str) -> VersionCounters:
+        """What the live workers of this version are doing and have served (one read of each slot)."""
         plan = self.read(model, version)
-        records = []
+        in_service, totals = 0, ServiceTotals()
         for index in range(len(plan.slots) if plan else 0):
             record = read_counters(self.counters_path(model, version, index))
-            if record is not None and _pid_alive(record[1]):
-                records.append(record)
-        return records
+            if record is None or not _pid_alive(record.pid):
+                continue
+            in_service += max(0, record.in_service)
+            totals = totals + ServiceTotals(
+                record.batches, record.requests, record.handler_ns / 1e9, record.model_ns / 1e9
+            )
+        return VersionCounters(in_service, totals)
 
     def in_service(self, model: str, version: str) -> int:
         """Requests being processed right now by live workers of this version."""
-        return sum(max(0, r[2]) for r in self._live_records(model, version))
+        return self.counters(model, version).in_service
 
     def service_totals(self, model: str, version: str) -> ServiceTotals:
         """What the live workers of this version have served since they started."""
-        total = ServiceTotals()
-        for r in self._live_records(model, version):
-            total = total + ServiceTotals(r[3], r[4], r[5] / 1e9, r[6] / 1e9)
-        return total
+        return self.counters(model, version).totals
 
 
 @dataclass(frozen=True)
@@ -176,7 +177,26 @@ class ServiceTotals:
                              self.handler_s - other.handler_s, self.model_s - other.model_s)  # fmt: skip
 
 
-def read_counters(path: Path, attempts: int = 3) -> tuple[int, ...] | None:
+@dataclass(frozen=True)
+class VersionCounters:
+    in_service: int
+    totals: ServiceTotals
+
+
+class CountersRecord(NamedTuple):
+    """One slot's counters file, as ``SlotCounters`` writes it."""
+
+    seq: int
+    pid: int
+    in_service: int
+    batches: int
+    requests: int
+    handler_ns: int
+    model_ns: int
+    seq_again: int
+
+
+def read_counters(path: Path, attempts: int = 3) -> CountersRecord | None:
     """One slot's record, or None (no file, or torn by a concurrent write each time)."""
     for _ in range(attempts):
         try:
@@ -185,8 +205,8 @@ def read_counters(path: Path, attempts: int = 3) -> tuple[int, ...] | None:
             return None
         if len(raw) < _COUNTERS.size:
             return None
-        record = _COUNTERS.unpack_from(raw)
-        if record[0] == record[-1]:
+        record = CountersRecord(*_COUNTERS.unpack_from(raw))
+        if record.seq == record.seq_again:
             return record
     return None
 

@@ -241,9 +241,8 @@ class ActivePassiveSwapper:
         finally:
             self.store.set_draining(self.model, old, False)
         phase("drain")
-        keep = self.standby.get(old)
-        if standby is not None:
-            keep = next((i for i in standby if version_name(i) == old), None)
+        kept = self.standby if standby is None else {version_name(i): i for i in standby}
+        keep = kept.get(old)
         self._scale(old, keep.count if keep else 0)
         self.standby.pop(new, None)
         phase("retire")
