@@ -146,6 +146,7 @@ def test_one_step_of_open_loop_load_swaps_warm_within_seconds_with_zero_failures
     assert set(first["standby"]) == {"t1b1", "t1b2", "t1b4"}  # every other class, warm
     ready = controller.models["resnet50"].swapper.ready_workers()
     assert all(ready[v] == 2 for v in first["standby"]), ready
+    fat_pids = [w["pid"] for w in workers(controller, "t2b1")]
     url = f"{controller.server.inference_url}/predictions/resnet50"
     payload = client_payload(SPEC, seed=5)  # a JPEG, as clients send; JSON tensors cost more to decode
     step_wall = time.time() + 6
@@ -169,8 +170,12 @@ def test_one_step_of_open_loop_load_swaps_warm_within_seconds_with_zero_failures
     assert status["active_version"] == f"t1b{swaps[-1].after[0]['batch']}", (status, swap.to_dict())
     # The step itself is an open-loop rise in arrivals: the rate (or backlog) rule acts on it.
     assert controller.models["resnet50"].decisions[0]["reason"] in ("load rose", "backlog growing")
-    # The old set went back to standby, still warm; the new one serves.
+    # The old set went back to standby, still warm (the same process, not a
+    # restarted one); the new one serves.
     assert "t2b1" in status["standby"]
+    assert [w["pid"] for w in workers(controller, "t2b1") if w["status"] == "READY"] == fat_pids
+    # The workers' counters calibrated the profile: JPEG decoding costs time outside the model.
+    assert status["calibration"]["updates"] >= 1 and status["calibration"]["overhead_ms"] > 0, status["calibration"]
     assert controller.server.inference().predict("resnet50", payload).status == 200
 
 
