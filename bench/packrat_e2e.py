@@ -2,27 +2,19 @@
 
     python -m bench.packrat_e2e --model resnet50 --batches 2,8,16 --json out.json
 
-One TorchServe serves the same archive under two names: ``fat``, deployed as
-the fat configuration ⟨1, T, B⟩ (one worker, T threads, batch_size B), and
-``packrat``, deployed as the optimizer's uniform plan for B (what one
-TorchServe version can hold).  Both are pinned by Packrat's worker mixin and
-deployed by the same active/passive swapper the controller uses, so moving to
-the next B is itself a live swap.  For each B the two names take turns
-(ABBA) under the same closed-loop load of exactly B requests in flight, with
-real client payloads: JPEG images, decoded, resized and normalised in the
-handler, for vision models; token ids for text models.  Speedups are medians
-over the repeats; the expected speedup is the profile's L[T][B] / plan latency.
+The measurement is the product's (``packrat_plugin.compare``, also ``packrat
+bench``): one TorchServe, the same archive served as the fat instance
+⟨1, T, B⟩ and as Packrat's uniform plan, interleaved (ABBA) under a closed
+loop of B requests in flight with real client payloads.  This script adds the
+markdown table, the plot and the provenance under docs/benchmarks/.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import tempfile
 from pathlib import Path
-
-from tqdm import tqdm
 
 if __package__ in (None, ""):  # `python bench/NAME.py` from the repository root
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -31,7 +23,6 @@ from bench.report import (
     PACKRAT_ROW_HEADER,
     add_output_arguments,
     markdown_table,
-    median_and_spread,
     packrat_row_cells,
     provenance,
     provenance_block,
@@ -41,80 +32,19 @@ from bench.report import (
 from model_store.build import ARCHIVE_DIR, build_archive
 from model_store.catalog import get_spec
 from model_store.samples import client_payload
-from packrat_plugin.loadgen import closed_loop, run
-from packrat_plugin.optimizer import KnapsackOptimizer, expected_speedup
-from packrat_plugin.plan_types import Plan, PlanItem
-from packrat_plugin.plans import PLAN_DIR_ENV, PlanStore
+from packrat_plugin.compare import ComparisonConfig, compare_fat_and_plan
 from packrat_plugin.profiler import parse_int_list, profile_for_this_machine
-from packrat_plugin.swapper import ActivePassiveSwapper, SwapperConfig
-from packrat_plugin.topology import CpuTopology
-from packrat_plugin.torchserve import TorchServeProcess
-
-
-def fat_plan(threads: int, batch: int) -> Plan:
-    return Plan(threads, batch, float("nan"), (PlanItem(1, threads, batch),))
 
 
 def run_e2e(args: argparse.Namespace, workdir: Path) -> dict:
     spec = get_spec(args.model, args.mode)
     profile, _ = profile_for_this_machine(args.model, args.profile, args.force, args.mode)
-    topology = CpuTopology.from_system()
-    T = len(topology.cores)
-    optimizer = KnapsackOptimizer(profile)
     archive = build_archive(spec, ARCHIVE_DIR)
-    store_dir, plans = workdir / "model_store", PlanStore(workdir / "plans")
     payloads = [client_payload(spec, seed=i) for i in range(32)]
-    rows = []
-    with TorchServeProcess(workdir / "ts", store_dir, env={PLAN_DIR_ENV: str(plans.root)}) as server:
-        management = server.management()
-        swappers = {}
-        for name in ("fat", "packrat"):
-            config = SwapperConfig(max_batch_delay_ms=args.max_batch_delay)
-            swappers[name] = ActivePassiveSwapper(management, plans, name, archive, store_dir, topology, config)
-        for B in tqdm(parse_int_list(args.batches), desc=f"e2e {args.model}", unit="B"):
-            deployed = {"fat": fat_plan(T, B), "packrat": optimizer.plan(T, B, uniform=True)}
-            for name, plan in deployed.items():
-                swappers[name].apply(plan)
-            urls = {name: f"{server.inference_url}/predictions/{name}" for name in deployed}
-
-            def load(name: str, seconds: float, B=B, urls=urls):
-                return run(closed_loop(urls[name], lambda n: payloads[n % len(payloads)], B, seconds))
-
-            for name in deployed:  # warm both: first batches pay allocator and cache misses
-                load(name, args.warmup_seconds)
-            results: dict[str, list] = {"fat": [], "packrat": []}
-            for r in range(args.repeats):
-                for name in ("fat", "packrat") if r % 2 == 0 else ("packrat", "fat"):
-                    results[name].append(load(name, args.seconds))
-            failed = sum(res.failed for rs in results.values() for res in rs)
-            lat = [
-                f.mean_latency_ms() / p.mean_latency_ms()
-                for f, p in zip(results["fat"], results["packrat"], strict=True)
-            ]
-            tput = [p.throughput() / f.throughput() for f, p in zip(results["fat"], results["packrat"], strict=True)]
-            med, lo, hi = median_and_spread(lat)
-            rows.append(
-                {
-                    "batch": B,
-                    "plan": [i.to_dict() for i in deployed["packrat"].instances],
-                    "fat_latency_ms": statistics.median(r.mean_latency_ms() for r in results["fat"]),
-                    "packrat_latency_ms": statistics.median(r.mean_latency_ms() for r in results["packrat"]),
-                    "latency_speedup": med,
-                    "latency_speedup_min": lo,
-                    "latency_speedup_max": hi,
-                    "throughput_speedup": statistics.median(tput),
-                    "expected_speedup": expected_speedup(profile, deployed["packrat"]),
-                    "requests": sum(len(res.samples) for rs in results.values() for res in rs),
-                    "failed": failed,
-                }
-            )
-    return {
-        "model": spec.name,
-        "mode": spec.mode,
-        "threads": T,
-        "rows": rows,
-        "mean_latency_speedup": statistics.fmean(r["latency_speedup"] for r in rows),
-    }
+    config = ComparisonConfig(tuple(parse_int_list(args.batches)), args.seconds, args.warmup_seconds, args.repeats,
+                              args.max_batch_delay)  # fmt: skip
+    data = compare_fat_and_plan(archive, profile, lambda n: payloads[n % len(payloads)], workdir, config)
+    return {**data, "mode": spec.mode}
 
 
 def plot(data: dict, path: Path) -> None:

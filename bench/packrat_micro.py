@@ -31,16 +31,16 @@ if __package__ in (None, ""):  # `python bench/NAME.py` from the repository root
 from bench.report import (
     PACKRAT_ROW_HEADER,
     markdown_table,
-    median_and_spread,
     packrat_row_cells,
     provenance,
     provenance_block,
     speedup_bars,
     write_outputs,
 )
+from packrat_plugin.compare import fat_plan, median_and_spread
 from packrat_plugin.measure import InstanceJob, InstanceProcess, WindowResult, run_concurrently
 from packrat_plugin.optimizer import KnapsackOptimizer, expected_speedup
-from packrat_plugin.plan_types import Plan, PlanItem
+from packrat_plugin.plan_types import Plan
 from packrat_plugin.profiler import PreparedModel, parse_int_list, prepare_model, profile_for_this_machine
 from packrat_plugin.topology import CpuTopology, allocate
 
@@ -70,10 +70,9 @@ def start_instances(prepared: PreparedModel, plan: Plan, topology: CpuTopology, 
 def bench_batch(
     prepared: PreparedModel, optimizer: KnapsackOptimizer, topology: CpuTopology, T: int, B: int, args
 ) -> dict:
-    fat_plan = Plan(T, B, float("nan"), (PlanItem(1, T, B),))
     plan = optimizer.plan(T, B, uniform=args.uniform)
     expected = expected_speedup(optimizer.profile, plan)
-    fat = start_instances(prepared, fat_plan, topology, args.warmup)
+    fat = start_instances(prepared, fat_plan(T, B), topology, args.warmup)
     packrat = start_instances(prepared, plan, topology, args.warmup)
     fat_b = [inst.job.batch for inst in fat]
     pk_b = [inst.job.batch for inst in packrat]

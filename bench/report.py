@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
-import statistics
 import subprocess
 import sys
 import time
@@ -40,10 +39,6 @@ def provenance(module: str) -> dict[str, Any]:
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": hardware_fingerprint(),
     }
-
-
-def median_and_spread(values: list[float]) -> tuple[float, float, float]:
-    return statistics.median(values), min(values), max(values)
 
 
 def speedup_cell(row: dict[str, Any]) -> str:

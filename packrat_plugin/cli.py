@@ -24,6 +24,14 @@ def _demo(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=demo.run)
 
 
+def _bench(sub: argparse._SubParsersAction) -> None:
+    from packrat_plugin import compare
+
+    p = sub.add_parser("bench", help="measure Packrat's plan against the fat instance inside a real TorchServe")
+    compare.add_arguments(p)
+    p.set_defaults(run=compare.run_cli)
+
+
 def _profile(sub: argparse._SubParsersAction) -> None:
     from packrat_plugin import profiler
 
@@ -72,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _archive(sub)
     _demo(sub)
+    _bench(sub)
     _profile(sub)
     _optimize(sub)
     _serve(sub)

@@ -65,16 +65,9 @@ def run_demo(models: list[str] | None, mode: str, requests: int, ports: Ports) -
 
 
 def packrat_demo(args: argparse.Namespace) -> int:
-    try:
-        from bench.packrat_e2e import run_e2e
-        from bench.report import ratio_cell
-        from packrat_plugin.loadgen import closed_loop, run
-    except ModuleNotFoundError:
-        raise RuntimeError(
-            "the Packrat demo uses the repository's bench/ and profiles/: run it from the repository root "
-            "(make demo, or python -m packrat_plugin.cli demo)"
-        ) from None
+    from packrat_plugin.compare import ComparisonConfig, compare_fat_and_plan
     from packrat_plugin.controller import ControllerConfig, ModelTarget, PackratController
+    from packrat_plugin.loadgen import closed_loop, run
     from packrat_plugin.plan_types import format_instances
     from packrat_plugin.profiler import profile_for_this_machine
     from packrat_plugin.serve import format_status
@@ -106,17 +99,15 @@ def packrat_demo(args: argparse.Namespace) -> int:
             f"new plan serving after {s.serving_after_s:.2f} s, old version retired after {s.seconds:.2f} s"
         )
     print(f"\nmeasuring Packrat's plan against the fat instance at B={args.high} (interleaved, real TorchServe)")
-    e2e_args = argparse.Namespace(
-        model=spec.name, mode="script", profile=profile_path, batches=str(args.high), seconds=6.0,
-        warmup_seconds=3.0, repeats=2, max_batch_delay=5, force=True,
-    )  # fmt: skip
+    config = ComparisonConfig(batches=(args.high,), seconds=6.0, warmup_seconds=3.0, repeats=2)
     with tempfile.TemporaryDirectory(prefix="packrat-demo-") as tmp:
-        row = run_e2e(e2e_args, Path(tmp))["rows"][0]
+        row = compare_fat_and_plan(archive, profile, lambda n: payloads[n % 16], Path(tmp), config)["rows"][0]
     plan = format_instances(row["plan"], labels=True)
     fat = f"⟨1,{len(controller.topology.cores)},{args.high}⟩"
+    predicted = "-" if row["expected_speedup"] is None else f"{row['expected_speedup']:.2f}×"
     print(f"B={args.high}: fat {fat} {row['fat_latency_ms']:.0f} ms vs Packrat {plan} "
           f"{row['packrat_latency_ms']:.0f} ms: latency speedup {row['latency_speedup']:.2f}× "
-          f"(profile predicted {ratio_cell(row['expected_speedup'])}), "
+          f"(profile predicted {predicted}), "
           f"throughput {row['throughput_speedup']:.2f}×")  # fmt: skip
     return 0 if failed == 0 and swaps else 1
 

@@ -1,0 +1,192 @@
+"""The fat instance against Packrat's plan, both inside one real TorchServe.
+
+This is the measurement behind ``packrat bench`` and ``packrat demo`` (and
+``bench/packrat_e2e.py``, which adds tables and plots): one TorchServe serves
+the same archive under two names, ``fat``, deployed as ⟨1, T, B⟩ (one worker,
+T threads, batch_size B), and ``packrat``, deployed as the optimizer's
+uniform plan for B (what one TorchServe version holds).  Both are pinned by
+Packrat's worker mixin and deployed by the swapper the controller uses, so
+moving to the next B is itself a live swap.  For each B the two names take
+turns (ABBA) under the same closed-loop load of exactly B requests in flight,
+with real client payloads (JPEG images for vision models, token ids for text
+models).  Speedups are medians over the repeats, with their spread; the
+expected speedup is the profile's L[T][B] / plan latency.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from packrat_plugin.loadgen import LoadResult, closed_loop, run
+from packrat_plugin.optimizer import KnapsackOptimizer, expected_speedup
+from packrat_plugin.plan_types import Plan, PlanItem
+from packrat_plugin.plans import PLAN_DIR_ENV, PlanStore
+from packrat_plugin.profile import Profile
+from packrat_plugin.swapper import ActivePassiveSwapper, SwapperConfig
+from packrat_plugin.topology import CpuTopology
+from packrat_plugin.torchserve import Ports, TorchServeProcess
+
+
+@dataclass(frozen=True)
+class ComparisonConfig:
+    batches: tuple[int, ...] = (2, 4, 8, 16)
+    seconds: float = 8.0  # one load window
+    warmup_seconds: float = 4.0
+    repeats: int = 4  # windows per system, interleaved ABBA
+    max_batch_delay_ms: int = 5
+
+    def __post_init__(self) -> None:
+        if not self.batches or min(self.batches) < 1:
+            raise ValueError(f"batches must be positive integers, got {self.batches}")
+        if self.seconds <= 0 or self.warmup_seconds < 0:
+            raise ValueError("seconds must be > 0 and warmup_seconds ≥ 0")
+        if self.repeats < 1:
+            raise ValueError(f"repeats must be ≥ 1, got {self.repeats}")
+
+
+def fat_plan(threads: int, batch: int) -> Plan:
+    """TorchServe's default shape on T cores: one worker, every thread, batch B."""
+    return Plan(threads, batch, float("nan"), (PlanItem(1, threads, batch),))
+
+
+def median_and_spread(values: list[float]) -> tuple[float, float, float]:
+    return statistics.median(values), min(values), max(values)
+
+
+def _row(batch: int, plan: Plan, profile: Profile, results: dict[str, list[LoadResult]]) -> dict[str, Any]:
+    fat, packrat = results["fat"], results["packrat"]
+    latency = [f.mean_latency_ms() / p.mean_latency_ms() for f, p in zip(fat, packrat, strict=True)]
+    throughput = [p.throughput() / f.throughput() for f, p in zip(fat, packrat, strict=True)]
+    med, lo, hi = median_and_spread(latency)
+    return {
+        "batch": batch,
+        "plan": [i.to_dict() for i in plan.instances],
+        "fat_latency_ms": statistics.median(r.mean_latency_ms() for r in fat),
+        "packrat_latency_ms": statistics.median(r.mean_latency_ms() for r in packrat),
+        "latency_speedup": med,
+        "latency_speedup_min": lo,
+        "latency_speedup_max": hi,
+        "throughput_speedup": statistics.median(throughput),
+        "expected_speedup": expected_speedup(profile, plan),
+        "requests": sum(len(r.samples) for r in (*fat, *packrat)),
+        "failed": sum(r.failed for r in (*fat, *packrat)),
+    }
+
+
+def compare_fat_and_plan(
+    archive: Path,
+    profile: Profile,
+    payload: Callable[[int], Any],
+    workdir: Path,
+    config: ComparisonConfig = ComparisonConfig(),
+    topology: CpuTopology | None = None,
+    ports: Ports | None = None,
+) -> dict[str, Any]:
+    """Measure Packrat's uniform plan against the fat instance at each B.
+
+    ``payload(n)`` is the body of the n-th request; ``workdir`` holds the
+    TorchServe log, model store and plan files.  Returns plain data: one row
+    per B (see ``_row``) and the mean latency speedup.
+    """
+    topology = topology or CpuTopology.from_system()
+    T = len(topology.cores)
+    optimizer = KnapsackOptimizer(profile)
+    plans = {B: {"fat": fat_plan(T, B), "packrat": optimizer.plan(T, B, uniform=True)} for B in config.batches}
+    store_dir, plan_store = workdir / "model_store", PlanStore(workdir / "plans")
+    rows = []
+    env = {PLAN_DIR_ENV: str(plan_store.root)}
+    with TorchServeProcess(workdir / "ts", store_dir, ports=ports, env=env) as server:
+        management = server.management()
+        swapper_config = SwapperConfig(max_batch_delay_ms=config.max_batch_delay_ms)
+        swappers = {
+            name: ActivePassiveSwapper(management, plan_store, name, archive, store_dir, topology, swapper_config)
+            for name in ("fat", "packrat")
+        }
+        for B in tqdm(config.batches, desc=f"fat vs Packrat {profile.model}", unit="B"):
+            for name, plan in plans[B].items():
+                swappers[name].apply(plan)
+
+            def load(name: str, seconds: float, B: int = B) -> LoadResult:
+                url = f"{server.inference_url}/predictions/{name}"
+                return run(closed_loop(url, payload, B, seconds))
+
+            for name in ("fat", "packrat"):  # first batches pay allocator and cache misses
+                load(name, config.warmup_seconds)
+            results: dict[str, list[LoadResult]] = {"fat": [], "packrat": []}
+            for r in range(config.repeats):
+                for name in ("fat", "packrat") if r % 2 == 0 else ("packrat", "fat"):
+                    results[name].append(load(name, config.seconds))
+            rows.append(_row(B, plans[B]["packrat"], profile, results))
+    return {
+        "model": profile.model,
+        "threads": T,
+        "rows": rows,
+        "mean_latency_speedup": statistics.fmean(r["latency_speedup"] for r in rows),
+    }
+
+
+def format_rows(data: dict[str, Any]) -> str:
+    """A plain-text table of ``compare_fat_and_plan``'s rows, for the terminal."""
+    from packrat_plugin.plan_types import format_instances
+
+    T = data["threads"]
+    lines = [f"{'B':>3}  {'fat':<10} {'Packrat plan':<16} {'fat ms':>8} {'Packrat ms':>10} "
+             f"{'latency ×':>16} {'throughput ×':>12} {'predicted ×':>11} {'failed':>6}"]  # fmt: skip
+    for r in data["rows"]:
+        spread = f"{r['latency_speedup']:.2f} ({r['latency_speedup_min']:.2f}-{r['latency_speedup_max']:.2f})"
+        predicted = "-" if r["expected_speedup"] is None else f"{r['expected_speedup']:.2f}"
+        fat = f"1×⟨{T},{r['batch']}⟩"
+        lines.append(
+            f"{r['batch']:>3}  {fat:<10} {format_instances(r['plan']):<16} "
+            f"{r['fat_latency_ms']:>8.1f} {r['packrat_latency_ms']:>10.1f} {spread:>16} "
+            f"{r['throughput_speedup']:>12.2f} {predicted:>11} {r['failed']:>6}"
+        )
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="resnet50", help="catalog name")
+    parser.add_argument("--mode", default="script", choices=("eager", "script", "compile"))
+    parser.add_argument("--profile", type=Path, help="default: profiles/<model>.json, else a brief one")
+    parser.add_argument("--batches", default="2,8", help="requests in flight, comma-separated")
+    parser.add_argument("--seconds", type=float, default=6.0, help="one load window")
+    parser.add_argument("--warmup-seconds", type=float, default=3.0)
+    parser.add_argument("--repeats", type=int, default=2, help="windows per system, interleaved")
+    parser.add_argument("--max-batch-delay", type=int, default=5, help="TorchServe max_batch_delay (ms)")
+    parser.add_argument("--force", action="store_true", help="use a profile measured on other hardware")
+    parser.add_argument("--json", type=Path, help="also write the result here")
+
+
+def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """Build the archive, find a profile for this machine, compare; returns the data."""
+    from model_store.build import ARCHIVE_DIR, build_archive
+    from model_store.catalog import get_spec
+    from model_store.samples import client_payload
+    from packrat_plugin.profiler import parse_int_list, profile_for_this_machine
+
+    spec = get_spec(args.model, args.mode)
+    profile, profile_path = profile_for_this_machine(spec.name, args.profile, args.force, args.mode)
+    archive = build_archive(spec, ARCHIVE_DIR)
+    payloads = [client_payload(spec, seed=i) for i in range(32)]
+    config = ComparisonConfig(tuple(parse_int_list(args.batches)), args.seconds, args.warmup_seconds, args.repeats,
+                              args.max_batch_delay)  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="packrat-compare-") as tmp:
+        data = compare_fat_and_plan(archive, profile, lambda n: payloads[n % len(payloads)], Path(tmp), config)
+    return {**data, "mode": spec.mode, "profile": str(profile_path)}
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    data = run_from_args(args)
+    print(f"{data['model']} ({data['mode']}), T={data['threads']}, profile {data['profile']}\n" + format_rows(data))
+    if args.json:
+        args.json.write_text(json.dumps(data, indent=2) + "\n")
+    return 0 if all(r["failed"] == 0 for r in data["rows"]) else 1
