@@ -25,10 +25,13 @@ from __future__ import annotations
 
 import argparse
 import math
+import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from tqdm import tqdm
 
 if __package__ in (None, ""):  # `python bench/packrat_swap.py` from the repository root
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -38,7 +41,7 @@ from model_store.build import ARCHIVE_DIR, build_archive
 from model_store.catalog import get_spec
 from model_store.samples import client_payload
 from packrat_plugin.controller import ControllerConfig, ModelTarget, PackratController
-from packrat_plugin.loadgen import LoadResult, open_loop, run
+from packrat_plugin.loadgen import LoadResult, Sample, open_loop, run
 from packrat_plugin.optimizer import KnapsackOptimizer
 from packrat_plugin.plan_types import Plan, PlanItem, format_instances
 from packrat_plugin.plans import PLAN_DIR_ENV, PlanStore
@@ -84,59 +87,108 @@ def summarize(result: LoadResult) -> dict:
     }
 
 
-def swap_windows(result: LoadResult, swaps: list[dict], load_start_wall: float) -> dict:
-    """p99 of requests sent inside a swap (start → old set retired) vs outside."""
-    windows = [(s["started"] - load_start_wall, s["started"] - load_start_wall + s["seconds"]) for s in swaps]
-    inside = [s for s in result.ok if any(a <= s.sent <= b for a, b in windows)]
-    outside = [s for s in result.ok if not any(a <= s.sent <= b for a, b in windows)]
+def median_run(runs: list[dict]) -> dict:
+    """One row from a system's repeats: medians of the per-run statistics."""
+    keys = ("mean_ms", "p99_ms")
     return {
-        "p99_inside_ms": LoadResult(inside, 1.0).percentile_ms(99) if inside else None,
-        "p99_outside_ms": LoadResult(outside, 1.0).percentile_ms(99) if outside else None,
-        "requests_inside": len(inside),
+        **{k: statistics.median(r[k] for r in runs) for k in keys},
+        "requests": sum(r["requests"] for r in runs),
+        "failed": sum(r["failed"] for r in runs),
+        "runs": runs,
     }
 
 
-def run_packrat(spec, archive, profile, shapes, payloads, workdir: Path) -> dict:
-    out = {}
-    controller = PackratController(workdir / "packrat", [ModelTarget(spec.name, archive, profile)], ControllerConfig(),
-                                   status_port=None)  # fmt: skip
-    with controller:
-        url = f"{controller.server.inference_url}/predictions/{spec.name}"
-        model = controller.models[spec.name]
-        for name, phases in shapes.items():
-            # Start every load from the plan for its opening rate, settled.
-            run(open_loop(url, lambda i: payloads[i % len(payloads)], [(8.0, phases[0][1])], seed=99))
-            seen = len(model.swaps)
-            start_wall = time.time()
-            result = run(open_loop(url, lambda i: payloads[i % len(payloads)], phases, seed=1))
-            swaps = [s.to_dict() for s in model.swaps[seen:]]
-            decisions = [d for d in model.decisions if d["at"] >= start_wall]
-            out[name] = {**summarize(result), "swaps": swaps, "decisions": decisions,
-                         **swap_windows(result, swaps, start_wall)}  # fmt: skip
-            out[name]["timeline"] = [(round(s.sent, 3), round(s.latency_s * 1e3, 1), s.status) for s in result.samples]
-            out[name]["swap_marks"] = [(s["started"] - start_wall, s["seconds"]) for s in swaps]
-            time.sleep(2.0)
-    return out
+def speedups(baseline: list[dict], packrat: list[dict]) -> dict:
+    """Per repeat, baseline mean / Packrat mean (both ran back to back): median, min, max."""
+    ratios = [b["mean_ms"] / p["mean_ms"] for b, p in zip(baseline, packrat, strict=True)]
+    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
 
 
-def run_static(spec, archive, shapes, payloads, workdir: Path) -> dict:
+def run_all(spec, archive, profile, shapes, payloads, repeats: int, workdir: Path) -> dict:
+    """Every load, ``repeats`` times, the three systems interleaved (P F S, then S F P, …).
+
+    All three stay up for the whole run (Packrat under its controller; fat and
+    static as two models of a second TorchServe), so each load's runs of the
+    three systems are minutes apart at most, not a whole benchmark apart;
+    systems not under load sit idle.
+    """
     topology = CpuTopology.from_system()
     plans = PlanStore(workdir / "plans")
-    out: dict[str, dict] = {name: {} for name in static_plans(len(topology.cores))}
-    with TorchServeProcess(workdir / "ts", workdir / "store", env={PLAN_DIR_ENV: str(plans.root)}) as server:
-        management = server.management()
+    controller = PackratController(workdir / "packrat", [ModelTarget(spec.name, archive, profile)], ControllerConfig(),
+                                   status_port=None)  # fmt: skip
+    static_server = TorchServeProcess(workdir / "ts", workdir / "store", env={PLAN_DIR_ENV: str(plans.root)})
+    runs: dict[str, dict[str, list[dict]]] = {system: {name: [] for name in shapes} for system in SYSTEMS}
+    with controller, static_server:
+        management = static_server.management()
+        urls = {"packrat": f"{controller.server.inference_url}/predictions/{spec.name}"}
         for system, plan in static_plans(len(topology.cores)).items():
-            swapper = ActivePassiveSwapper(management, plans, system, archive, workdir / "store", topology,
-                                           SwapperConfig())  # fmt: skip
-            swapper.apply(plan)
-            url = f"{server.inference_url}/predictions/{system}"
+            ActivePassiveSwapper(management, plans, system, archive, workdir / "store", topology,
+                                 SwapperConfig()).apply(plan)  # fmt: skip
+            urls[system] = f"{static_server.inference_url}/predictions/{system}"
+        model = controller.models[spec.name]
+        total = len(shapes) * repeats * len(SYSTEMS)
+        with tqdm(total=total, desc="loads × repeats × systems", unit="run") as bar:
             for name, phases in shapes.items():
-                run(open_loop(url, lambda i: payloads[i % len(payloads)], [(8.0, phases[0][1])], seed=99))
-                result = run(open_loop(url, lambda i: payloads[i % len(payloads)], phases, seed=1))
-                out[system][name] = summarize(result)
-                time.sleep(2.0)
-            management.unregister(system)
+                for r in range(repeats):
+                    for system in SYSTEMS if r % 2 == 0 else SYSTEMS[::-1]:
+                        bar.set_postfix_str(f"{name} #{r + 1} {system}")
+                        runs[system][name].append(play(system, urls[system], phases, payloads, model))
+                        bar.update()
+    out: dict[str, dict] = {system: {} for system in SYSTEMS}
+    for name in shapes:
+        for system in SYSTEMS:
+            out[system][name] = median_run(runs[system][name])
+        packrat_runs = runs["packrat"][name]
+        out["packrat"][name]["vs"] = {b: speedups(runs[b][name], packrat_runs) for b in ("fat", "static")}
+        swaps = [s for run_ in packrat_runs for s in run_["swaps"]]
+        out["packrat"][name].update(
+            swaps=swaps,
+            swaps_per_run=[len(run_["swaps"]) for run_ in packrat_runs],
+            decisions=[d for run_ in packrat_runs for d in run_["decisions"]],
+            timeline=packrat_runs[0]["timeline"],
+            swap_marks=packrat_runs[0]["swap_marks"],
+            **windows_of(packrat_runs),
+        )
     return out
+
+
+def play(system: str, url: str, phases, payloads, model) -> dict:
+    """One load against one system, after settling at its opening rate (Packrat: on the plan for it)."""
+    run(open_loop(url, lambda i: payloads[i % len(payloads)], [(8.0, phases[0][1])], seed=99))
+    seen, start_wall = len(model.swaps), time.time()
+    result = run(open_loop(url, lambda i: payloads[i % len(payloads)], phases, seed=1))
+    out = summarize(result)
+    if system == "packrat":
+        swaps = [s.to_dict() for s in model.swaps[seen:]]
+        out.update(
+            swaps=swaps,
+            decisions=[d for d in model.decisions if d["at"] >= start_wall],
+            timeline=[(round(s.sent, 3), round(s.latency_s * 1e3, 1), s.status) for s in result.samples],
+            swap_marks=[(s["started"] - start_wall, s["seconds"]) for s in swaps],
+            inside=[s.latency_s for s in in_swaps(result, swaps, start_wall, True)],
+            outside=[s.latency_s for s in in_swaps(result, swaps, start_wall, False)],
+        )
+    time.sleep(2.0)
+    return out
+
+
+def in_swaps(result: LoadResult, swaps: list[dict], load_start_wall: float, inside: bool) -> list:
+    """Answered requests sent inside a swap (start → old set retired), or outside every swap."""
+    windows = [(s["started"] - load_start_wall, s["started"] - load_start_wall + s["seconds"]) for s in swaps]
+    return [s for s in result.ok if any(a <= s.sent <= b for a, b in windows) == inside]
+
+
+def windows_of(runs: list[dict]) -> dict:
+    """p99 of Packrat's requests sent inside swaps against outside them, over all its runs."""
+    inside = [x for r in runs for x in r["inside"]]
+    outside = [x for r in runs for x in r["outside"]]
+
+    def p99(latencies: list[float]) -> float | None:
+        return LoadResult([Sample(0.0, x, 200) for x in latencies], 1.0).percentile_ms(99) if latencies else None
+
+    for r in runs:  # raw latencies are summarised; keep the JSON small
+        del r["inside"], r["outside"]
+    return {"p99_inside_ms": p99(inside), "p99_outside_ms": p99(outside), "requests_inside": len(inside)}
 
 
 def plot(data: dict, path: Path) -> None:
@@ -179,17 +231,19 @@ def render(data: dict) -> str:
     rows = []
     for name in data["loads"]:
         p, f, s = data["packrat"][name], data["fat"][name], data["static"][name]
+        per_change = len(p["swaps"]) / len(p["swaps_per_run"]) / LOAD_CHANGES[name]
         rows.append([
             name, f"{p['mean_ms']:.0f} / {p['p99_ms']:.0f}", f"{f['mean_ms']:.0f} / {f['p99_ms']:.0f}",
             f"{s['mean_ms']:.0f} / {s['p99_ms']:.0f}",
-            f"{f['mean_ms'] / p['mean_ms']:.2f}× / {s['mean_ms'] / p['mean_ms']:.2f}×",
+            " / ".join(f"{v['median']:.2f}× ({v['min']:.2f}-{v['max']:.2f})" for v in p["vs"].values()),
             f"{p['failed']} / {f['failed']} / {s['failed']}",
-            f"{len(p['swaps'])} ({len(p['swaps']) / LOAD_CHANGES[name]:.1f})",
+            f"{'+'.join(map(str, p['swaps_per_run']))} ({per_change:.1f})",
             "-" if p["p99_inside_ms"] is None else f"{p['p99_inside_ms']:.0f} / {p['p99_outside_ms']:.0f}",
         ])  # fmt: skip
     table = markdown_table(
-        ["load", "Packrat mean / p99 (ms)", "fat mean / p99", "static mean / p99", "Packrat speedup vs fat / static",
-         "failed (P / F / S)", "swaps (per load change)", "Packrat p99 in / out of swaps"], rows,
+        ["load", "Packrat mean / p99 (ms)", "fat mean / p99", "static mean / p99",
+         "Packrat speedup vs fat / static (median, min-max)",
+         "failed (P / F / S)", "swaps per run (per load change)", "Packrat p99 in / out of swaps"], rows,
     )  # fmt: skip
     swap_rows = []
     for name in data["loads"]:
@@ -219,12 +273,15 @@ def render(data: dict) -> str:
         f"Open-loop Poisson loads between {data['low']:.1f} and {data['high']:.1f} req/s "
         f"({data['low_fraction']:.0%} and {data['high_fraction']:.0%} of the profile's largest capacity, "
         f"{data['capacity']:.1f} req/s). {loads}.\n\n"
-        f"Systems, one after another on this machine: Packrat (controller defaults, standby workers warm); "
+        f"Systems, all up for the whole run and loaded in turn, {data['repeats']} runs of each load per system "
+        f"interleaved (P F S, S F P, …): Packrat (controller defaults, standby workers warm); "
         f"fat = TorchServe's default, one worker with all {data['threads']} cores ⟨1,{data['threads']},1⟩; "
         f"static = one pinned worker per core, batch 1 ⟨{data['threads']},1,1⟩ (the CPU tuning guides' even split). "
-        f"Each load starts after 8 s at its opening rate.\n\n{table}\n\n"
+        f"Each run starts after 8 s at its opening rate. Latencies are medians over the runs; a speedup is "
+        f"the baseline's mean over Packrat's, per pair of runs made back to back.\n\n{table}\n\n"
         f"Profile: `{data['profile_path']}`.\n\nEvery Packrat swap:\n\n{phase_table}\n\n"
-        f"Decisions:\n\n" + "\n".join(decisions) + f"\n\n![latency over time]({data['stem']}.png)\n\n"
+        f"Decisions:\n\n" + "\n".join(decisions) + f"\n\n![latency over time, Packrat's first run of each load]"
+        f"({data['stem']}.png)\n\n"
         f"{provenance_block(data['provenance'])}"
     )
 
@@ -240,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--diurnal-seconds", type=float, default=120.0)
     parser.add_argument("--loads", default="step,spike,diurnal")
     parser.add_argument("--quick", action="store_true", help="halve the phases (a smoke run)")
+    parser.add_argument("--repeats", type=int, default=2, help="runs of each load per system, interleaved")
     add_output_arguments(parser)
     args = parser.parse_args(argv)
 
@@ -254,12 +312,11 @@ def main(argv: list[str] | None = None) -> int:
     payloads = [client_payload(spec, seed=i) for i in range(32)]
     prov = provenance("bench.packrat_swap")
     with tempfile.TemporaryDirectory(prefix="packrat-swap-") as tmp:
-        packrat = run_packrat(spec, archive, profile, shapes, payloads, Path(tmp))
-        static = run_static(spec, archive, shapes, payloads, Path(tmp))
+        results = run_all(spec, archive, profile, shapes, payloads, args.repeats, Path(tmp))
     stem = f"packrat_swap_{spec.name}"
     data = {
         "model": spec.name, "mode": spec.mode, "threads": threads, "capacity": capacity, "low": low, "high": high,
-        "low_fraction": args.low, "high_fraction": args.high, "loads": shapes, "packrat": packrat, **static,
+        "low_fraction": args.low, "high_fraction": args.high, "loads": shapes, "repeats": args.repeats, **results,
         "profile_path": str(profile_path), "stem": stem, "provenance": prov,
     }  # fmt: skip
     print(publish(stem, data, render, plot, args.out_dir, args.json))

@@ -132,6 +132,7 @@ class CPUModelHandler(PackratWorkerMixin):
     # -- entry point ---------------------------------------------------------
 
     def handle(self, data: list[dict[str, Any]], context: Any) -> list[Any]:
+        self.wait_for_drains()
         started = time.perf_counter_ns()
         pre = self.preprocess(data)
         logger.info("batch of %d requests, %d refused", len(data), len(pre.errors))

@@ -6,7 +6,7 @@ Layout under the plan directory (``PACKRAT_PLAN_DIR``)::
                                        "slots": [{"cores", "threads", "batch"}]}
     <model>/<version>.slot-<i>.lock   held (flock LOCK_EX) by the worker in slot i
     <model>/<version>.slot-<i>.counters   the worker's live counters (``SlotCounters``)
-    <model>/<version>.draining           present while the version drains after a swap
+    <model>/<version>.draining        {"pid", "cores"} while the version drains after a swap
     <model>/<version>.slot-<i>.startup.json  {"pid", "spawn_s", "load_s", "warmup_s"}
 
 The controller writes plan files; each worker claims one slot for its whole
@@ -102,12 +102,34 @@ class PlanStore:
         return self.root / model / f"{version}.draining"
 
     def set_draining(self, model: str, version: str, draining: bool) -> None:
-        """Tell a version's workers that it is draining (see ``worker.PackratWorkerMixin``)."""
+        """Mark a version as draining after a swap, with its cores and the marking
+        process (so a marker left by a controller that died is ignored); see
+        ``worker.PackratWorkerMixin.in_service``."""
         path = self.draining_path(model, version)
-        if draining:
-            path.touch()
-        else:
+        if not draining:
             path.unlink(missing_ok=True)
+            return
+        plan = self.read(model, version)
+        cores = sorted({c for slot in plan.slots for c in slot.cores}) if plan else []
+        write_json_atomic(path, {"pid": os.getpid(), "cores": cores})
+
+    def draining_cores(self, model: str, except_version: str) -> frozenset[int]:
+        """Cores of the other versions of ``model`` that are draining now."""
+        cores: set[int] = set()
+        try:
+            entries = list(os.scandir(self.root / model))
+        except FileNotFoundError:
+            return frozenset()
+        for entry in entries:
+            if not entry.name.endswith(".draining") or entry.name == f"{except_version}.draining":
+                continue
+            try:
+                data = json.loads(Path(entry.path).read_text())
+            except (FileNotFoundError, ValueError):
+                continue
+            if isinstance(data, dict) and _pid_alive(int(data.get("pid", 0))):
+                cores.update(int(c) for c in data.get("cores", ()))
+        return frozenset(cores)
 
     def startup_path(self, model: str, version: str, index: int) -> Path:
         return self.root / model / f"{version}.slot-{index}.startup.json"

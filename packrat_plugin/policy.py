@@ -15,16 +15,22 @@ send, so a backlog does not change them.
 A *level* is a power-of-two ``B`` with its uniform plan from the optimizer:
 ``i`` instances of ⟨t, b⟩ (``i·b = B``).  TorchServe does not wait for full
 batches: a worker takes what is queued, up to its ``batch_size`` ``b``, so
-the batch adapts to the load.  A level's mean latency at arrival rate λ is
-therefore predicted as the best over the profiled batch sizes ``k ≤ b`` of a
-batch server (M/D/1 on rounds of ``k`` per instance, profiled round time
-``L[t][k]``)::
+the batch adapts to the load.  All ``i`` workers of a version take from one
+queue, so a level is a multi-server queue: rounds of ``k`` requests arrive
+at ``λ/k`` and ``i`` servers serve them in ``L[t][k]`` each (deterministic).
+A level's mean latency at arrival rate λ is predicted as the best over the
+profiled batch sizes ``k ≤ b`` of an M/D/i queue, by the Allen–Cunneen
+approximation (half the M/M/i wait, Erlang C for the chance to wait)::
 
-    ρ_k = λ · L[t][k] / (i · k),   W(λ) = min_k L[t][k] · (1 + ρ_k / (2 (1 − ρ_k)))   (∞ for ρ ≥ 1)
+    ρ_k = λ · L[t][k] / (i · k),   W(λ) = min_k L[t][k] · (1 + C(i, i·ρ_k) / (2 · i · (1 − ρ_k)))
 
-So a larger cap ``b`` is never predicted worse than a smaller one of the same
-⟨i, t⟩: the decisions that matter are the split into instances and threads,
-and enough batch capacity for the load.
+(∞ for ρ ≥ 1; for one instance this is the exact M/D/1 mean, and it gives
+one shared queue of ``i`` workers its due: on the 2-core VM two 1-thread
+ResNet-50 workers beat one 2-thread worker from about 9-10 requests/s, where
+treating each worker as its own M/D/1 queue put the crossover at 12, see
+docs/benchmarks/README.md.)  So a larger cap ``b`` is never predicted worse
+than a smaller one of the same ⟨i, t⟩: the decisions that matter are the
+split into instances and threads, and enough batch capacity for the load.
 
 A move happens only when all of these hold:
 
@@ -32,7 +38,8 @@ A move happens only when all of these hold:
   a 2 s window say 8 ± 4 per second, enough to cross the boundary between
   two levels all the time.  So the *direction* of a move is decided on
   confidence bounds (``N ± z·√N`` arrivals in the window): growing needs the
-  lower bound of the short-window rate (react within ~2 s) to want a higher
+  lower bound of the short-window rate (react to a step within ~2 s) or of
+  the long-window rate (a slow rise, measured more tightly) to want a higher
   level; shrinking needs the upper bounds of the short *and* the long window
   to want a lower one (a lull is not a new load).  ``up_z`` (growing) and
   ``noise_z`` (shrinking) are separate knobs; both default to 2.  On the
@@ -144,11 +151,28 @@ class Level:
     def predicted_latency_s(self, rate: float) -> float:
         """Mean latency at ``rate`` requests/s; inf when no batch size keeps up."""
         best = math.inf
+        i = self.instances
         for k, round_s in self._rounds_s():
-            rho = rate * round_s / (self.instances * k)
+            rho = rate * round_s / (i * k)
             if rho < 1.0:
-                best = min(best, round_s * (1.0 + rho / (2.0 * (1.0 - rho))))
+                wait = erlang_c(i, i * rho) / (2.0 * i * (1.0 - rho))
+                best = min(best, round_s * (1.0 + wait))
         return best
+
+
+def erlang_c(servers: int, offered: float) -> float:
+    """The chance that an arrival waits in an M/M/c queue with ``offered`` = λ·S erlangs.
+
+    Summed with the Erlang B recursion (stable for any ``servers``);
+    ``offered < servers`` is the caller's to ensure.
+    """
+    if offered <= 0.0:
+        return 0.0
+    blocking = 1.0  # Erlang B with 0 servers
+    for c in range(1, servers + 1):
+        blocking = offered * blocking / (c + offered * blocking)
+    rho = offered / servers
+    return blocking / (1.0 - rho + rho * blocking)
 
 
 @dataclass(frozen=True)
@@ -307,7 +331,11 @@ class ReconfigurationPolicy:
     def _candidate(self, obs: Observation, cur: Level) -> tuple[Level | None, float, str]:
         z = self.config.noise_z
         rate = obs.rate_short
-        short_low, _ = obs.bounds(obs.rate_short, obs.short_span_s, self.config.up_z)
+        # The short window catches a step within ~2 s; the long one, three
+        # times the arrivals and so a bound √3 tighter, catches a slow rise
+        # (a diurnal ramp) that the short one's noise would hide until late.
+        short_low = max(obs.bounds(obs.rate_short, obs.short_span_s, self.config.up_z)[0],
+                        obs.bounds(obs.rate_long, obs.long_span_s, self.config.up_z)[0])  # fmt: skip
         _, short_high = obs.bounds(obs.rate_short, obs.short_span_s, z)
         _, long_high = obs.bounds(obs.rate_long, obs.long_span_s, z)
         if obs.now < self._depth_quiet_until:

@@ -36,7 +36,6 @@ import resource
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from packrat_plugin.plans import PlanStore, SlotCounters, VersionPlan
@@ -57,8 +56,8 @@ class SlotClaim:
     slot: Slot
     lock_fd: int
     counters: SlotCounters
-    draining_marker: Path
-    narrowed: bool = False  # running on one thread and one core while the version drains
+    store: PlanStore
+    max_drain_yield_s: float = 10.0  # a batch waits at most this long for another version's drain
 
 
 def claim_slot(store: PlanStore, plan: VersionPlan) -> SlotClaim:
@@ -73,7 +72,7 @@ def claim_slot(store: PlanStore, plan: VersionPlan) -> SlotClaim:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         counter = SlotCounters(store.counters_path(plan.model, plan.version, index))
-        return SlotClaim(plan, index, slot, fd, counter, store.draining_path(plan.model, plan.version))
+        return SlotClaim(plan, index, slot, fd, counter, store)
     raise SlotUnavailableError(
         f"no free Packrat slot for {plan.model} version {plan.version}: all {len(plan.slots)} slots are "
         "held by live workers (more workers than the plan has slots?)"
@@ -181,40 +180,47 @@ class PackratWorkerMixin:
         if claim is None:
             yield
             return
-        if claim.slot.threads > 1:
-            self._follow_drain(claim)
         claim.counters.set_in_service(requests)
         try:
             yield
         finally:
             claim.counters.set_in_service(0)
 
-    @staticmethod
-    def _follow_drain(claim: SlotClaim) -> None:
-        """While this worker's version drains, run on one thread and one core.
+    def wait_for_drains(self, poll_s: float = 0.005) -> None:
+        """Hold this batch while another version drains on any of this slot's cores.
 
-        After a swap the old set serves its backlog beside the new set on the
-        same cores.  A multi-threaded worker then shares every core with a new
-        worker, and its OpenMP threads wait at each barrier for whichever of
-        them the scheduler has just descheduled: measured on a 2-core VM, an
-        old 2-thread ResNet-50 worker drained 20 requests in 9 s while both new
-        1-thread workers ran at half speed.  On one thread it shares a single
-        core and nobody waits on a barrier.  Checked once per batch (one
-        ``stat``), undone when the version serves again.
+        After a swap the old set serves its backlog while the new set already
+        takes new requests, on the same cores.  Sharing them is the worst of
+        both: a multi-threaded old worker's OpenMP threads wait at every
+        barrier for whichever of them the scheduler has just descheduled
+        (measured on a 2-core VM: 20 requests drained in 9 s while both new
+        workers ran at half speed), and narrowing it to one thread left its
+        backlog waiting behind a worker on half a core (drains of 4-5 s,
+        requests of 4 s at a diurnal peak).  Holding the new batches instead
+        keeps the old set at full strength and serves requests roughly in
+        the order they came: the backlog first, at the old set's speed.
+
+        The wait ends when the swapper removes the drain marker (its pid must
+        be alive, so a dead controller's marker does not count) or after
+        ``claim.max_drain_yield_s``, checked once per poll (one directory scan).
+        Call it before timing a batch: the hold is the swap's, not serving's.
         """
-        draining = claim.draining_marker.exists()
-        if draining == claim.narrowed:
+        claim = self.packrat_claim
+        if claim is None:
             return
-        import torch
-
-        if draining:
-            torch.set_num_threads(1)
-            os.sched_setaffinity(0, {claim.slot.cores[claim.index % len(claim.slot.cores)]})
-        else:
-            torch.set_num_threads(claim.slot.threads)
-            os.sched_setaffinity(0, claim.slot.cores)
-        claim.narrowed = draining
-        logger.info("Packrat slot %d: %s", claim.index, "draining on one core" if draining else "serving on its slot")
+        store = claim.store
+        deadline = None
+        mine = set(claim.slot.cores)
+        while mine & store.draining_cores(claim.plan.model, claim.plan.version):
+            now = time.monotonic()
+            if deadline is None:
+                deadline = now + claim.max_drain_yield_s
+                logger.info("Packrat slot %d: holding a batch while another version drains", claim.index)
+            elif now >= deadline:
+                logger.warning("Packrat slot %d: a drain on my cores outlasted %.0f s; serving anyway",
+                               claim.index, claim.max_drain_yield_s)  # fmt: skip
+                return
+            time.sleep(poll_s)
 
     def record_batch(self, requests: int, handler_ns: int, model_ns: int) -> None:
         """Add one served batch to the slot's counters: what serving really costs,

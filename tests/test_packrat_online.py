@@ -158,7 +158,7 @@ def test_one_step_of_open_loop_load_swaps_warm_within_seconds_with_zero_failures
     assert result.failed == 0, [s.status for s in result.samples if s.status != 200][:5]
     # One step, one swap.  (A second one used to follow when the old fat
     # worker drained its backlog with two OpenMP threads on the new workers'
-    # cores; a draining worker now narrows to one thread on one core.)
+    # cores; now the new workers hold their batches until the drain ends.)
     assert len(swaps) == 1, [(s.before, s.after, s.started - step_wall) for s in swaps]
     swap = swaps[0]
     assert swap.kind == "swap" and swap.warm and swap.before == [{"count": 1, "threads": 2, "batch": 1}]

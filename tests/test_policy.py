@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import math
 import random
+import statistics
 
 import pytest
 
 from packrat_plugin.load_monitor import LoadMonitor, MonitorConfig
 from packrat_plugin.optimizer import KnapsackOptimizer
+from packrat_plugin.plan_types import Plan, PlanItem
 from packrat_plugin.policy import Level, Observation, PolicyConfig, ReconfigurationPolicy, levels_for
 from packrat_plugin.profile import Profile, ProfilePoint
 
@@ -248,3 +250,35 @@ def test_queue_growth_right_after_a_swap_is_the_swaps_own_and_is_ignored():
     growing = dict(rate_short=12.0, rate_long=12.0, backlog_growing=True)
     assert policy.observe(Observation(12.0, **growing), current=4) is None
     assert policy.observe(Observation(17.0, **growing), current=4) is not None
+
+
+def test_erlang_c_matches_its_closed_forms():
+    from packrat_plugin.policy import erlang_c
+
+    for rho in (0.1, 0.5, 0.9):
+        assert erlang_c(1, rho) == pytest.approx(rho)  # one server: wait iff busy
+        assert erlang_c(2, 2 * rho) == pytest.approx(2 * rho**2 / (1 + rho))
+    assert erlang_c(8, 0.0) == 0.0
+    assert 0.0 < erlang_c(16, 8.0) < erlang_c(16, 12.0) < erlang_c(16, 15.5) < 1.0
+
+
+def test_workers_of_one_version_share_a_queue():
+    # 2×⟨1,1⟩ at 100 ms and 10 req/s: ρ = 0.5, Erlang C = 1/3, so the M/D/2 wait is
+    # 100 ms · (1/3) / (2·2·0.5) = 16.7 ms; two separate M/D/1 queues would wait 50 ms.
+    split = Level(2, Plan(2, 2, 100.0, (PlanItem(2, 1, 1),)), ((1, 100.0),))
+    assert split.predicted_latency_s(10.0) == pytest.approx(0.1 * (1 + 1 / 6))
+
+
+def test_a_slow_rise_is_acted_on_once_and_mostly_before_the_fat_worker_saturates():
+    # 2 → 17 req/s over 60 s: the split is predicted better from about 8 req/s
+    # (t = 34 s) and the fat worker saturates at 1/88.1 ms = 11.35/s (t = 47.4 s).
+    # The move waits for the lower bound of the rate to clear the crossover,
+    # so it comes a few seconds after it; on 12 seeds: median 46.75 s, latest 58.
+    ramp = [(1.0, 2.0 + 15.0 * (t + 0.5) / 60) for t in range(60)]
+    first_moves = []
+    for seed in range(12):
+        policy = ReconfigurationPolicy(levels())
+        moves = simulate(policy, [(10, 2.0), *ramp], seed=seed, warm={1, 2, 4, 8, 16, 32})
+        assert len(moves) == 1 and moves[0][1] == 1 and moves[0][3] == "load rose", moves
+        first_moves.append(moves[0][0])
+    assert min(first_moves) > 10 + 24 and statistics.median(first_moves) < 10 + 37.4 and max(first_moves) < 10 + 50
