@@ -1,0 +1,157 @@
+"""Where one fat worker stops being the better setting: fat vs one worker per core at constant loads.
+
+    python bench/packrat_crossover.py --model resnet50 --rates 4,8,10,12,13
+
+One TorchServe serves the model twice: ``fat`` (one worker, every core,
+batch 1) and ``static`` (one pinned 1-thread worker per core, batch 1), the
+two settings Packrat chooses between on a small machine.  At each open-loop
+Poisson rate the two take turns (same arrival sequence).  Beside each
+measured mean latency stands what Packrat's policy predicts for that setting
+(``policy.Level``: an M/D/i queue over the profiled round time), calibrated
+with what the workers' own counters measured in that run (the model's time
+and the handler's time outside it), so the table shows how good the
+queueing model is once the service time is known.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+if __package__ in (None, ""):  # `python bench/NAME.py` from the repository root
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.packrat_swap import static_plans
+from bench.report import add_output_arguments, markdown_table, provenance, provenance_block, publish
+from model_store.build import ARCHIVE_DIR, build_archive
+from model_store.catalog import get_spec
+from model_store.samples import client_payload
+from packrat_plugin.calibration import Calibration
+from packrat_plugin.loadgen import open_loop, run
+from packrat_plugin.plans import PLAN_DIR_ENV, PlanStore
+from packrat_plugin.policy import Level
+from packrat_plugin.profiler import profile_for_this_machine
+from packrat_plugin.swapper import ActivePassiveSwapper, SwapperConfig, version_name
+from packrat_plugin.topology import CpuTopology
+from packrat_plugin.torchserve import TorchServeProcess
+
+
+def parse_rates(text: str) -> list[float]:
+    rates = [float(x) for x in text.split(",") if x.strip()]
+    if not rates or min(rates) <= 0:
+        raise SystemExit(f"--rates must be positive numbers, got {text!r}")
+    return rates
+
+
+def measure(args: argparse.Namespace, workdir: Path) -> dict:
+    spec = get_spec(args.model, args.mode)
+    profile, profile_path = profile_for_this_machine(spec.name, args.profile, args.force, args.mode)
+    archive = build_archive(spec, ARCHIVE_DIR)
+    payloads = [client_payload(spec, seed=i) for i in range(32)]
+    topology = CpuTopology.from_system()
+    threads = len(topology.cores)
+    plans = PlanStore(workdir / "plans")
+    rows = []
+    with TorchServeProcess(workdir / "ts", workdir / "store", env={PLAN_DIR_ENV: str(plans.root)}) as server:
+        management = server.management()
+        settings = static_plans(threads)
+        versions = {}
+        for system, plan in settings.items():
+            ActivePassiveSwapper(management, plans, system, archive, workdir / "store", topology,
+                                 SwapperConfig()).apply(plan)  # fmt: skip
+            versions[system] = version_name(plan.instances[0])
+            url = f"{server.inference_url}/predictions/{system}"
+            run(open_loop(url, lambda i: payloads[i % 32], [(args.warmup_seconds, 4.0)], seed=9))
+        rates = parse_rates(args.rates)
+        for k, rate in enumerate(tqdm(rates, desc="rates", unit="rate")):
+            for system in settings if k % 2 == 0 else list(settings)[::-1]:
+                url = f"{server.inference_url}/predictions/{system}"
+                before = plans.service_totals(system, versions[system])
+                result = run(open_loop(url, lambda i: payloads[i % 32], [(args.seconds, rate)], seed=int(rate * 100)))
+                window = plans.service_totals(system, versions[system]) - before
+                item = settings[system].instances[0]
+                profiled = profile.latency(item.threads, 1)
+                model_ms = window.model_s * 1e3 / max(1, window.batches)
+                overhead_ms = (window.handler_s - window.model_s) * 1e3 / max(1, window.requests)
+                calibration = Calibration(model_ms / profiled, overhead_ms, 1)
+                level = Level(item.count, settings[system], ((1, profiled),), calibration)
+                rows.append({
+                    "rate": rate, "system": system, "requests": len(result.samples), "failed": result.failed,
+                    "mean_ms": result.mean_latency_ms(), "p99_ms": result.percentile_ms(99),
+                    "throughput": result.throughput(), "model_ms": model_ms, "overhead_ms": overhead_ms,
+                    "predicted_ms": level.predicted_latency_s(rate) * 1e3,
+                })  # fmt: skip
+                time.sleep(1.0)
+    return {"model": spec.name, "mode": spec.mode, "threads": threads, "rows": rows, "profile_path": str(profile_path)}
+
+
+def plot(data: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    for system, color in (("fat", "tab:blue"), ("static", "tab:orange")):
+        rows = [r for r in data["rows"] if r["system"] == system]
+        ax.plot([r["rate"] for r in rows], [r["mean_ms"] for r in rows], "o-", color=color, label=f"{system} measured")
+        finite = [r for r in rows if r["predicted_ms"] != float("inf")]
+        ax.plot([r["rate"] for r in finite], [r["predicted_ms"] for r in finite], "x--", color=color,
+                label=f"{system} predicted (M/D/i, calibrated)")  # fmt: skip
+    ax.set_xlabel("offered load (req/s, Poisson)")
+    ax.set_ylabel("mean latency (ms)")
+    ax.set_title(f"{data['model']}: one fat worker vs one worker per core, T={data['threads']}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def render(data: dict, stem: str) -> str:
+    def ms(x: float) -> str:
+        return "∞" if x == float("inf") else f"{x:.0f}"
+
+    table = markdown_table(
+        ["req/s", "setting", "mean ms (measured)", "mean ms (predicted)", "p99 ms", "throughput", "model ms / batch",
+         "handler ms outside the model / request", "requests (failed)"],
+        [[f"{r['rate']:g}", r["system"], ms(r["mean_ms"]), ms(r["predicted_ms"]), ms(r["p99_ms"]),
+          f"{r['throughput']:.1f}", f"{r['model_ms']:.1f}", f"{r['overhead_ms']:.1f}",
+          f"{r['requests']} ({r['failed']})"] for r in data["rows"]],
+    )  # fmt: skip
+    T = data["threads"]
+    return (
+        f"# One fat worker or one worker per core: {data['model']} ({data['mode']}), T={T}\n\n"
+        f"fat = ⟨1,{T},1⟩, static = ⟨{T},1,1⟩, both in one TorchServe, taking turns at each open-loop Poisson rate "
+        f"(same arrivals). Predicted = Packrat's queueing model (M/D/i over the profiled round, "
+        f"`packrat_plugin/policy.py`) calibrated with that run's own counters. Profile: `{data['profile_path']}`.\n\n"
+        f"{table}\n\n![crossover]({stem}.png)\n\n{provenance_block(data['provenance'])}"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="resnet50")
+    parser.add_argument("--mode", default="script", choices=("eager", "script", "compile"))
+    parser.add_argument("--profile", type=Path, help="default: profiles/<model>.json, else profile this machine")
+    parser.add_argument("--force", action="store_true", help="use a profile measured on other hardware")
+    parser.add_argument("--rates", default="4,8,10,12,13", help="open-loop rates (req/s), comma-separated")
+    parser.add_argument("--seconds", type=float, default=20.0, help="one run")
+    parser.add_argument("--warmup-seconds", type=float, default=5.0)
+    add_output_arguments(parser)
+    args = parser.parse_args(argv)
+    prov = provenance("bench.packrat_crossover")
+    with tempfile.TemporaryDirectory(prefix="packrat-crossover-") as tmp:
+        data = measure(args, Path(tmp))
+    data["provenance"] = prov
+    stem = f"packrat_crossover_{data['model']}"
+    print(publish(stem, data, lambda d: render(d, stem), plot, args.out_dir, args.json))
+    return 0 if all(r["failed"] == 0 for r in data["rows"]) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
