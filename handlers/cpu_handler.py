@@ -22,6 +22,7 @@ import torch
 
 from handlers.codecs import DEFAULT_MAX_PAYLOAD_BYTES, InputCodec, ModelInput, collate, encode_logits
 from handlers.errors import RequestError
+from handlers.runtime.metrics import HandlerMetrics
 from model_store.catalog import ModelSpec
 from packrat_plugin.worker import PackratWorkerMixin, process_age_s, startup_priority
 
@@ -66,6 +67,7 @@ class CPUModelHandler(PackratWorkerMixin):
         self.model: torch.nn.Module | None = None
         self.spec: ModelSpec | None = None
         self.codec: InputCodec | None = None
+        self.metrics = HandlerMetrics(None, "")  # TorchServe's cache once warm-up is done
 
     # -- template methods ----------------------------------------------------
 
@@ -85,6 +87,7 @@ class CPUModelHandler(PackratWorkerMixin):
             loaded = time.perf_counter()
             self.warm_up(self.slot_batch or int(context.system_properties.get("batch_size") or 1))
             warmed = time.perf_counter()
+        self.metrics = HandlerMetrics(getattr(context, "metrics", None), context.model_name)
         self.record_startup({"spawn_s": spawn_s, "load_s": loaded - started, "warmup_s": warmed - loaded})
         self.initialized = True
         logger.info(
@@ -143,13 +146,19 @@ class CPUModelHandler(PackratWorkerMixin):
             responses[index] = err.body()
             logger.info("request %d refused: %d %s", index, err.status, err.reason)
         if pre.inputs:
+            decoded = time.perf_counter_ns()
             with self.in_service(len(pre.inputs)):
                 batch = collate(pre.inputs)
                 model_started = time.perf_counter_ns()
                 logits = self.inference(batch)
                 model_ns = time.perf_counter_ns() - model_started
+                encode_started = time.perf_counter_ns()
                 outputs = self.postprocess(logits)
             for index, result in zip(pre.indices, outputs, strict=True):
                 responses[index] = result
-            self.record_batch(len(pre.inputs), time.perf_counter_ns() - started, model_ns)
+            done = time.perf_counter_ns()
+            self.record_batch(len(pre.inputs), done - started, model_ns)
+            stages_ns = {"decode": decoded - started, "model": encode_started - decoded,
+                         "encode": done - encode_started}  # fmt: skip
+            self.metrics.stages({k: v / 1e9 for k, v in stages_ns.items()}, requests=len(pre.inputs))
         return responses

@@ -79,6 +79,11 @@ def test_every_answer_equals_the_models_direct_output(make_handler, device):
     snap = handler.metrics.snapshot()
     assert snap["requests_batched"] == len(rows) and snap["inflight"] == 0
     assert max(snap["batches"]) > 1  # eleven requests at once were batched, not run one by one
+    # Every answered request is broken down into the runtime's stages (issue 9's breakdown).
+    stages = snap["stage_mean_ms"]
+    assert list(stages) == ["decode", "admission", "queue", "batch", "release", "wakeup", "encode"]
+    assert all(handler.metrics.stage_counts[stage] == len(rows) for stage in stages)
+    assert stages["batch"] > 0 and stages["decode"] > 0 and min(stages.values()) >= 0
 
 
 def test_bad_requests_fail_alone_with_their_4xx(make_handler):

@@ -80,6 +80,11 @@ def test_burst_is_split_across_workers_and_every_result_equals_direct_output(ser
     assert peak >= 2  # two workers' batches ran at the same time
     [(_, inflight)] = handler_metric(torchserve, "HandlerInflight", model)
     assert inflight == 0
+    # The per-stage breakdown reaches the metrics endpoint: every answered request in every stage.
+    counts = {labels["Stage"]: v for labels, v in handler_metric(torchserve, "HandlerStageCount", model)}
+    seconds = {labels["Stage"]: v for labels, v in handler_metric(torchserve, "HandlerStageSeconds", model)}
+    assert set(counts) == set(seconds) == {"decode", "admission", "queue", "batch", "release", "wakeup", "encode"}
+    assert min(counts.values()) >= len(rows) + 1 and seconds["batch"] > 0
 
 
 def test_small_batch_answered_before_an_earlier_large_one(served, torchserve):

@@ -37,10 +37,16 @@ def two_core_profile() -> Profile:
     """B=1 → one 2-thread instance; B≥2 → one 1-thread instance per core (b = B/2).
 
     The fat instance's capacity (1/0.09 s ≈ 11 requests/s) is the bottleneck
-    on paper; one 1-thread instance per core with batches of two carries
-    ~20/s, which any 2-core CI machine sustains for a 14/s step.
+    on paper; one 1-thread instance per core carries ~20/s on paper and ~13/s
+    on the 2-core AMD VM (1.3-1.5× slower than this profile, plus ~4 ms of
+    decoding per request), so the step goes to 10/s: past the fat worker,
+    well within the split.  Batching gains little, as for
+    ResNet-50 on a CPU (the AMD VM: 101, 203, 425 ms at batch 1, 2, 4): the
+    controller's calibration scales every batch size alike, so a profile
+    that promised much from batching would keep promising it after serving
+    had shown otherwise, and move again.
     """
-    latency = {(1, 1): 100.0, (2, 1): 90.0, (1, 2): 150.0, (2, 2): 170.0, (1, 4): 280.0, (2, 4): 400.0}
+    latency = {(1, 1): 100.0, (2, 1): 90.0, (1, 2): 190.0, (2, 2): 170.0, (1, 4): 380.0, (2, 4): 400.0}
     return Profile("resnet50", tuple(ProfilePoint(t, b, lat) for (t, b), lat in latency.items()))
 
 
@@ -150,8 +156,12 @@ def test_one_step_of_open_loop_load_swaps_warm_within_seconds_with_zero_failures
     fat_pids = [w["pid"] for w in workers(controller, "t2b1")]
     url = f"{controller.server.inference_url}/predictions/resnet50"
     payload = client_payload(SPEC, seed=5)  # a JPEG, as clients send; JSON tensors cost more to decode
-    step_wall = time.time() + 6
-    result = run(open_loop(url, lambda i: payload, [(6, 1.0), (24, 13.0)], seed=7))
+    # The low phase carries enough requests (≥ 20) for the controller to calibrate
+    # the hand-written profile against real serving before the step.  A step taken
+    # on the bare profile may be followed by a second, corrective move once
+    # serving has been measured (seen in CI: 2×⟨1,1⟩, then 2×⟨1,2⟩ 8 s later).
+    step_wall = time.time() + 8
+    result = run(open_loop(url, lambda i: payload, [(8, 3.0), (24, 10.0)], seed=7))
     time.sleep(3.0)  # a swap still in progress would finish, and count, before the state is read
     status = controller.status()["models"]["resnet50"]
     swaps = swaps_after(controller, 0)
@@ -159,7 +169,9 @@ def test_one_step_of_open_loop_load_swaps_warm_within_seconds_with_zero_failures
     # One step, one swap.  (A second one used to follow when the old fat
     # worker drained its backlog with two OpenMP threads on the new workers'
     # cores; now the new workers hold their batches until the drain ends.)
-    assert len(swaps) == 1, [(s.before, s.after, s.started - step_wall) for s in swaps]
+    decisions = controller.models["resnet50"].decisions
+    moves = [(s.before, s.after, s.started - step_wall) for s in swaps]
+    assert len(swaps) == 1, (moves, decisions, status["calibration"])
     swap = swaps[0]
     assert swap.kind == "swap" and swap.warm and swap.before == [{"count": 1, "threads": 2, "batch": 1}]
     assert swap.after[0]["threads"] == 1 and swap.after[0]["count"] == 2

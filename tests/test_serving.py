@@ -51,6 +51,12 @@ def test_resnet50_served_result_equals_direct_output(served, torchserve, mode):
     answers = [client.predict(model, row["body"]) for row in rows]
     assert [a.status for a in answers] == [200, 200, 200], [a.body for a in answers]
     assert_matches_reference(spec, rows, [a.body for a in answers])
+    stages = {
+        labels["Stage"]: value
+        for labels, value in torchserve.metrics().samples("HandlerStageCount")
+        if labels.get("ModelName") == model
+    }
+    assert set(stages) == {"decode", "model", "encode"} and min(stages.values()) >= len(rows)
 
 
 @pytest.mark.parametrize("mode", MODES)

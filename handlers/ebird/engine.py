@@ -174,6 +174,8 @@ class EbirdEngine(Engine):
 
     def _timed_execute(self, worker: EngineWorker, job: Job) -> tuple[torch.Tensor | None, Exception | None]:
         started = time.monotonic()
+        for ticket in job.tickets:
+            ticket.times.started = started
         self.metrics.batch_started(job.run.count, [started - t.arrived for t in job.tickets])
         try:
             return self._execute(worker, job.run), None
@@ -181,7 +183,10 @@ class EbirdEngine(Engine):
             logger.exception("batch of %d on worker %d failed", job.run.count, worker.spec.worker_id)
             return None, ServiceUnavailable(f"inference failed: {type(exc).__name__}: {exc}")
         finally:
-            self.metrics.batch_finished(time.monotonic() - started)
+            finished = time.monotonic()
+            for ticket in job.tickets:
+                ticket.times.finished = finished
+            self.metrics.batch_finished(finished - started)
 
     def _execute(self, worker: EngineWorker, run: Run) -> torch.Tensor:
         """Run one batch (a slice of the pool, no copy) and bring its output to the host."""

@@ -39,7 +39,7 @@ from handlers.codecs import DEFAULT_MAX_PAYLOAD_BYTES, InputCodec, ModelInput, e
 from handlers.cpu_handler import load_model
 from handlers.errors import ResponseError, ServiceUnavailable, bad_request
 from handlers.runtime.device import ExecutionDevice
-from handlers.runtime.engine import Engine, input_key
+from handlers.runtime.engine import Engine, StageTimes, input_key
 from handlers.runtime.metrics import HandlerMetrics
 from model_store.catalog import ModelSpec
 from packrat_plugin.worker import PackratWorkerMixin
@@ -56,6 +56,28 @@ def declared_inputs(codec: InputCodec) -> list[ModelInput]:
         return [ModelInput((torch.zeros(shape),)) for shape in codec.image_shapes]
     ids = torch.zeros(spec.seq_len, dtype=torch.long)
     return [ModelInput((ids, torch.ones_like(ids)))]
+
+
+def stage_breakdown(
+    received: float, decoded: float, admitted: float, times: StageTimes | None, woken: float, answered: float
+) -> dict[str, float]:
+    """One request's seconds per stage, from its timestamps (see ``HandlerMetrics``).
+
+    An engine that does not report its inner times gets them as one
+    ``engine`` stage (admitted → woken).
+    """
+    stages = {"decode": decoded - received, "admission": admitted - decoded}
+    if times is None or None in (times.started, times.finished, times.settled):
+        stages["engine"] = woken - admitted
+    else:
+        stages.update(
+            queue=times.started - times.arrived,
+            batch=times.finished - times.started,
+            release=times.settled - times.finished,
+            wakeup=woken - times.settled,
+        )
+    stages["encode"] = answered - woken
+    return {k: max(0.0, v) for k, v in stages.items()}
 
 
 class _Admission:
@@ -178,8 +200,13 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
 
     async def _serve(self, index: int, row: dict[str, Any], context: Any) -> Any:
         try:
+            received = time.monotonic()
             item = self.codec.decode(row)
-            return self.postprocess(await self.infer(item))
+            decoded = time.monotonic()
+            output, times, admitted, woken = await self._infer_timed(item)
+            answer = self.postprocess(output)
+            self.metrics.stages(stage_breakdown(received, decoded, admitted, times, woken, time.monotonic()))
+            return answer
         except ResponseError as err:
             answer = err
         except Exception as exc:  # a bug or a device fault: this request fails, the worker serves on
@@ -192,6 +219,10 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
 
     async def infer(self, item: ModelInput) -> torch.Tensor:
         """The model's output row for one decoded input, through the engine."""
+        return (await self._infer_timed(item))[0]
+
+    async def _infer_timed(self, item: ModelInput) -> tuple[torch.Tensor, StageTimes | None, float, float]:
+        """``infer``, plus the engine's stage times, when admission ended and when this coroutine woke."""
         key = input_key(item)
         if key not in self.engines:
             raise bad_request(f"input shape {[list(k) for k in key]} is not one this archive declares")
@@ -201,9 +232,11 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
             admission = self._admissions[(id(loop), key)] = _Admission(self.engines[key], self.metrics)
         deadline = loop.time() + self.response_timeout_s
         future = await admission.admit(item, deadline)
+        admitted = time.monotonic()
         self.metrics.request_admitted()
         try:
-            return await asyncio.wait_for(asyncio.wrap_future(future), max(deadline - loop.time(), 0.0))
+            output = await asyncio.wait_for(asyncio.wrap_future(future), max(deadline - loop.time(), 0.0))
+            return output, getattr(future, "times", None), admitted, time.monotonic()
         except TimeoutError:
             limit = self.response_timeout_s
             raise ServiceUnavailable(f"no result within the response timeout of {limit:g} s") from None

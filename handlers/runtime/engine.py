@@ -20,15 +20,46 @@ import torch
 from handlers.codecs import ModelInput
 
 
-@dataclass(eq=False)
-class Ticket:
-    """One admitted request: the future its answer goes to, and when it arrived."""
+@dataclass
+class StageTimes:
+    """When one request passed each point inside the engine (``time.monotonic``).
+
+    The runtime turns these into its per-request time breakdown
+    (``HandlerMetrics.stage``): queue = started - arrived, batch = finished -
+    started, release = settled - finished; None where a point was not reached.
+    """
 
     arrived: float = field(default_factory=time.monotonic)
-    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+    started: float | None = None  # its batch began
+    finished: float | None = None  # its batch's output was on the host
+    settled: float | None = None  # its future was answered
+
+
+class TicketFuture(concurrent.futures.Future):
+    """A request's future, carrying its ``StageTimes`` to whoever awaits it."""
+
+    def __init__(self, times: StageTimes) -> None:
+        super().__init__()
+        self.times = times
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One admitted request: the future its answer goes to, and when it passed each stage."""
+
+    times: StageTimes = field(default_factory=StageTimes)
+    future: TicketFuture = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.future = TicketFuture(self.times)
+
+    @property
+    def arrived(self) -> float:
+        return self.times.arrived
 
     def settle(self, result: Any = None, error: BaseException | None = None) -> bool:
         """Answer once; a second answer (a late worker after close) is ignored."""
+        self.times.settled = time.monotonic()
         try:
             if error is not None:
                 self.future.set_exception(error)

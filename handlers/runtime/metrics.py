@@ -16,6 +16,15 @@ Names (Prometheus, per ModelName):
 - ``HandlerPeakConcurrentBatches`` (gauge): most batches in flight at once.
 - ``HandlerAdmissionWaits`` (counter): requests that found the engine full
   and waited for room (backpressure), rather than being dropped.
+- ``HandlerStageSeconds`` and ``HandlerStageCount`` (counters, ``Stage``
+  label): where a request's time inside the worker goes, summed per stage
+  (mean = seconds / count).  The async runtime's stages, in order: decode,
+  admission (waiting for room), queue (admitted → its batch starts), batch,
+  release (output on the host → future answered), wakeup (→ the event loop
+  resumes the request), encode.  The sync CPU handler's: decode, model,
+  encode of the batch the request was in (it waits for all of them).
+  Counters rather than a histogram so that the mean of each stage reads
+  straight off the endpoint, with no bucket guesswork.
 """
 
 from __future__ import annotations
@@ -43,6 +52,8 @@ class HandlerMetrics:
         self.peak_concurrent_batches = 0
         self._concurrent_batches = 0
         self.admission_waits = 0
+        self.stage_seconds: collections.defaultdict[str, float] = collections.defaultdict(float)
+        self.stage_counts: collections.Counter[str] = collections.Counter()
 
     # -- events ------------------------------------------------------------
 
@@ -83,6 +94,17 @@ class HandlerMetrics:
             self.batch_seconds.append(seconds)
         self._emit("HandlerBatchSeconds", seconds, "s", "HISTOGRAM")
 
+    def stages(self, seconds: dict[str, float], requests: int = 1) -> None:
+        """Time in each named stage, as ``requests`` requests each spent it
+        (a sync handler's batch: every request in it waits for all of it)."""
+        with self._lock:
+            for stage, value in seconds.items():
+                self.stage_seconds[stage] += value * requests
+                self.stage_counts[stage] += requests
+        for stage, value in seconds.items():
+            self._emit("HandlerStageSeconds", value * requests, "s", "COUNTER", Stage=stage)
+            self._emit("HandlerStageCount", requests, "count", "COUNTER", Stage=stage)
+
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
             return {
@@ -93,6 +115,7 @@ class HandlerMetrics:
                 "admission_waits": self.admission_waits,
                 "queue_seconds": list(self.queue_seconds),
                 "batch_seconds": list(self.batch_seconds),
+                "stage_mean_ms": {k: self.stage_seconds[k] * 1e3 / n for k, n in self.stage_counts.items()},
             }
 
     # -- TorchServe ----------------------------------------------------------

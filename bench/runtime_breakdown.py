@@ -1,0 +1,174 @@
+"""Where a request's time goes: the async runtime (Ebird) against the sync CPU handler, inside TorchServe.
+
+    python bench/runtime_breakdown.py --model resnet50 --rates 0.3,0.85
+
+One TorchServe serves the model twice, one worker each: ``ebird`` (the async
+runtime: decode on the event loop, admission, the engine's queue and batch,
+the hand-back to the event loop, encode) and ``nowait`` (the plain handler
+under TorchServe's own batching, batch_size 32, max_batch_delay 0).  At each
+open-loop Poisson rate, a fraction of 1/L1 (L1: one request at a time through
+``nowait``), the two take turns on the same arrivals; the handlers' stage
+counters (``HandlerStageSeconds`` / ``HandlerStageCount`` on TorchServe's
+metrics endpoint, see ``handlers/runtime/metrics.py``) are read before and
+after, so each stage's mean is per answered request.  What the client saw
+beyond the handler's stages is the frontend's share (HTTP, the frontend's
+queue and batch aggregation, the socket to the worker, the worker's message
+loop).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+if __package__ in (None, ""):  # `python bench/NAME.py` from the repository root
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.report import add_output_arguments, markdown_table, provenance, provenance_block, publish
+from model_store.build import ServingOptions, build_archive
+from model_store.catalog import get_spec
+from model_store.samples import client_payload
+from packrat_plugin.loadgen import closed_loop, open_loop, run
+from packrat_plugin.torchserve import TorchServeProcess
+
+SYSTEMS = ("ebird", "nowait")
+STAGES = {
+    "ebird": ("decode", "admission", "queue", "batch", "release", "wakeup", "encode"),
+    "nowait": ("decode", "model", "encode"),
+}
+EBIRD_SETTINGS = {"worker_batches": [1, 1, 2, 4, 8, 16], "max_inflight": 32, "pool_slots": 64, "cpu_lanes": 1}
+
+
+def stage_totals(server: TorchServeProcess, model: str) -> dict[str, tuple[float, float]]:
+    """Per stage: (seconds, requests) so far, from the metrics endpoint."""
+    metrics = server.metrics()
+    seconds = {k["Stage"]: v for k, v in metrics.samples("HandlerStageSeconds") if k.get("ModelName") == model}
+    counts = {k["Stage"]: v for k, v in metrics.samples("HandlerStageCount") if k.get("ModelName") == model}
+    return {stage: (seconds.get(stage, 0.0), counts.get(stage, 0.0)) for stage in counts}
+
+
+def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    spec = get_spec(args.model, args.mode)
+    store = workdir / "model_store"
+    plain = build_archive(spec, store)
+    options = ServingOptions(handler="ebird", handler_settings=tuple(sorted(EBIRD_SETTINGS.items())))
+    ebird = build_archive(spec, store, options)
+    payloads = [client_payload(spec, seed=i) for i in range(64)]
+    rows = []
+    with TorchServeProcess(workdir / "ts", store) as server:
+        mgmt = server.management()
+        mgmt.register(ebird.name, model_name="ebird", initial_workers=1)
+        mgmt.register(plain.name, model_name="nowait", initial_workers=1, batch_size=32, max_batch_delay_ms=0)
+        url = {name: f"{server.inference_url}/predictions/{name}" for name in SYSTEMS}
+        for name in SYSTEMS:
+            run(closed_loop(url[name], lambda i: payloads[i % 64], 4, args.warmup_seconds))
+        single = run(closed_loop(url["nowait"], lambda i: payloads[i % 64], 1, args.calibrate_seconds))
+        l1_s = single.mean_latency_ms() / 1e3
+        fractions = [float(x) for x in args.rates.split(",")]
+        with tqdm(total=len(fractions) * args.repeats * 2, desc="breakdown", unit="run") as bar:
+            for fraction in fractions:
+                rate = fraction / l1_s
+                for r in range(args.repeats):
+                    for name in SYSTEMS if r % 2 == 0 else SYSTEMS[::-1]:
+                        before = stage_totals(server, name)
+                        result = run(open_loop(url[name], lambda i: payloads[i % 64], [(args.seconds, rate)], seed=r))
+                        time.sleep(0.5)  # the last answers' metrics lines reach the frontend
+                        after = stage_totals(server, name)
+                        stages_ms = {}
+                        for stage in STAGES[name]:
+                            s1, n1 = after.get(stage, (0.0, 0.0))
+                            s0, n0 = before.get(stage, (0.0, 0.0))
+                            stages_ms[stage] = 1e3 * (s1 - s0) / max(1.0, n1 - n0)
+                        rows.append({"system": name, "fraction": fraction, "rate": rate, "repeat": r,
+                                     "requests": len(result.samples), "failed": result.failed,
+                                     "client_ms": result.mean_latency_ms(), "stages_ms": stages_ms})  # fmt: skip
+                        bar.update()
+    return {"model": spec.name, "mode": spec.mode, "l1_ms": 1e3 * l1_s, "rows": rows, "repeats": args.repeats}
+
+
+def summary(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """Mean over repeats per (system, load): client latency, each stage, and the rest (frontend)."""
+    out = []
+    for fraction in sorted({r["fraction"] for r in data["rows"]}):
+        for name in SYSTEMS:
+            runs = [r for r in data["rows"] if r["system"] == name and r["fraction"] == fraction]
+            client = sum(r["client_ms"] for r in runs) / len(runs)
+            stages = {s: sum(r["stages_ms"][s] for r in runs) / len(runs) for s in STAGES[name]}
+            requests, failed = sum(r["requests"] for r in runs), sum(r["failed"] for r in runs)
+            out.append({"system": name, "fraction": fraction, "rate": runs[0]["rate"], "client_ms": client,
+                        "stages_ms": stages, "outside_ms": client - sum(stages.values()),
+                        "requests": requests, "failed": failed})  # fmt: skip
+    return out
+
+
+def plot(data: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = data["summary"]
+    fig, ax = plt.subplots(figsize=(7.5, 3.8))
+    labels = [f"{r['system']}\n{r['rate']:.1f}/s" for r in rows]
+    names = list(dict.fromkeys(s for r in rows for s in r["stages_ms"])) + ["frontend and the rest"]
+    bottoms = [0.0] * len(rows)
+    for stage in names:
+        values = [r["outside_ms"] if stage == names[-1] else r["stages_ms"].get(stage, 0.0) for r in rows]
+        ax.bar(labels, values, bottom=bottoms, label=stage)
+        bottoms = [b + max(0.0, v) for b, v in zip(bottoms, values, strict=True)]
+    ax.set_ylabel("mean ms per request")
+    ax.set_title(f"{data['model']}: where a request's time goes (client mean = bar height)")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def render(data: dict[str, Any], stem: str) -> str:
+    all_stages = list(dict.fromkeys(s for name in SYSTEMS for s in STAGES[name]))
+    table = markdown_table(
+        ["system", "load (req/s)", "client mean ms", *all_stages, "frontend and the rest", "requests (failed)"],
+        [[r["system"], f"{r['rate']:.1f} ({r['fraction']:.0%} of 1/L1)", f"{r['client_ms']:.1f}",
+          *(f"{r['stages_ms'][s]:.1f}" if s in r["stages_ms"] else "" for s in all_stages),
+          f"{r['outside_ms']:.1f}", f"{r['requests']} ({r['failed']})"] for r in data["summary"]],
+    )  # fmt: skip
+    return (
+        f"# Where a request's time goes: {data['model']} ({data['mode']})\n\n"
+        f"Ebird (async runtime) and the plain handler under TorchServe's NO Wait batching (batch_size 32, "
+        f"max_batch_delay 0), one worker each, one TorchServe, open-loop Poisson at fractions of 1/L1 "
+        f"(L1 = {data['l1_ms']:.0f} ms), {data['repeats']} interleaved runs each. Stages are the handlers' own "
+        f"counters (mean ms per answered request); the plain handler's are those of the batch a request was in. "
+        f"'Frontend and the rest' = client mean minus the stages.\n\n{table}\n\n![breakdown]({stem}.png)\n\n"
+        f"{provenance_block(data['provenance'])}"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="resnet50")
+    parser.add_argument("--mode", default="script", choices=("eager", "script", "compile"))
+    parser.add_argument("--rates", default="0.3,0.85", help="loads as fractions of 1/L1, comma-separated")
+    parser.add_argument("--seconds", type=float, default=20.0, help="one run")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--warmup-seconds", type=float, default=5.0)
+    parser.add_argument("--calibrate-seconds", type=float, default=5.0)
+    add_output_arguments(parser)
+    args = parser.parse_args(argv)
+    prov = provenance("bench.runtime_breakdown")
+    with tempfile.TemporaryDirectory(prefix="runtime-breakdown-") as tmp:
+        data = measure(args, Path(tmp))
+    data["summary"] = summary(data)
+    data["provenance"] = prov
+    stem = f"runtime_breakdown_{data['model']}"
+    print(publish(stem, data, lambda d: render(d, stem), plot, args.out_dir, args.json))
+    return 0 if all(r["failed"] == 0 for r in data["rows"]) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
