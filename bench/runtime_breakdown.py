@@ -46,11 +46,15 @@ EBIRD_SETTINGS = {"worker_batches": [1, 1, 2, 4, 8, 16], "max_inflight": 32, "po
 
 
 def stage_totals(server: TorchServeProcess, model: str) -> dict[str, tuple[float, float]]:
-    """Per stage: (seconds, requests) so far, from the metrics endpoint."""
+    """Per stage: (seconds, requests) so far, from the metrics endpoint; plus
+    ``"batches"``: (requests batched, batches run)."""
     metrics = server.metrics()
     seconds = {k["Stage"]: v for k, v in metrics.samples("HandlerStageSeconds") if k.get("ModelName") == model}
     counts = {k["Stage"]: v for k, v in metrics.samples("HandlerStageCount") if k.get("ModelName") == model}
-    return {stage: (seconds.get(stage, 0.0), counts.get(stage, 0.0)) for stage in counts}
+    out = {stage: (seconds.get(stage, 0.0), counts.get(stage, 0.0)) for stage in counts}
+    sizes = [(int(k["BatchSize"]), v) for k, v in metrics.samples("HandlerBatches") if k.get("ModelName") == model]
+    out["batches"] = (sum(b * n for b, n in sizes), sum(n for _, n in sizes))
+    return out
 
 
 def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
@@ -85,7 +89,10 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                             s1, n1 = after.get(stage, (0.0, 0.0))
                             s0, n0 = before.get(stage, (0.0, 0.0))
                             stages_ms[stage] = 1e3 * (s1 - s0) / max(1.0, n1 - n0)
+                        (q1, b1), (q0, b0) = after["batches"], before["batches"]
+                        mean_batch = (q1 - q0) / max(1.0, b1 - b0)
                         rows.append({"system": name, "fraction": fraction, "rate": rate, "repeat": r,
+                                     "mean_batch": mean_batch,
                                      "requests": len(result.samples), "failed": result.failed,
                                      "client_ms": result.mean_latency_ms(), "stages_ms": stages_ms})  # fmt: skip
                         bar.update()
@@ -101,9 +108,10 @@ def summary(data: dict[str, Any]) -> list[dict[str, Any]]:
             client = sum(r["client_ms"] for r in runs) / len(runs)
             stages = {s: sum(r["stages_ms"][s] for r in runs) / len(runs) for s in STAGES[name]}
             requests, failed = sum(r["requests"] for r in runs), sum(r["failed"] for r in runs)
+            mean_batch = sum(r["mean_batch"] for r in runs) / len(runs)
             out.append({"system": name, "fraction": fraction, "rate": runs[0]["rate"], "client_ms": client,
                         "stages_ms": stages, "outside_ms": client - sum(stages.values()),
-                        "requests": requests, "failed": failed})  # fmt: skip
+                        "requests": requests, "failed": failed, "mean_batch": mean_batch})  # fmt: skip
     return out
 
 
@@ -133,8 +141,10 @@ def plot(data: dict[str, Any], path: Path) -> None:
 def render(data: dict[str, Any], stem: str) -> str:
     all_stages = list(dict.fromkeys(s for name in SYSTEMS for s in STAGES[name]))
     table = markdown_table(
-        ["system", "load (req/s)", "client mean ms", *all_stages, "frontend and the rest", "requests (failed)"],
+        ["system", "load (req/s)", "client mean ms", "mean batch", *all_stages, "frontend and the rest",
+         "requests (failed)"],
         [[r["system"], f"{r['rate']:.1f} ({r['fraction']:.0%} of 1/L1)", f"{r['client_ms']:.1f}",
+          f"{r['mean_batch']:.2f}",
           *(f"{r['stages_ms'][s]:.1f}" if s in r["stages_ms"] else "" for s in all_stages),
           f"{r['outside_ms']:.1f}", f"{r['requests']} ({r['failed']})"] for r in data["summary"]],
     )  # fmt: skip

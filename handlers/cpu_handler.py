@@ -147,6 +147,7 @@ class CPUModelHandler(PackratWorkerMixin):
             logger.info("request %d refused: %d %s", index, err.status, err.reason)
         if pre.inputs:
             decoded = time.perf_counter_ns()
+            self.metrics.batch_started(len(pre.inputs), [])  # the frontend's queue is not the handler's to time
             with self.in_service(len(pre.inputs)):
                 batch = collate(pre.inputs)
                 model_started = time.perf_counter_ns()
@@ -157,6 +158,7 @@ class CPUModelHandler(PackratWorkerMixin):
             for index, result in zip(pre.indices, outputs, strict=True):
                 responses[index] = result
             done = time.perf_counter_ns()
+            self.metrics.batch_finished((encode_started - decoded) / 1e9)
             self.record_batch(len(pre.inputs), done - started, model_ns)
             stages_ns = {"decode": decoded - started, "model": encode_started - decoded,
                          "encode": done - encode_started}  # fmt: skip

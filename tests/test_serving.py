@@ -57,6 +57,9 @@ def test_resnet50_served_result_equals_direct_output(served, torchserve, mode):
         if labels.get("ModelName") == model
     }
     assert set(stages) == {"decode", "model", "encode"} and min(stages.values()) >= len(rows)
+    batches = [(int(k["BatchSize"]), v) for k, v in torchserve.metrics().samples("HandlerBatches")
+               if k.get("ModelName") == model]  # fmt: skip
+    assert sum(size * n for size, n in batches) >= len(rows)
 
 
 @pytest.mark.parametrize("mode", MODES)
