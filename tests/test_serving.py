@@ -31,6 +31,12 @@ def assert_matches_reference(spec: ModelSpec, rows: list[dict], bodies: list[dic
         assert body["top5"][0]["index"] == int(row_expected.argmax())
 
 
+def test_unpacked_archives_stay_inside_the_servers_workdir(served, torchserve):
+    served("resnet50", "eager")
+    unpacked = torchserve.workdir / "tmp" / "models"
+    assert unpacked.is_dir() and any(unpacked.iterdir())  # removed with the workdir, not left in /tmp
+
+
 def test_archive_carries_the_spec_and_the_handler(archive):
     path = archive("resnet50", "script")
     with zipfile.ZipFile(path) as mar:
