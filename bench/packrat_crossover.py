@@ -27,7 +27,14 @@ if __package__ in (None, ""):  # `python bench/NAME.py` from the repository root
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.packrat_swap import static_plans
-from bench.report import add_output_arguments, markdown_table, provenance, provenance_block, publish
+from bench.report import (
+    add_model_arguments,
+    add_output_arguments,
+    markdown_table,
+    provenance,
+    provenance_block,
+    publish,
+)
 from model_store.build import ARCHIVE_DIR, build_archive
 from model_store.catalog import get_spec
 from model_store.samples import client_payload
@@ -135,10 +142,7 @@ def render(data: dict, stem: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="resnet50")
-    parser.add_argument("--mode", default="script", choices=("eager", "script", "compile"))
-    parser.add_argument("--profile", type=Path, help="default: profiles/<model>.json, else profile this machine")
-    parser.add_argument("--force", action="store_true", help="use a profile measured on other hardware")
+    add_model_arguments(parser)
     parser.add_argument("--rates", default="4,8,10,12,13", help="open-loop rates (req/s), comma-separated")
     parser.add_argument("--seconds", type=float, default=20.0, help="one run")
     parser.add_argument("--warmup-seconds", type=float, default=5.0)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 from pathlib import Path
 
 if __package__ in (None, ""):  # `python bench/NAME.py` from the repository root
@@ -29,22 +28,7 @@ from bench.report import (
     publish,
     speedup_bars,
 )
-from model_store.build import ARCHIVE_DIR, build_archive
-from model_store.catalog import get_spec
-from model_store.samples import client_payload
-from packrat_plugin.compare import ComparisonConfig, compare_fat_and_plan
-from packrat_plugin.profiler import parse_int_list, profile_for_this_machine
-
-
-def run_e2e(args: argparse.Namespace, workdir: Path) -> dict:
-    spec = get_spec(args.model, args.mode)
-    profile, _ = profile_for_this_machine(args.model, args.profile, args.force, args.mode)
-    archive = build_archive(spec, ARCHIVE_DIR)
-    payloads = [client_payload(spec, seed=i) for i in range(32)]
-    config = ComparisonConfig(tuple(parse_int_list(args.batches)), args.seconds, args.warmup_seconds, args.repeats,
-                              args.max_batch_delay)  # fmt: skip
-    data = compare_fat_and_plan(archive, profile, lambda n: payloads[n % len(payloads)], workdir, config)
-    return {**data, "mode": spec.mode}
+from packrat_plugin.compare import run_from_args
 
 
 def plot(data: dict, path: Path) -> None:
@@ -94,8 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     add_arguments(parser)
     args = parser.parse_args(argv)
     prov = provenance("bench.packrat_e2e")
-    with tempfile.TemporaryDirectory(prefix="packrat-e2e-") as tmp:
-        data = run_e2e(args, Path(tmp))
+    data = run_from_args(args)
     data["provenance"] = prov
     stem = f"packrat_e2e_{data['model']}"
     print(publish(stem, data, lambda d: render(d, args, stem), plot, args.out_dir, args.json))

@@ -36,7 +36,14 @@ from tqdm import tqdm
 if __package__ in (None, ""):  # `python bench/packrat_swap.py` from the repository root
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.report import add_output_arguments, markdown_table, provenance, provenance_block, publish
+from bench.report import (
+    add_model_arguments,
+    add_output_arguments,
+    markdown_table,
+    provenance,
+    provenance_block,
+    publish,
+)
 from model_store.build import ARCHIVE_DIR, build_archive
 from model_store.catalog import get_spec
 from model_store.samples import client_payload
@@ -288,10 +295,7 @@ def render(data: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="resnet50")
-    parser.add_argument("--mode", default="script", choices=("eager", "script", "compile"))
-    parser.add_argument("--profile", type=Path, help="default: profiles/<model>.json, else profile this machine")
-    parser.add_argument("--force", action="store_true", help="use a profile measured on other hardware")
+    add_model_arguments(parser)
     parser.add_argument("--low", type=float, default=0.1, help="low load, as a fraction of the largest capacity")
     parser.add_argument("--high", type=float, default=0.7, help="high load, likewise")
     parser.add_argument("--diurnal-seconds", type=float, default=120.0)

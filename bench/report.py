@@ -117,6 +117,14 @@ def speedup_bars(
     plt.close(fig)
 
 
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """Which model, how it is compiled, and which profile of it (default: one valid on this machine)."""
+    parser.add_argument("--model", default="resnet50")
+    parser.add_argument("--mode", default="script", choices=("eager", "script", "compile"))
+    parser.add_argument("--profile", type=Path, help="default: profiles/<model>.json, else profile this machine")
+    parser.add_argument("--force", action="store_true", help="use a profile measured on other hardware")
+
+
 def add_output_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out-dir", type=Path, default=BENCH_DIR, help="where the .md/.json/.png go")
     parser.add_argument("--json", type=Path, help="also write the JSON result here")

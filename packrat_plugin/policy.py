@@ -334,7 +334,7 @@ class ReconfigurationPolicy:
         # The short window catches a step within ~2 s; the long one, three
         # times the arrivals and so a bound √3 tighter, catches a slow rise
         # (a diurnal ramp) that the short one's noise would hide until late.
-        short_low = max(obs.bounds(obs.rate_short, obs.short_span_s, self.config.up_z)[0],
+        rate_low = max(obs.bounds(obs.rate_short, obs.short_span_s, self.config.up_z)[0],
                         obs.bounds(obs.rate_long, obs.long_span_s, self.config.up_z)[0])  # fmt: skip
         _, short_high = obs.bounds(obs.rate_short, obs.short_span_s, z)
         _, long_high = obs.bounds(obs.rate_long, obs.long_span_s, z)
@@ -343,7 +343,7 @@ class ReconfigurationPolicy:
         floor = self.floor_level(obs.concurrency)
         up = self.best(short_high)
         # Growing: even at the low end of the rate's noise, the target beats the current level.
-        if up.batch > cur.batch and self._clearly_better(up, cur, short_low):
+        if up.batch > cur.batch and self._clearly_better(up, cur, rate_low):
             return max(up, floor, key=lambda lv: lv.batch), rate, "load rose"
         if floor.batch > cur.batch:
             return floor, rate, "requests in flight rose"
