@@ -37,7 +37,15 @@ from tqdm import tqdm
 if __package__ in (None, ""):  # `python bench/NAME.py` from the repository root
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.report import add_output_arguments, markdown_table, provenance, provenance_block, publish
+from bench.report import (
+    add_output_arguments,
+    markdown_table,
+    new_figure,
+    provenance,
+    provenance_block,
+    publish,
+    save_figure,
+)
 from model_store.build import ServingOptions, build_archive
 from model_store.catalog import get_spec
 from model_store.samples import client_payload
@@ -176,12 +184,7 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
 
 def plot(data: dict[str, Any], path: Path) -> None:
     """Latency of each request by arrival order (the paper's Figure 8), last repeat."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7.5, 3.8))
+    fig, ax = new_figure((7.5, 3.8))
     for name in SYSTEMS:
         points = data["timeline"][name]
         ax.plot(range(len(points)), [p[1] for p in points], lw=0.9, label=LABELS[name])
@@ -189,14 +192,8 @@ def plot(data: dict[str, Any], path: Path) -> None:
     if first_high is not None:
         ax.axvline(first_high, color="grey", ls="--", lw=0.8)
         ax.text(first_high, ax.get_ylim()[1] * 0.95, " high load", fontsize=8, va="top")
-    ax.set_xlabel("request (arrival order)")
-    ax.set_ylabel("latency (ms)")
-    ax.set_yscale("log")
-    ax.set_title(f"{data['model']}: latency by arrival, low → high load")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    title = f"{data['model']}: latency by arrival, low → high load"
+    save_figure(fig, ax, path, "request (arrival order)", "latency (ms)", title, log_y=True)
 
 
 def render(data: dict[str, Any], stem: str) -> str:

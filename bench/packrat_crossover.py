@@ -31,9 +31,11 @@ from bench.report import (
     add_model_arguments,
     add_output_arguments,
     markdown_table,
+    new_figure,
     provenance,
     provenance_block,
     publish,
+    save_figure,
 )
 from model_store.build import ARCHIVE_DIR, build_archive
 from model_store.catalog import get_spec
@@ -98,25 +100,15 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict:
 
 
 def plot(data: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    fig, ax = new_figure()
     for system, color in (("fat", "tab:blue"), ("static", "tab:orange")):
         rows = [r for r in data["rows"] if r["system"] == system]
         ax.plot([r["rate"] for r in rows], [r["mean_ms"] for r in rows], "o-", color=color, label=f"{system} measured")
         finite = [r for r in rows if r["predicted_ms"] != float("inf")]
         ax.plot([r["rate"] for r in finite], [r["predicted_ms"] for r in finite], "x--", color=color,
                 label=f"{system} predicted (M/D/i, calibrated)")  # fmt: skip
-    ax.set_xlabel("offered load (req/s, Poisson)")
-    ax.set_ylabel("mean latency (ms)")
-    ax.set_title(f"{data['model']}: one fat worker vs one worker per core, T={data['threads']}")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    title = f"{data['model']}: one fat worker vs one worker per core, T={data['threads']}"
+    save_figure(fig, ax, path, "offered load (req/s, Poisson)", "mean latency (ms)", title)
 
 
 def render(data: dict, stem: str) -> str:

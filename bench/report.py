@@ -12,6 +12,7 @@ import json
 import shlex
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -82,6 +83,33 @@ def provenance_block(prov: dict[str, Any]) -> str:
     )
 
 
+def new_figure(size: tuple[float, float] = (6.4, 3.6)) -> tuple[Any, Any]:
+    """A figure and its axes, drawn headless (no display on servers or in CI)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(figsize=size)
+
+
+def save_figure(
+    fig: Any, ax: Any, path: Path, xlabel: str, ylabel: str, title: str, log_y: bool = False, legend: dict | None = None
+) -> None:
+    """Label the axes, add the legend, write ``path`` and free the figure."""
+    import matplotlib.pyplot as plt
+
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    if log_y:
+        ax.set_yscale("log")
+    ax.set_title(title)
+    ax.legend(**(legend or {"fontsize": 8}))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def speedup_bars(
     rows: list[dict[str, Any]], series: list[tuple[str, str]], xlabel: str, ylabel: str, title: str, path: Path
 ) -> None:
@@ -90,14 +118,9 @@ def speedup_bars(
     ``series`` is ``[(label, key), ...]``; the first series is the measured
     latency speedup and carries its min-max spread as error bars.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     xs = list(range(len(rows)))
     width = 0.8 / len(series)
-    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    fig, ax = new_figure()
     for k, (label, key) in enumerate(series):
         values = [r[key] if r[key] is not None else 0.0 for r in rows]
         offsets = [x + (k - (len(series) - 1) / 2) * width for x in xs]
@@ -108,13 +131,7 @@ def speedup_bars(
         ax.bar(offsets, values, width, yerr=err, capsize=3 if err else 0, label=label)
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xticks(xs, [str(r["batch"]) for r in rows])
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, ax, path, xlabel, ylabel, title)
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -146,6 +163,26 @@ def publish(
     if json_copy:
         json_copy.write_text((out_dir / f"{stem}.json").read_text())
     return markdown
+
+
+def run_benchmark(
+    module: str,
+    args: argparse.Namespace,
+    measure: Callable[[argparse.Namespace, Path], dict[str, Any]],
+    summary: Callable[[dict[str, Any]], Any],
+    stem_of: Callable[[dict[str, Any]], str],
+    render: Callable[[dict[str, Any], str], str],
+    plot: Callable[[dict[str, Any], Path], None],
+) -> int:
+    """Measure in a scratch directory, summarise, publish; exit status 1 when any request failed."""
+    prov = provenance(module)
+    with tempfile.TemporaryDirectory(prefix=f"{module.rsplit('.', 1)[-1]}-") as tmp:
+        data = measure(args, Path(tmp))
+    data["summary"] = summary(data)
+    data["provenance"] = prov
+    stem = stem_of(data)
+    print(publish(stem, data, lambda d: render(d, stem), plot, args.out_dir, args.json))
+    return 0 if all(r["failed"] == 0 for r in data["rows"]) else 1
 
 
 def write_outputs(stem: str, markdown: str, data: dict[str, Any], out_dir: Path = BENCH_DIR) -> Path:

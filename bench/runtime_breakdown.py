@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -30,7 +29,14 @@ from tqdm import tqdm
 if __package__ in (None, ""):  # `python bench/NAME.py` from the repository root
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.report import add_output_arguments, markdown_table, provenance, provenance_block, publish
+from bench.report import (
+    add_output_arguments,
+    markdown_table,
+    new_figure,
+    provenance_block,
+    run_benchmark,
+    save_figure,
+)
 from model_store.build import ServingOptions, build_archive
 from model_store.catalog import get_spec
 from model_store.samples import client_payload
@@ -116,13 +122,8 @@ def summary(data: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def plot(data: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = data["summary"]
-    fig, ax = plt.subplots(figsize=(7.5, 3.8))
+    fig, ax = new_figure((7.5, 3.8))
     labels = [f"{r['system']}\n{r['rate']:.1f}/s" for r in rows]
     names = list(dict.fromkeys(s for r in rows for s in r["stages_ms"])) + ["frontend and the rest"]
     bottoms = [0.0] * len(rows)
@@ -130,12 +131,8 @@ def plot(data: dict[str, Any], path: Path) -> None:
         values = [r["outside_ms"] if stage == names[-1] else r["stages_ms"].get(stage, 0.0) for r in rows]
         ax.bar(labels, values, bottom=bottoms, label=stage)
         bottoms = [b + max(0.0, v) for b, v in zip(bottoms, values, strict=True)]
-    ax.set_ylabel("mean ms per request")
-    ax.set_title(f"{data['model']}: where a request's time goes (client mean = bar height)")
-    ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    title = f"{data['model']}: where a request's time goes (client mean = bar height)"
+    save_figure(fig, ax, path, "", "mean ms per request", title, legend={"fontsize": 7, "ncol": 2})
 
 
 def render(data: dict[str, Any], stem: str) -> str:
@@ -159,6 +156,10 @@ def render(data: dict[str, Any], stem: str) -> str:
     )
 
 
+def stem_of(data: dict[str, Any]) -> str:
+    return f"runtime_breakdown_{data['model']}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="resnet50")
@@ -170,14 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calibrate-seconds", type=float, default=5.0)
     add_output_arguments(parser)
     args = parser.parse_args(argv)
-    prov = provenance("bench.runtime_breakdown")
-    with tempfile.TemporaryDirectory(prefix="runtime-breakdown-") as tmp:
-        data = measure(args, Path(tmp))
-    data["summary"] = summary(data)
-    data["provenance"] = prov
-    stem = f"runtime_breakdown_{data['model']}"
-    print(publish(stem, data, lambda d: render(d, stem), plot, args.out_dir, args.json))
-    return 0 if all(r["failed"] == 0 for r in data["rows"]) else 1
+    return run_benchmark("bench.runtime_breakdown", args, measure, summary, stem_of, render, plot)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import torch
 
 from handlers.codecs import DEFAULT_MAX_PAYLOAD_BYTES, InputCodec, ModelInput, collate, encode_logits
 from handlers.errors import RequestError
+from handlers.runtime.device import ExecutionDevice
 from handlers.runtime.metrics import HandlerMetrics
 from model_store.catalog import ModelSpec
 from packrat_plugin.worker import PackratWorkerMixin, process_age_s, startup_priority
@@ -59,7 +60,10 @@ class CPUModelHandler(PackratWorkerMixin):
     """Serves one catalog model; reads everything it needs from the archive.
 
     Under a Packrat controller, ``configure_runtime`` (from the mixin) claims a
-    slot and pins the worker before the model loads; without one it is a no-op.
+    slot and pins the worker before the model loads, and the model runs on
+    the slot's CPU cores.  Without one, the model runs where TorchServe's own
+    ``BaseHandler`` would run it: on the GPU TorchServe assigned this worker
+    (``gpu_id``), else on the CPU.  Decoding and encoding stay on the CPU.
     """
 
     def __init__(self) -> None:
@@ -68,6 +72,7 @@ class CPUModelHandler(PackratWorkerMixin):
         self.spec: ModelSpec | None = None
         self.codec: InputCodec | None = None
         self.metrics = HandlerMetrics(None, "")  # TorchServe's cache once warm-up is done
+        self.device = ExecutionDevice("cpu")
 
     # -- template methods ----------------------------------------------------
 
@@ -79,11 +84,13 @@ class CPUModelHandler(PackratWorkerMixin):
         self.spec = ModelSpec.from_dict(handler_cfg["spec"])
         self.codec = InputCodec(self.spec, int(handler_cfg.get("max_payload_bytes", DEFAULT_MAX_PAYLOAD_BYTES)))
         self.configure_runtime(context)
+        if self.packrat_claim is None:
+            self.device = ExecutionDevice.from_context(context)
         with startup_priority():
             started = time.perf_counter()
             model_dir = context.system_properties["model_dir"]
             artefact = os.path.join(model_dir, context.manifest["model"]["serializedFile"])
-            self.model = load_model(self.spec, artefact)
+            self.model = load_model(self.spec, artefact, self.device.device)
             loaded = time.perf_counter()
             self.warm_up(self.slot_batch or int(context.system_properties.get("batch_size") or 1))
             warmed = time.perf_counter()
@@ -91,9 +98,9 @@ class CPUModelHandler(PackratWorkerMixin):
         self.record_startup({"spawn_s": spawn_s, "load_s": loaded - started, "warmup_s": warmed - loaded})
         self.initialized = True
         logger.info(
-            "serving %s in %s mode with %d intra-op threads (start-up: %.2f s spawn+imports, %.2f s load, "
-            "%.2f s warm-up)", self.spec.name, self.spec.mode, torch.get_num_threads(), spawn_s, loaded - started,
-            warmed - loaded,
+            "serving %s in %s mode on %s with %d intra-op threads (start-up: %.2f s spawn+imports, %.2f s load, "
+            "%.2f s warm-up)", self.spec.name, self.spec.mode, self.device.device, torch.get_num_threads(), spawn_s,
+            loaded - started, warmed - loaded,
         )  # fmt: skip
 
     def warm_up(self, batch: int = 1) -> None:
@@ -126,8 +133,9 @@ class CPUModelHandler(PackratWorkerMixin):
         return out
 
     def inference(self, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        device = self.device.device
         with torch.inference_mode():
-            return self.model(*batch)
+            return self.model(*(t.to(device, non_blocking=True) for t in batch)).to("cpu")
 
     def postprocess(self, logits: torch.Tensor) -> list[dict[str, Any]]:
         return [encode_logits(row) for row in logits]

@@ -67,12 +67,21 @@ class ServingOptions:
     # The handler's own section of model-config.yaml (``handler.<name>``),
     # e.g. Ebird's worker batch sizes; validated at build time.
     handler_settings: tuple[tuple[str, Any], ...] = ()
+    # Async handlers: threads that decode requests off the event loop
+    # (``handlers/runtime/decode.py``); None leaves it to the runtime's default.
+    decode_threads: int | None = None
 
     def __post_init__(self) -> None:
         if self.handler not in HANDLERS:
             raise ValueError(f"unknown handler {self.handler!r}; choose from {', '.join(HANDLERS)}")
         if self.handler_settings and self.handler == "packrat":
             raise ValueError("the packrat handler takes no handler settings")
+        if self.decode_threads is not None:
+            if not HANDLERS[self.handler].asynchronous:
+                raise ValueError(f"decode_threads applies to async handlers; {self.handler!r} decodes in its batch")
+            from handlers.runtime.decode import parse_decode_threads
+
+            parse_decode_threads(self.decode_threads)
         if self.handler == "ebird":
             from handlers.ebird.config import EbirdConfig
 
@@ -115,6 +124,8 @@ def model_config(spec: ModelSpec, options: ServingOptions) -> dict:
     if HANDLERS[options.handler].asynchronous:
         config.update(asyncCommunication=True, batchSize=1, maxBatchDelay=0)
         config["handler"][options.handler] = dict(options.handler_settings)
+        if options.decode_threads is not None:
+            config["handler"]["decode_threads"] = options.decode_threads
     return config
 
 
@@ -234,6 +245,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default={},
         help='the handler\'s settings as JSON, e.g. \'{"worker_batches": [1, 1, 2, 4], "max_inflight": 8}\'',
     )
+    parser.add_argument(
+        "--decode-threads",
+        type=int,
+        help="async handlers: threads decoding requests off the event loop (default: 4 on CUDA, 0 on CPU)",
+    )
     parser.add_argument("--force", action="store_true", help="rebuild archives that already exist")
 
 
@@ -248,9 +264,10 @@ def run(args: argparse.Namespace) -> int:
             max_batch_delay_ms=args.max_batch_delay,
             handler=args.handler,
             handler_settings=tuple(sorted(args.handler_config.items())),
+            decode_threads=args.decode_threads,
         )
     except (ValueError, AttributeError) as exc:
-        print(f"error: bad --handler/--handler-config: {exc}", file=sys.stderr)
+        print(f"error: bad --handler/--handler-config/--decode-threads: {exc}", file=sys.stderr)
         return 2
     for path in build_many(specs, args.out, options, args.force):
         print(path)

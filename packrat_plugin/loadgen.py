@@ -113,27 +113,35 @@ async def open_loop(
     max_in_flight: int = 2000,
 ) -> LoadResult:
     """``phases``: [(seconds, requests per second), ...] played in order."""
-    rng = random.Random(seed)
     samples: list[Sample] = []
     tasks: list[asyncio.Task] = []
     t0 = time.perf_counter()
     async with _session(timeout_s, max_in_flight) as session:
-        start, i = 0.0, 0
-        for seconds, rate in phases:
-            end = start + seconds
-            at = start
-            while rate > 0:
-                at += rng.expovariate(rate) if poisson else 1.0 / rate
-                if at >= end:
-                    break
-                delay = t0 + at - time.perf_counter()
-                if delay > 0:
-                    await asyncio.sleep(delay)
-                tasks.append(asyncio.create_task(_send(session, url, payloads(i), t0, samples)))
-                i += 1
-            start = end
+        for i, at in enumerate(arrival_times(phases, poisson, seed)):
+            delay = t0 + at - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(_send(session, url, payloads(i), t0, samples)))
         await asyncio.gather(*tasks)
     return LoadResult(samples, time.perf_counter() - t0)
+
+
+def arrival_times(phases: list[tuple[float, float]], poisson: bool = True, seed: int = 0) -> list[float]:
+    """Send times (seconds from the start) of an open-loop schedule; the same seed gives the same times,
+    so systems compared side by side see identical arrivals."""
+    rng = random.Random(seed)
+    times: list[float] = []
+    start = 0.0
+    for seconds, rate in phases:
+        end = start + seconds
+        at = start
+        while rate > 0:
+            at += rng.expovariate(rate) if poisson else 1.0 / rate
+            if at >= end:
+                break
+            times.append(at)
+        start = end
+    return times
 
 
 def run(coro) -> LoadResult:

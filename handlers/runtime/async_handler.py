@@ -13,7 +13,8 @@ stay recognisable):
   device, build one engine per declared input layout (``create_engine``),
   warm it up.
 - ``handle``: decode and validate each request on arrival (same codecs and
-  4xx answers as the CPU handler), admit it into the engine (waiting while
+  4xx answers as the CPU handler; inline or on a few threads, see
+  ``decode.py``), admit it into the engine (waiting while
   the engine is full, at most the response timeout), await its future,
   ``postprocess`` the output row.
 
@@ -38,6 +39,7 @@ import torch
 from handlers.codecs import DEFAULT_MAX_PAYLOAD_BYTES, InputCodec, ModelInput, encode_logits
 from handlers.cpu_handler import load_model
 from handlers.errors import ResponseError, ServiceUnavailable, bad_request
+from handlers.runtime.decode import RequestDecoder, default_decode_threads, parse_decode_threads
 from handlers.runtime.device import ExecutionDevice
 from handlers.runtime.engine import Engine, StageTimes, input_key
 from handlers.runtime.metrics import HandlerMetrics
@@ -135,6 +137,7 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
         self.engines: dict[tuple[tuple[int, ...], ...], Engine] = {}
         self.response_timeout_s = DEFAULT_RESPONSE_TIMEOUT_S
         self.cpu_threads = torch.get_num_threads()
+        self.decoder: RequestDecoder | None = None
         # Per event loop: TorchServe runs one for the worker's life, but a
         # handler driven directly (tests) may see several.
         self._admissions: dict[tuple[int, tuple[tuple[int, ...], ...]], _Admission] = {}
@@ -166,6 +169,7 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
             image_shapes=handler_config.get("input_shapes") or (),
         )
         self.response_timeout_s = float(model_config.get("responseTimeout", DEFAULT_RESPONSE_TIMEOUT_S))
+        decode_threads = parse_decode_threads(handler_config.get("decode_threads"))
         self.configure(handler_config)
         self.configure_runtime(context)
         self.device = ExecutionDevice.from_context(context)
@@ -179,6 +183,9 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
         model_dir = context.system_properties["model_dir"]
         artefact = os.path.join(model_dir, context.manifest["model"]["serializedFile"])
         self.model = load_model(self.spec, artefact, self.device.device)
+        if decode_threads is None:
+            decode_threads = default_decode_threads(self.device.is_cuda)
+        self.decoder = RequestDecoder(self.codec.decode, decode_threads)
         self.metrics = HandlerMetrics(getattr(context, "metrics", None), context.model_name)
         for example in declared_inputs(self.codec):
             engine = self.create_engine(example)
@@ -186,12 +193,13 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
             self.engines[input_key(example)] = engine
         self.initialized = True
         logger.info(
-            "%s serving %s (%s mode) on %s with %d input layout(s)",
+            "%s serving %s (%s mode) on %s with %d input layout(s), decoding %s",
             type(self).__name__,
             self.spec.name,
             self.spec.mode,
             self.device,
             len(self.engines),
+            f"on {decode_threads} threads" if decode_threads else "on the event loop",
         )
 
     async def handle(self, data: list[dict[str, Any]], context: Any) -> list[Any]:
@@ -201,7 +209,7 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
     async def _serve(self, index: int, row: dict[str, Any], context: Any) -> Any:
         try:
             received = time.monotonic()
-            item = self.codec.decode(row)
+            item = await self.decoder(row)
             decoded = time.monotonic()
             output, times, admitted, woken = await self._infer_timed(item)
             answer = self.postprocess(output)
@@ -248,3 +256,5 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
         started = time.monotonic()
         for engine in self.engines.values():
             engine.close(max(timeout_s - (time.monotonic() - started), 0.0))
+        if self.decoder is not None:
+            self.decoder.close()

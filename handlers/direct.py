@@ -1,8 +1,9 @@
 """Drive a handler object directly, with TorchServe's own Context class.
 
-For places without a TorchServe frontend (the lent GPU machine has PyTorch
-but no Java): the handler is initialised and called exactly as
-``ts.model_loader`` and ``ts.async_service`` do, minus the socket.
+For places without a TorchServe frontend (a GPU machine with PyTorch but no
+Java, unit tests, ``bench/ebird_direct.py``): the handler is initialised and
+called exactly as ``ts.model_loader`` and ``ts.service`` /
+``ts.async_service`` do, minus the socket.  Never used while serving.
 """
 
 from __future__ import annotations
@@ -57,8 +58,15 @@ def request_context(load: Context, n_requests: int) -> Context:
 
 
 async def call(handler: Any, load: Context, row: dict) -> tuple[int, Any]:
-    """One request through ``handle``: (status, answer)."""
+    """One request through an async handler's ``handle``: (status, answer)."""
     ctx = request_context(load, 1)
     [answer] = await handler.handle([row], ctx)
     status, _ = ctx.get_response_status(0)
     return status, answer
+
+
+def call_batch(handler: Any, load: Context, rows: list[dict]) -> list[tuple[int, Any]]:
+    """One batch through a sync handler's ``handle``, as the frontend's batch arrives: (status, answer) each."""
+    ctx = request_context(load, len(rows))
+    answers = handler.handle(rows, ctx)
+    return [(ctx.get_response_status(i)[0], answer) for i, answer in enumerate(answers)]

@@ -1,0 +1,443 @@
+"""Ebird against NO Wait batching with the handlers driven in-process, for machines without TorchServe.
+
+    python -m bench.ebird_direct --device cuda
+    python -m bench.ebird_direct --quick            # CPU, about two minutes
+
+TorchServe's frontend is Java, so a GPU machine without Java cannot run
+``bench/ebird.py``.  Here each system runs in its own process, as a
+TorchServe worker would, and its handler object is called exactly as
+TorchServe's Python worker calls it (``handlers/direct.py``):
+
+- ``ebird``: the Ebird handler in async mode.  Every request is its own
+  ``handle`` call on the worker's event loop, as ``asyncCommunication: true``
+  makes them.
+- ``nowait``: the plain handler under the frontend's batching with
+  ``batch_size`` 32 and ``max_batch_delay`` 0, emulated in a few lines:
+  whenever the worker is free it gets every queued request, up to 32, as one
+  ``handle`` call.  That is what TorchServe's batch aggregator does when it
+  may not wait.
+
+Left out: the HTTP hop and the Java frontend, which both systems pay alike.
+
+Load is set from capacity, as the Ebird paper sets it from a QoS-bounded
+load.  Each system's sustainable throughput is measured first (closed loop,
+``--clients`` in flight).  Open-loop Poisson phases then run at fractions of
+the better one (default 30% and 85%).  A fraction ≥ 1 is overload: it is
+reported in its own labelled rows, since there every queue grows for the
+whole phase.  At each fraction the two systems take turns (ABBA over
+repeats) on identical arrival times.  The ratio Ebird ÷ NO Wait of mean
+latency is reported per repeat, as median and spread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import multiprocessing as mp
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+if __package__ in (None, ""):  # `python bench/NAME.py` from the repository root
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.report import (
+    add_output_arguments,
+    markdown_table,
+    new_figure,
+    provenance_block,
+    run_benchmark,
+    save_figure,
+)
+from packrat_plugin.loadgen import arrival_times
+
+BASELINE = "nowait"
+NOWAIT_BATCH = 32
+
+
+def ebird_system(decode_threads: str) -> str:
+    """A system's name for Ebird with a decode-thread setting ("auto": the runtime's default)."""
+    if decode_threads == "auto":
+        return "ebird"
+    if int(decode_threads) < 0:
+        raise ValueError(decode_threads)
+    return f"ebird-decode{int(decode_threads)}"
+
+
+def label(system: str) -> str:
+    if system == BASELINE:
+        return "NO Wait"
+    if system == "ebird":
+        return "Ebird"
+    threads = system.removeprefix("ebird-decode")
+    if threads == "0":
+        return "Ebird (inline decode)"
+    return f"Ebird ({threads} decode thread{'' if threads == '1' else 's'})"
+
+
+# -- inside a system's process ------------------------------------------------
+
+
+class EbirdDriver:
+    """The Ebird handler in async mode: one ``handle`` call per request."""
+
+    def __init__(self, handler: Any, load_ctx: Any) -> None:
+        self.handler, self.load_ctx = handler, load_ctx
+
+    async def start(self) -> None:
+        pass
+
+    async def request(self, row: dict) -> int:
+        from handlers.direct import call
+
+        status, _ = await call(self.handler, self.load_ctx, row)
+        return status
+
+    async def stop(self) -> None:
+        pass
+
+
+class NoWaitDriver:
+    """The plain handler behind a batch-aggregating frontend that never waits for a fuller batch."""
+
+    def __init__(self, handler: Any, load_ctx: Any, batch_size: int) -> None:
+        self.handler, self.load_ctx, self.batch_size = handler, load_ctx, batch_size
+        # The worker runs one batch at a time, on one thread, as TorchServe's worker runs ``handle`` on its
+        # main thread.  ``initialize`` runs there too: torch work on a second thread would start a second
+        # OpenMP team on the same cores (measured: 74 → 86-104 ms per image on 2 cores).
+        self.worker = ThreadPoolExecutor(1, thread_name_prefix="worker")
+        self.worker.submit(handler.initialize, load_ctx).result()
+
+    async def start(self) -> None:
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.batcher = asyncio.create_task(self._aggregate())
+
+    async def request(self, row: dict) -> int:
+        answer = asyncio.get_running_loop().create_future()
+        self.queue.put_nowait((row, answer))
+        return await answer
+
+    async def _aggregate(self) -> None:
+        from handlers.direct import call_batch
+
+        loop = asyncio.get_running_loop()
+        while True:
+            items = [await self.queue.get()]
+            while len(items) < self.batch_size and not self.queue.empty():
+                items.append(self.queue.get_nowait())
+            try:
+                answers = await loop.run_in_executor(self.worker, call_batch, self.handler, self.load_ctx,
+                                                     [row for row, _ in items])  # fmt: skip
+                statuses = [status for status, _ in answers]
+            except Exception:  # the worker died on this batch: its requests fail, none vanish
+                statuses = [0] * len(items)
+            for (_, answer), status in zip(items, statuses, strict=True):
+                answer.set_result(status)
+
+    async def stop(self) -> None:
+        self.batcher.cancel()
+
+
+def make_driver(system: str, model: str, mode: str, model_dir: str, device: str) -> tuple[Any, Any]:
+    """(driver, handler) for one system, initialised as TorchServe would initialise its worker."""
+    from handlers.cpu_handler import CPUModelHandler
+    from handlers.direct import load_context
+    from handlers.ebird.handler import EbirdHandler
+    from model_store.build import ServingOptions
+    from model_store.catalog import get_spec
+
+    spec = get_spec(model, mode)
+    gpu = 0 if device == "cuda" else None
+    if system.startswith("ebird"):
+        threads = None if system == "ebird" else int(system.removeprefix("ebird-decode"))
+        ctx = load_context(spec, Path(model_dir), ServingOptions(handler="ebird", decode_threads=threads), gpu=gpu)
+        handler = EbirdHandler()
+        handler.initialize(ctx)
+        return EbirdDriver(handler, ctx), handler
+    ctx = load_context(spec, Path(model_dir), ServingOptions(batch_size=NOWAIT_BATCH, max_batch_delay_ms=0), gpu=gpu)
+    handler = CPUModelHandler()
+    return NoWaitDriver(handler, ctx, NOWAIT_BATCH), handler  # initialised on the driver's worker thread
+
+
+async def open_loop(driver: Any, rows: list[dict], times: list[float]) -> list[tuple[float, float, int]]:
+    """(send time, latency s, status) per arrival; latency counts from the scheduled send time."""
+    await driver.start()
+    results: list[tuple[float, float, int]] = []
+    t0 = time.perf_counter()
+
+    async def one(i: int, at: float) -> None:
+        status = await driver.request(rows[i % len(rows)])
+        results.append((at, time.perf_counter() - t0 - at, status))
+
+    tasks = []
+    for i, at in enumerate(times):
+        delay = t0 + at - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(i, at)))
+    await asyncio.gather(*tasks)
+    await driver.stop()
+    return results
+
+
+async def closed_loop(driver: Any, rows: list[dict], clients: int, seconds: float) -> float:
+    """Answered requests per second with ``clients`` requests always in flight."""
+    await driver.start()
+    answered = 0
+    t0 = time.perf_counter()
+
+    async def client(k: int) -> None:
+        nonlocal answered
+        i = k
+        while time.perf_counter() - t0 < seconds:
+            status = await driver.request(rows[i % len(rows)])  # awaited first: `+=` would read a stale count
+            answered += status == 200
+            i += clients
+
+    await asyncio.gather(*(client(k) for k in range(clients)))
+    elapsed = time.perf_counter() - t0
+    await driver.stop()
+    return answered / elapsed
+
+
+def serve(conn: Connection, system: str, model: str, mode: str, model_dir: str, device: str) -> None:
+    """A system's process: load, say ready, then run the parent's load commands one at a time."""
+    from model_store.catalog import get_spec
+    from model_store.samples import client_payload
+
+    driver, handler = make_driver(system, model, mode, model_dir, device)
+    payloads = [client_payload(get_spec(model, mode), seed=i) for i in range(32)]
+    rows = [{"body": p if isinstance(p, bytes) else json.dumps(p).encode()} for p in payloads]
+    conn.send(("ready", str(handler.device.device)))
+    for command, kwargs in iter(conn.recv, None):
+        try:
+            before = dict(handler.metrics.snapshot()["batches"])
+            if command == "open":
+                result: Any = asyncio.run(open_loop(driver, rows, **kwargs))
+            else:
+                result = asyncio.run(closed_loop(driver, rows, **kwargs))
+            after = handler.metrics.snapshot()["batches"]
+            runs = {size: n - before.get(size, 0) for size, n in after.items() if n - before.get(size, 0)}
+            conn.send(("ok", (result, runs)))
+        except Exception as exc:  # the parent reports it; the process stays up for the next command
+            conn.send(("error", f"{type(exc).__name__}: {exc}"))
+
+
+# -- the parent --------------------------------------------------------------
+
+
+class SystemProcess:
+    def __init__(self, system: str, model: str, mode: str, model_dir: Path, device: str) -> None:
+        self.system = system
+        ctx = mp.get_context("spawn")  # a fresh interpreter: no torch thread state shared with the parent
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=serve, args=(child, system, model, mode, str(model_dir), device))
+        self.process.start()
+        self.device = self._receive(600.0)
+
+    def _receive(self, timeout_s: float) -> Any:
+        if not self.conn.poll(timeout_s):
+            raise TimeoutError(f"{self.system}: no answer within {timeout_s:g} s")
+        kind, value = self.conn.recv()
+        if kind == "error":
+            raise RuntimeError(f"{self.system}: {value}")
+        return value
+
+    def run(self, command: str, timeout_s: float, **kwargs: Any) -> tuple[Any, dict[int, int]]:
+        self.conn.send((command, kwargs))
+        return self._receive(timeout_s)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):  # the process is gone already
+            self.conn.send(None)
+        self.process.join(30)
+        if self.process.is_alive():
+            self.process.kill()
+
+
+def latency_stats(results: list[tuple[float, float, int]]) -> dict[str, Any]:
+    ok = sorted(lat for _, lat, status in results if status == 200)
+    p99 = ok[min(len(ok) - 1, round(0.99 * (len(ok) - 1)))] if ok else math.nan
+    return {
+        "requests": len(results),
+        "failed": sum(status != 200 for _, _, status in results),
+        "mean_ms": 1e3 * statistics.fmean(ok) if ok else math.nan,
+        "p99_ms": 1e3 * p99,
+    }
+
+
+def mean_batch(runs: dict[int, int]) -> float:
+    batches = sum(runs.values())
+    return sum(size * n for size, n in runs.items()) / batches if batches else math.nan
+
+
+def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    from handlers.direct import model_dir_for
+    from model_store.catalog import get_spec
+
+    spec = get_spec(args.model, args.mode)
+    model_dir = model_dir_for(spec, workdir / "model")
+    names = [*args.systems, BASELINE]
+    systems: dict[str, SystemProcess] = {}
+    try:
+        for name in names:
+            systems[name] = SystemProcess(name, args.model, args.mode, model_dir, args.device)
+        for proc in systems.values():  # first kernels, allocator, lazy imports
+            proc.run("closed", 300.0, clients=args.clients, seconds=args.warmup_seconds)
+        capacity = {}
+        for name, proc in systems.items():
+            capacity[name], _ = proc.run("closed", 300.0, clients=args.clients, seconds=args.capacity_seconds)
+        best = max(capacity.values())
+        rows = []
+        total = len(args.fractions) * args.repeats * len(names)
+        with tqdm(total=total, desc=f"ebird direct {args.model} on {args.device}", unit="run") as bar:
+            for k, fraction in enumerate(args.fractions):
+                rate = fraction * best
+                for r in range(args.repeats):
+                    times = arrival_times([(args.seconds, rate)], seed=1000 * k + r)
+                    for name in names if r % 2 == 0 else names[::-1]:
+                        results, runs = systems[name].run("open", 60.0 + 20 * args.seconds, times=times)
+                        rows.append({"system": name, "fraction": fraction, "rate": rate, "repeat": r,
+                                     "mean_batch": mean_batch(runs), **latency_stats(results)})  # fmt: skip
+                        bar.update()
+    finally:
+        for proc in systems.values():
+            proc.close()
+    return {
+        "model": spec.name,
+        "mode": spec.mode,
+        "device": systems[BASELINE].device,
+        "systems": names,
+        "capacity": capacity,
+        "clients": args.clients,
+        "seconds": args.seconds,
+        "repeats": args.repeats,
+        "rows": rows,
+    }
+
+
+def summary(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per load: each system's median mean and p99 over repeats, and each Ebird ÷ NO Wait per repeat."""
+    out = []
+    for fraction in sorted({r["fraction"] for r in data["rows"]}):
+        runs = {n: [r for r in data["rows"] if r["system"] == n and r["fraction"] == fraction] for n in data["systems"]}
+        row: dict[str, Any] = {"fraction": fraction, "rate": runs[BASELINE][0]["rate"], "overload": fraction >= 1}
+        for name, system_runs in runs.items():
+            row[name] = {
+                "mean_ms": statistics.median(x["mean_ms"] for x in system_runs),
+                "p99_ms": statistics.median(x["p99_ms"] for x in system_runs),
+                "mean_batch": statistics.median(x["mean_batch"] for x in system_runs),
+                "requests": sum(x["requests"] for x in system_runs),
+                "failed": sum(x["failed"] for x in system_runs),
+            }
+            if name != BASELINE:
+                ratios = [a["mean_ms"] / b["mean_ms"] for a, b in zip(system_runs, runs[BASELINE], strict=True)]
+                row[name].update(ratio=statistics.median(ratios), ratio_min=min(ratios), ratio_max=max(ratios))
+        out.append(row)
+    return out
+
+
+def plot(data: dict[str, Any], path: Path) -> None:
+    rows = data["summary"]
+    fig, ax = new_figure((7, 4))
+    rates = [r["rate"] for r in rows]
+    for k, name in enumerate(data["systems"]):
+        colour = f"C{k}"
+        ax.plot(rates, [r[name]["mean_ms"] for r in rows], "o-", color=colour, label=f"{label(name)} mean")
+        ax.plot(rates, [r[name]["p99_ms"] for r in rows], "s--", color=colour, alpha=0.5, label=f"{label(name)} p99")
+    title = f"{data['model']} on {data['device']}: handlers driven in-process"
+    save_figure(fig, ax, path, "offered load (requests/s)", "latency (ms)", title, log_y=True, legend={"fontsize": 7})
+
+
+def render(data: dict[str, Any], stem: str) -> str:
+    names = data["systems"]
+
+    def cells(r: dict[str, Any]) -> list[str]:
+        load = f"{r['fraction']:.0%} of capacity" + (" (overload)" if r["overload"] else "")
+        out = [load, f"{r['rate']:.1f}"]
+        for n in names:
+            s = r[n]
+            out.append(f"{s['mean_ms']:.1f} ({s['p99_ms']:.0f})")
+            if n != BASELINE:
+                out.append(f"**{s['ratio']:.2f}×** ({s['ratio_min']:.2f}–{s['ratio_max']:.2f})")
+        out.append(" / ".join(f"{r[n]['mean_batch']:.2f}" for n in names))
+        out.append(" / ".join(f"{r[n]['requests']} ({r[n]['failed']})" for n in names))
+        return out
+
+    header = ["load", "req/s"]
+    for n in names:
+        header.append(f"{label(n)} mean (p99) ms")
+        if n != BASELINE:
+            header.append(f"{label(n)} ÷ NO Wait (min–max)")
+    header += ["mean batch (" + " / ".join(label(n) for n in names) + ")", "requests (failed)"]
+    stable = [cells(r) for r in data["summary"] if not r["overload"]]
+    overload = [cells(r) for r in data["summary"] if r["overload"]]
+    capacity = ", ".join(f"{label(n)} {v:.1f} req/s" for n, v in data["capacity"].items())
+    text = (
+        f"# Ebird vs NO Wait, handlers driven in-process: {data['model']} ({data['mode']}) on {data['device']}\n\n"
+        f"Each system in its own process, its handler called as TorchServe's Python worker calls it; no HTTP, "
+        f"no Java frontend (see the module docstring of `bench/ebird_direct.py`). NO Wait = the plain handler "
+        f"with batch_size {NOWAIT_BATCH}, max_batch_delay 0. Sustainable throughput (closed loop, "
+        f"{data['clients']} in flight): {capacity}. Open-loop Poisson at fractions of the best one, "
+        f"{data['seconds']:g} s per run, {data['repeats']} repeats, the systems' order reversed every other "
+        f"repeat, on identical arrivals. Ratio < 1: that Ebird is faster than NO Wait.\n\n"
+        f"{markdown_table(header, stable)}\n"
+    )
+    if overload:
+        text += "\nOverload (queues grow for the whole run; this measures queue growth, not batching):\n\n"
+        text += f"{markdown_table(header, overload)}\n"
+    return text + f"\n![latency]({stem}.png)\n\n{provenance_block(data['provenance'])}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="resnet50")
+    parser.add_argument("--mode", default="eager", choices=("eager", "script", "compile"))
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    parser.add_argument("--fractions", default="0.3,0.85", help="loads as fractions of capacity; ≥ 1 is overload")
+    parser.add_argument("--seconds", type=float, default=20.0, help="one open-loop run")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--clients", type=int, default=64, help="in flight while capacity is measured")
+    parser.add_argument("--capacity-seconds", type=float, default=8.0)
+    parser.add_argument("--warmup-seconds", type=float, default=3.0)
+    parser.add_argument(
+        "--ebird-decode-threads",
+        default="auto",
+        help="Ebird variants to run, by decode threads: e.g. 0,4 (0 = inline on the event loop; auto = default)",
+    )
+    parser.add_argument("--quick", action="store_true", help="8 s runs, 2 repeats, short capacity step")
+    add_output_arguments(parser)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.seconds, args.repeats, args.capacity_seconds, args.warmup_seconds = 8.0, 2, 4.0, 2.0
+    args.fractions = [float(x) for x in args.fractions.split(",")]
+    try:
+        args.systems = list(dict.fromkeys(ebird_system(v.strip()) for v in args.ebird_decode_threads.split(",")))
+    except ValueError:
+        parser.error(f"--ebird-decode-threads takes integers ≥ 0 or auto, got {args.ebird_decode_threads!r}")
+    if not args.fractions or min(args.fractions) <= 0:
+        parser.error("--fractions must be positive numbers")
+    import torch
+
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    elif args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: CUDA is not available on this machine (use --device cpu)")
+
+    def stem_of(data: dict[str, Any]) -> str:
+        return f"ebird_direct_{data['model']}_{args.device}"
+
+    return run_benchmark("bench.ebird_direct", args, measure, summary, stem_of, render, plot)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,45 @@
+"""The plain (Packrat) handler object driven directly, as TorchServe's sync worker drives it.
+
+Without a Packrat slot it runs the model where TorchServe's ``BaseHandler``
+would: on the GPU TorchServe assigned the worker, else on the CPU.  This is
+how its device path is tested where there is a GPU but no Java.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from handlers.cpu_handler import CPUModelHandler
+from handlers.direct import call_batch, load_context, model_dir_for
+from model_store.build import ServingOptions
+from model_store.catalog import get_spec
+from model_store.factory import outputs_close
+from tests.payloads import image_tensor_json, jpeg_bytes, reference_logits
+
+SPEC = get_spec("resnet50", "eager")
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_batch_runs_on_the_workers_device_and_a_bad_request_fails_alone(tmp_path, device):
+    model_dir = model_dir_for(SPEC, tmp_path / "model")
+    ctx = load_context(SPEC, model_dir, ServingOptions(batch_size=4), gpu=0 if device == "cuda" else None)
+    handler = CPUModelHandler()
+    handler.initialize(ctx)
+    assert handler.device.device.type == device
+    assert next(handler.model.parameters()).device.type == device
+    good = [{"body": jpeg_bytes(seed=1)}, {"body": image_tensor_json(SPEC, seed=2)}, {"body": jpeg_bytes(seed=3)}]
+    answers = call_batch(handler, ctx, [good[0], {"body": b"{not json"}, *good[1:]])
+    assert [status for status, _ in answers] == [200, 400, 200, 200]
+    assert "malformed JSON" in json.loads(answers[1][1])["message"]
+    tol = 1e-4 if device == "cpu" else 1e-2  # cuDNN/TF32 kernels differ from the CPU reference
+    ok = [body for status, body in answers if status == 200]
+    for body, row in zip(ok, reference_logits(SPEC, good), strict=True):
+        assert outputs_close(torch.tensor(body["logits"]), row, tol)
+    assert handler.metrics.snapshot()["batches"] == {3: 1}
