@@ -209,6 +209,23 @@ async def closed_loop(driver: Any, rows: list[dict], clients: int, seconds: floa
     return answered / elapsed
 
 
+def stage_totals(metrics: Any) -> dict[str, Any]:
+    """The handler's own counters: batches run by size, and seconds and requests per stage."""
+    snap = metrics.snapshot()
+    return {"batches": snap["batches"], "seconds": dict(metrics.stage_seconds), "counts": dict(metrics.stage_counts)}
+
+
+def counters_since(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """One run's share of the counters: batches by size, and mean ms per request in each stage."""
+    batches = {size: n - before["batches"].get(size, 0) for size, n in after["batches"].items()}
+    stages = {}
+    for stage, seconds in after["seconds"].items():
+        requests = after["counts"][stage] - before["counts"].get(stage, 0)
+        if requests:
+            stages[stage] = 1e3 * (seconds - before["seconds"].get(stage, 0.0)) / requests
+    return {"batches": {size: n for size, n in batches.items() if n}, "stages_ms": stages}
+
+
 def serve(conn: Connection, system: str, model: str, mode: str, model_dir: str, device: str) -> None:
     """A system's process: load, say ready, then run the parent's load commands one at a time."""
     from model_store.catalog import get_spec
@@ -220,14 +237,12 @@ def serve(conn: Connection, system: str, model: str, mode: str, model_dir: str, 
     conn.send(("ready", str(handler.device.device)))
     for command, kwargs in iter(conn.recv, None):
         try:
-            before = dict(handler.metrics.snapshot()["batches"])
+            before = stage_totals(handler.metrics)
             if command == "open":
                 result: Any = asyncio.run(open_loop(driver, rows, **kwargs))
             else:
                 result = asyncio.run(closed_loop(driver, rows, **kwargs))
-            after = handler.metrics.snapshot()["batches"]
-            runs = {size: n - before.get(size, 0) for size, n in after.items() if n - before.get(size, 0)}
-            conn.send(("ok", (result, runs)))
+            conn.send(("ok", (result, counters_since(before, stage_totals(handler.metrics)))))
         except Exception as exc:  # the parent reports it; the process stays up for the next command
             conn.send(("error", f"{type(exc).__name__}: {exc}"))
 
@@ -252,7 +267,7 @@ class SystemProcess:
             raise RuntimeError(f"{self.system}: {value}")
         return value
 
-    def run(self, command: str, timeout_s: float, **kwargs: Any) -> tuple[Any, dict[int, int]]:
+    def run(self, command: str, timeout_s: float, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
         self.conn.send((command, kwargs))
         return self._receive(timeout_s)
 
@@ -305,9 +320,10 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                 for r in range(args.repeats):
                     times = arrival_times([(args.seconds, rate)], seed=1000 * k + r)
                     for name in names if r % 2 == 0 else names[::-1]:
-                        results, runs = systems[name].run("open", 60.0 + 20 * args.seconds, times=times)
+                        results, counters = systems[name].run("open", 60.0 + 20 * args.seconds, times=times)
                         rows.append({"system": name, "fraction": fraction, "rate": rate, "repeat": r,
-                                     "mean_batch": mean_batch(runs), **latency_stats(results)})  # fmt: skip
+                                     "mean_batch": mean_batch(counters["batches"]),
+                                     "stages_ms": counters["stages_ms"], **latency_stats(results)})  # fmt: skip
                         bar.update()
     finally:
         for proc in systems.values():
@@ -336,6 +352,10 @@ def summary(data: dict[str, Any]) -> list[dict[str, Any]]:
                 "mean_ms": statistics.median(x["mean_ms"] for x in system_runs),
                 "p99_ms": statistics.median(x["p99_ms"] for x in system_runs),
                 "mean_batch": statistics.median(x["mean_batch"] for x in system_runs),
+                "stages_ms": {
+                    stage: statistics.fmean(x["stages_ms"].get(stage, 0.0) for x in system_runs)
+                    for stage in dict.fromkeys(s for x in system_runs for s in x["stages_ms"])
+                },
                 "requests": sum(x["requests"] for x in system_runs),
                 "failed": sum(x["failed"] for x in system_runs),
             }
@@ -391,6 +411,21 @@ def render(data: dict[str, Any], stem: str) -> str:
         f"{data['seconds']:g} s per run, {data['repeats']} repeats, the systems' order reversed every other "
         f"repeat, on identical arrivals. Ratio < 1: that Ebird is faster than NO Wait.\n\n"
         f"{markdown_table(header, stable)}\n"
+    )
+    stage_names = list(dict.fromkeys(s for r in data["summary"] for n in names for s in r[n]["stages_ms"]))
+    stage_rows = [
+        [
+            f"{r['fraction']:.0%}",
+            label(n),
+            *(f"{r[n]['stages_ms'][s]:.1f}" if s in r[n]["stages_ms"] else "" for s in stage_names),
+        ]
+        for r in data["summary"]
+        for n in names
+    ]
+    text += (
+        "\nWhere the time goes inside each handler (its own stage counters, mean ms per answered request; "
+        "the plain handler's stages are those of the batch a request was in, and its queue is the emulated "
+        f"frontend's):\n\n{markdown_table(['load', 'system', *stage_names], stage_rows)}\n"
     )
     if overload:
         text += "\nOverload (queues grow for the whole run; this measures queue growth, not batching):\n\n"
