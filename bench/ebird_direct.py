@@ -58,7 +58,13 @@ from bench.report import (
     run_benchmark,
     save_figure,
 )
-from packrat_plugin.loadgen import arrival_times
+from handlers.cpu_handler import CPUModelHandler
+from handlers.direct import call, call_batch, load_context, model_dir_for
+from handlers.ebird.handler import EbirdHandler
+from model_store.build import ServingOptions
+from model_store.catalog import get_spec
+from model_store.samples import client_payload
+from packrat_plugin.loadgen import LoadResult, Sample, arrival_times
 
 BASELINE = "nowait"
 NOWAIT_BATCH = 32
@@ -97,8 +103,6 @@ class EbirdDriver:
         pass
 
     async def request(self, row: dict) -> int:
-        from handlers.direct import call
-
         status, _ = await call(self.handler, self.load_ctx, row)
         return status
 
@@ -127,8 +131,6 @@ class NoWaitDriver:
         return await answer
 
     async def _aggregate(self) -> None:
-        from handlers.direct import call_batch
-
         loop = asyncio.get_running_loop()
         while True:
             items = [await self.queue.get()]
@@ -149,12 +151,6 @@ class NoWaitDriver:
 
 def make_driver(system: str, model: str, mode: str, model_dir: str, device: str) -> tuple[Any, Any]:
     """(driver, handler) for one system, initialised as TorchServe would initialise its worker."""
-    from handlers.cpu_handler import CPUModelHandler
-    from handlers.direct import load_context
-    from handlers.ebird.handler import EbirdHandler
-    from model_store.build import ServingOptions
-    from model_store.catalog import get_spec
-
     spec = get_spec(model, mode)
     gpu = 0 if device == "cuda" else None
     if system.startswith("ebird"):
@@ -168,15 +164,16 @@ def make_driver(system: str, model: str, mode: str, model_dir: str, device: str)
     return NoWaitDriver(handler, ctx, NOWAIT_BATCH), handler  # initialised on the driver's worker thread
 
 
-async def open_loop(driver: Any, rows: list[dict], times: list[float]) -> list[tuple[float, float, int]]:
-    """(send time, latency s, status) per arrival; latency counts from the scheduled send time."""
+async def open_loop(driver: Any, rows: list[dict], times: list[float]) -> LoadResult:
+    """Every arrival's sample; latency counts from the scheduled send time, since the event loop that
+    would send late is the handler's own (Ebird decodes on it)."""
     await driver.start()
-    results: list[tuple[float, float, int]] = []
+    samples: list[Sample] = []
     t0 = time.perf_counter()
 
     async def one(i: int, at: float) -> None:
         status = await driver.request(rows[i % len(rows)])
-        results.append((at, time.perf_counter() - t0 - at, status))
+        samples.append(Sample(at, time.perf_counter() - t0 - at, status))
 
     tasks = []
     for i, at in enumerate(times):
@@ -186,27 +183,26 @@ async def open_loop(driver: Any, rows: list[dict], times: list[float]) -> list[t
         tasks.append(asyncio.create_task(one(i, at)))
     await asyncio.gather(*tasks)
     await driver.stop()
-    return results
+    return LoadResult(samples, time.perf_counter() - t0)
 
 
 async def closed_loop(driver: Any, rows: list[dict], clients: int, seconds: float) -> float:
     """Answered requests per second with ``clients`` requests always in flight."""
     await driver.start()
-    answered = 0
+    samples: list[Sample] = []
     t0 = time.perf_counter()
 
     async def client(k: int) -> None:
-        nonlocal answered
         i = k
-        while time.perf_counter() - t0 < seconds:
-            status = await driver.request(rows[i % len(rows)])  # awaited first: `+=` would read a stale count
-            answered += status == 200
+        while (sent := time.perf_counter()) - t0 < seconds:
+            status = await driver.request(rows[i % len(rows)])
+            samples.append(Sample(sent - t0, time.perf_counter() - sent, status))
             i += clients
 
     await asyncio.gather(*(client(k) for k in range(clients)))
-    elapsed = time.perf_counter() - t0
+    result = LoadResult(samples, time.perf_counter() - t0)
     await driver.stop()
-    return answered / elapsed
+    return result.throughput()
 
 
 def stage_totals(metrics: Any) -> dict[str, Any]:
@@ -228,9 +224,6 @@ def counters_since(before: dict[str, Any], after: dict[str, Any]) -> dict[str, A
 
 def serve(conn: Connection, system: str, model: str, mode: str, model_dir: str, device: str) -> None:
     """A system's process: load, say ready, then run the parent's load commands one at a time."""
-    from model_store.catalog import get_spec
-    from model_store.samples import client_payload
-
     driver, handler = make_driver(system, model, mode, model_dir, device)
     payloads = [client_payload(get_spec(model, mode), seed=i) for i in range(32)]
     rows = [{"body": p if isinstance(p, bytes) else json.dumps(p).encode()} for p in payloads]
@@ -279,14 +272,12 @@ class SystemProcess:
             self.process.kill()
 
 
-def latency_stats(results: list[tuple[float, float, int]]) -> dict[str, Any]:
-    ok = sorted(lat for _, lat, status in results if status == 200)
-    p99 = ok[min(len(ok) - 1, round(0.99 * (len(ok) - 1)))] if ok else math.nan
+def latency_stats(result: LoadResult) -> dict[str, Any]:
     return {
-        "requests": len(results),
-        "failed": sum(status != 200 for _, _, status in results),
-        "mean_ms": 1e3 * statistics.fmean(ok) if ok else math.nan,
-        "p99_ms": 1e3 * p99,
+        "requests": len(result.samples),
+        "failed": result.failed,
+        "mean_ms": result.mean_latency_ms(),
+        "p99_ms": result.percentile_ms(99),
     }
 
 
@@ -296,9 +287,6 @@ def mean_batch(runs: dict[int, int]) -> float:
 
 
 def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
-    from handlers.direct import model_dir_for
-    from model_store.catalog import get_spec
-
     spec = get_spec(args.model, args.mode)
     model_dir = model_dir_for(spec, workdir / "model")
     names = [*args.systems, BASELINE]
