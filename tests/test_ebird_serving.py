@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import zipfile
 
 import aiohttp
 import pytest
 import yaml
 
+from model_store.build import ServingOptions, build_archive
 from model_store.catalog import get_spec
 from model_store.samples import image_tensor_json, jpeg_bytes
 from packrat_plugin.loadgen import open_loop, run
@@ -132,3 +134,28 @@ def test_bad_input_gets_its_4xx_and_requests_in_flight_are_unaffected(served, to
     answers = [client.predict(model, row["body"]) for row in good[:2]]
     assert [a.status for a in answers] == [200, 200]
     assert_matches_reference(spec, good[:2], [a.body for a in answers])
+
+
+def test_decoding_on_a_pool_inside_torchserve_answers_and_refuses_as_inline(torchserve, model_store_dir, tmp_path):
+    """The decode pool (the CUDA default) under TorchServe's real async worker, on CPU."""
+    spec = get_spec("resnet50", "eager")
+    options = ServingOptions(
+        handler="ebird", handler_settings=tuple(sorted(EBIRD_TEST_SETTINGS.items())), decode_threads=2
+    )
+    built = build_archive(spec, tmp_path, options)  # same archive name as the session's Ebird: keep it apart
+    target = model_store_dir / "resnet50_eager-ebird-decode2.mar"
+    shutil.copy(built, target)
+    with zipfile.ZipFile(target) as mar:
+        assert yaml.safe_load(mar.read("model-config.yaml"))["handler"]["decode_threads"] == 2
+    model = "ebird-decode2"
+    torchserve.management().register(target.name, model_name=model, initial_workers=1)
+    try:
+        rows = [{"body": jpeg_bytes(seed=i) if i % 2 else image_tensor_json(spec, seed=i)} for i in range(9)]
+        bad = [b"{not json", {"data": [[[0.0] * 8] * 8] * 3}]
+        answers = post_all(f"{torchserve.inference_url}/predictions/{model}", [r["body"] for r in rows] + bad)
+        assert [status for status, _ in answers] == [200] * len(rows) + [400, 400], answers
+        assert_matches_reference(spec, rows, [json.loads(body) for _, body in answers[: len(rows)]])
+        assert "malformed JSON" in json.loads(answers[-2][1])["message"]
+        assert "wrong tensor shape [3, 8, 8]" in json.loads(answers[-1][1])["message"]
+    finally:
+        torchserve.management().unregister(model)
