@@ -61,6 +61,7 @@ from bench.report import (
 from handlers.cpu_handler import CPUModelHandler
 from handlers.direct import call, call_batch, load_context, model_dir_for
 from handlers.ebird.handler import EbirdHandler
+from handlers.runtime.decode import LANE
 from model_store.build import ServingOptions
 from model_store.catalog import get_spec
 from model_store.samples import client_payload
@@ -71,12 +72,20 @@ NOWAIT_BATCH = 32
 
 
 def ebird_system(decode_threads: str) -> str:
-    """A system's name for Ebird with a decode-thread setting ("auto": the runtime's default)."""
+    """A system's name for Ebird with a decode placement ("auto": the runtime's default)."""
     if decode_threads == "auto":
         return "ebird"
+    if decode_threads == LANE:
+        return "ebird-decodelane"
     if int(decode_threads) < 0:
         raise ValueError(decode_threads)
     return f"ebird-decode{int(decode_threads)}"
+
+
+def decode_setting(system: str) -> int | str | None:
+    """The archive's ``decode_threads`` for an Ebird system name (None: the default)."""
+    placement = system.removeprefix("ebird").removeprefix("-decode")
+    return None if not placement else placement if placement == LANE else int(placement)
 
 
 def label(system: str) -> str:
@@ -84,10 +93,12 @@ def label(system: str) -> str:
         return "NO Wait"
     if system == "ebird":
         return "Ebird"
-    threads = system.removeprefix("ebird-decode")
-    if threads == "0":
+    placement = decode_setting(system)
+    if placement == LANE:
+        return "Ebird (decode on the lane)"
+    if placement == 0:
         return "Ebird (inline decode)"
-    return f"Ebird ({threads} decode thread{'' if threads == '1' else 's'})"
+    return f"Ebird ({placement} decode thread{'' if placement == 1 else 's'})"
 
 
 # -- inside a system's process ------------------------------------------------
@@ -154,8 +165,8 @@ def make_driver(system: str, model: str, mode: str, model_dir: str, device: str)
     spec = get_spec(model, mode)
     gpu = 0 if device == "cuda" else None
     if system.startswith("ebird"):
-        threads = None if system == "ebird" else int(system.removeprefix("ebird-decode"))
-        ctx = load_context(spec, Path(model_dir), ServingOptions(handler="ebird", decode_threads=threads), gpu=gpu)
+        options = ServingOptions(handler="ebird", decode_threads=decode_setting(system))
+        ctx = load_context(spec, Path(model_dir), options, gpu=gpu)
         handler = EbirdHandler()
         handler.initialize(ctx)
         return EbirdDriver(handler, ctx), handler
@@ -435,7 +446,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--ebird-decode-threads",
         default="auto",
-        help="Ebird variants to run, by decode threads: e.g. 0,4 (0 = inline on the event loop; auto = default)",
+        help="Ebird variants to run, by decode placement: e.g. 0,4,lane (0 = inline on the event loop; "
+        "lane = on the CPU lane between batches; auto = the device's default)",
     )
     parser.add_argument("--quick", action="store_true", help="8 s runs, 2 repeats, short capacity step")
     add_output_arguments(parser)
@@ -446,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args.systems = list(dict.fromkeys(ebird_system(v.strip()) for v in args.ebird_decode_threads.split(",")))
     except ValueError:
-        parser.error(f"--ebird-decode-threads takes integers ≥ 0 or auto, got {args.ebird_decode_threads!r}")
+        parser.error(f"--ebird-decode-threads takes integers ≥ 0, lane or auto, got {args.ebird_decode_threads!r}")
     if not args.fractions or min(args.fractions) <= 0:
         parser.error("--fractions must be positive numbers")
     import torch

@@ -2,12 +2,16 @@
 
     python bench/runtime_breakdown.py --model resnet50 --rates 0.3,0.85
 
-One TorchServe serves the model twice, one worker each: ``ebird`` (the async
-runtime: decode on the event loop, admission, the engine's queue and batch,
-the hand-back to the event loop, encode) and ``nowait`` (the plain handler
-under TorchServe's own batching, batch_size 32, max_batch_delay 0).  At each
-open-loop Poisson rate, a fraction of 1/L1 (L1: one request at a time through
-``nowait``), the two take turns on the same arrivals; the handlers' stage
+One TorchServe serves the model three times, one worker each: ``ebird`` (the
+async runtime: decode, admission, the engine's queue and batch, the hand-back
+to the event loop, encode; requests decoded on the CPU lane between batches,
+the runtime's default), ``ebird-loop`` (the same archive with
+``decode_threads: 0``: decoded on the event loop while a batch runs, the
+runtime's behaviour before the lanes) and ``nowait`` (the plain handler under
+TorchServe's own batching, batch_size 32, max_batch_delay 0).  So "before"
+and "after" are measured side by side in one run.  At each open-loop Poisson
+rate, a fraction of 1/L1 (L1: one request at a time through ``nowait``), the
+systems take turns on the same arrivals; the handlers' stage
 counters (``HandlerStageSeconds`` / ``HandlerStageCount`` on TorchServe's
 metrics endpoint, see ``handlers/runtime/metrics.py``) are read before and
 after, so each stage's mean is per answered request.  What the client saw
@@ -43,11 +47,9 @@ from model_store.samples import client_payload
 from packrat_plugin.loadgen import closed_loop, open_loop, run
 from packrat_plugin.torchserve import TorchServeProcess
 
-SYSTEMS = ("ebird", "nowait")
-STAGES = {
-    "ebird": ("decode", "admission", "queue", "batch", "release", "wakeup", "encode"),
-    "nowait": ("decode", "model", "encode"),
-}
+SYSTEMS = ("ebird", "ebird-loop", "nowait")
+ASYNC_STAGES = ("decode", "admission", "queue", "batch", "release", "wakeup", "encode")
+STAGES = {"ebird": ASYNC_STAGES, "ebird-loop": ASYNC_STAGES, "nowait": ("decode", "model", "encode")}
 EBIRD_SETTINGS = {"worker_batches": [1, 1, 2, 4, 8, 16], "max_inflight": 32, "pool_slots": 64, "cpu_lanes": 1}
 
 
@@ -67,13 +69,17 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     spec = get_spec(args.model, args.mode)
     store = workdir / "model_store"
     plain = build_archive(spec, store)
-    options = ServingOptions(handler="ebird", handler_settings=tuple(sorted(EBIRD_SETTINGS.items())))
-    ebird = build_archive(spec, store, options)
+    settings = tuple(sorted(EBIRD_SETTINGS.items()))
+    ebird = build_archive(spec, store, ServingOptions(handler="ebird", handler_settings=settings))
+    on_loop = ServingOptions(handler="ebird", handler_settings=settings, decode_threads=0)
+    loop_decoding = build_archive(spec, workdir / "loop", on_loop)
+    loop_decoding = loop_decoding.rename(store / f"{ebird.stem}-decode-on-loop.mar")
     payloads = [client_payload(spec, seed=i) for i in range(64)]
     rows = []
     with TorchServeProcess(workdir / "ts", store) as server:
         mgmt = server.management()
         mgmt.register(ebird.name, model_name="ebird", initial_workers=1)
+        mgmt.register(loop_decoding.name, model_name="ebird-loop", initial_workers=1)
         mgmt.register(plain.name, model_name="nowait", initial_workers=1, batch_size=32, max_batch_delay_ms=0)
         url = {name: f"{server.inference_url}/predictions/{name}" for name in SYSTEMS}
         for name in SYSTEMS:
@@ -81,11 +87,11 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         single = run(closed_loop(url["nowait"], lambda i: payloads[i % 64], 1, args.calibrate_seconds))
         l1_s = single.mean_latency_ms() / 1e3
         fractions = [float(x) for x in args.rates.split(",")]
-        with tqdm(total=len(fractions) * args.repeats * 2, desc="breakdown", unit="run") as bar:
+        with tqdm(total=len(fractions) * args.repeats * len(SYSTEMS), desc="breakdown", unit="run") as bar:
             for fraction in fractions:
                 rate = fraction / l1_s
                 for r in range(args.repeats):
-                    for name in SYSTEMS if r % 2 == 0 else SYSTEMS[::-1]:
+                    for name in SYSTEMS if r % 2 == 0 else SYSTEMS[::-1]:  # ABC, CBA, …
                         before = stage_totals(server, name)
                         result = run(open_loop(url[name], lambda i: payloads[i % 64], [(args.seconds, rate)], seed=r))
                         time.sleep(0.5)  # the last answers' metrics lines reach the frontend
@@ -136,18 +142,22 @@ def plot(data: dict[str, Any], path: Path) -> None:
 
 
 def render(data: dict[str, Any], stem: str) -> str:
+    nowait = {r["fraction"]: r["client_ms"] for r in data["summary"] if r["system"] == "nowait"}
     all_stages = list(dict.fromkeys(s for name in SYSTEMS for s in STAGES[name]))
     table = markdown_table(
-        ["system", "load (req/s)", "client mean ms", "mean batch", *all_stages, "frontend and the rest",
+        ["system", "load (req/s)", "client mean ms", "÷ nowait", "mean batch", *all_stages, "frontend and the rest",
          "requests (failed)"],
         [[r["system"], f"{r['rate']:.1f} ({r['fraction']:.0%} of 1/L1)", f"{r['client_ms']:.1f}",
+          f"{r['client_ms'] / nowait[r['fraction']]:.2f}",
           f"{r['mean_batch']:.2f}",
           *(f"{r['stages_ms'][s]:.1f}" if s in r["stages_ms"] else "" for s in all_stages),
           f"{r['outside_ms']:.1f}", f"{r['requests']} ({r['failed']})"] for r in data["summary"]],
     )  # fmt: skip
     return (
         f"# Where a request's time goes: {data['model']} ({data['mode']})\n\n"
-        f"Ebird (async runtime) and the plain handler under TorchServe's NO Wait batching (batch_size 32, "
+        f"Ebird (async runtime; `ebird`: requests decoded on the CPU lane between batches, the default; "
+        f"`ebird-loop`: decoded on the event loop while batches run, as before the lanes) and the plain handler "
+        f"under TorchServe's NO Wait batching (`nowait`: batch_size 32, "
         f"max_batch_delay 0), one worker each, one TorchServe, open-loop Poisson at fractions of 1/L1 "
         f"(L1 = {data['l1_ms']:.0f} ms), {data['repeats']} interleaved runs each. Stages are the handlers' own "
         f"counters (mean ms per answered request); the plain handler's are those of the batch a request was in. "

@@ -67,9 +67,9 @@ class ServingOptions:
     # The handler's own section of model-config.yaml (``handler.<name>``),
     # e.g. Ebird's worker batch sizes; validated at build time.
     handler_settings: tuple[tuple[str, Any], ...] = ()
-    # Async handlers: threads that decode requests off the event loop
-    # (``handlers/runtime/decode.py``); None leaves it to the runtime's default.
-    decode_threads: int | None = None
+    # Async handlers: where requests are decoded (``handlers/runtime/decode.py``):
+    # N threads, 0 inline, "lane"; None leaves it to the runtime's default.
+    decode_threads: int | str | None = None
 
     def __post_init__(self) -> None:
         if self.handler not in HANDLERS:
@@ -230,6 +230,14 @@ def build_many(
     return paths
 
 
+def decode_threads_argument(text: str) -> int | str:
+    """``--decode-threads``: a thread count, or a named placement (validated with the archive's options)."""
+    try:
+        return int(text)
+    except ValueError:
+        return text
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--models", help="comma-separated catalog names (default: all, or the CI set with --ci)")
     parser.add_argument("--modes", help=f"comma-separated modes from {','.join(EXECUTION_MODES)} (default: all)")
@@ -247,8 +255,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--decode-threads",
-        type=int,
-        help="async handlers: threads decoding requests off the event loop (default: 4 on CUDA, 0 on CPU)",
+        type=decode_threads_argument,
+        help="async handlers: where requests are decoded: N threads, 0 inline on the event loop, or 'lane' "
+        "(between batches on the CPU lanes) (default: 4 threads on CUDA, lane on CPU)",
     )
     parser.add_argument("--force", action="store_true", help="rebuild archives that already exist")
 

@@ -12,6 +12,7 @@ import asyncio
 import json
 import os
 import threading
+import time
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ import torch
 from handlers.direct import call, load_context, model_dir_for
 from handlers.ebird.config import EbirdConfig, EbirdConfigError
 from handlers.ebird.handler import EbirdHandler
-from handlers.runtime.decode import default_decode_threads
+from handlers.runtime.decode import default_decode_placement
 from model_store.build import ServingOptions, model_config
 from model_store.catalog import get_spec
 from model_store.factory import outputs_close
@@ -88,10 +89,9 @@ def test_every_answer_equals_the_models_direct_output(make_handler, device):
     assert list(stages) == ["decode", "admission", "queue", "batch", "release", "wakeup", "encode"]
     assert all(handler.metrics.stage_counts[stage] == len(rows) for stage in stages)
     assert stages["batch"] > 0 and stages["decode"] > 0 and min(stages.values()) >= 0
-    # Requests are decoded one after another on the event loop.  Where a batch outlasts a decode
-    # (CPU) a queue forms behind it and must be batched; where it does not (an H100 runs one image
-    # in less time than the next one takes to decode) no queue forms, and Ebird, which never waits
-    # for a fuller batch, rightly runs each request as it comes.
+    # Where a batch outlasts a decode (CPU) a queue forms behind it and must be batched; where it
+    # does not (an H100 runs one image in less time than the next one takes to decode) no queue
+    # forms, and Ebird, which never waits for a fuller batch, rightly runs each request as it comes.
     if stages["batch"] > stages["decode"]:
         assert max(snap["batches"]) > 1, (stages, snap["batches"])
 
@@ -131,10 +131,52 @@ def test_decoding_on_a_pool_answers_as_inline_and_keeps_each_4xx(make_handler):
     assert len(decoded_on) == len(rows) and all(name.startswith("decode") for name in decoded_on)
 
 
-def test_decoding_defaults_inline_on_cpu_and_to_a_pool_on_cuda(make_handler):
-    handler, _ = make_handler(worker_batches=[1, 2], pool_slots=4)
-    assert handler.decoder.threads == 0  # the batch's cores are not a decoder's to take
-    assert default_decode_threads(is_cuda=True) == min(4, os.cpu_count() or 1)
+class Intervals:
+    """Wraps a callable and records on which thread and when each call ran."""
+
+    def __init__(self, fn, log):
+        self.fn, self.log = fn, log
+
+    def __call__(self, *args):
+        started = time.monotonic()
+        try:
+            return self.fn(*args)
+        finally:
+            self.log.append((threading.current_thread().name, started, time.monotonic()))
+
+
+def test_on_cpu_requests_are_decoded_on_the_lane_between_batches(make_handler):
+    """The CPU default: a decode never overlaps a batch on the same cores (it would stall the batch's team)."""
+    handler, ctx = make_handler(worker_batches=[1, 1, 2, 4], pool_slots=8)
+    assert handler.lanes.count == 1 and handler.decoder.where == "on the CPU lanes"
+    decodes, batches = [], []
+    handler.decoder._decode = Intervals(handler.decoder._decode, decodes)
+    engine = handler.engines[((3, 224, 224),)]
+    engine.model = Intervals(engine.model, batches)
+    rows = [{"body": jpeg_bytes(seed=i)} for i in range(6)] + [{"body": b"{not json"}]
+    answers = serve_all(handler, ctx, rows)
+    assert [status for status, _ in answers] == [200] * 6 + [400]
+    for (_, body), row in zip(answers, reference_logits(SPEC, rows[:6]), strict=False):
+        assert outputs_close(torch.tensor(body["logits"]), row, 1e-4)
+    assert len(decodes) == len(rows) and batches
+    assert {name for name, _, _ in decodes + batches} == {"lane_0"}
+    for _, d0, d1 in decodes:
+        assert all(d1 <= b0 or b1 <= d0 for _, b0, b1 in batches), "a decode overlapped a batch"
+
+
+def test_decoding_defaults_to_a_pool_on_cuda_and_inline_is_a_choice(make_handler):
+    assert default_decode_placement(is_cuda=True) == min(4, os.cpu_count() or 1)
+    assert default_decode_placement(is_cuda=False) == "lane"
+    handler, ctx = make_handler(decode_threads=0, worker_batches=[1, 2], pool_slots=4)
+    assert handler.decoder.where == "on the event loop"
+    [(status, _)] = serve_all(handler, ctx, [{"body": jpeg_bytes(seed=3)}])
+    assert status == 200
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_lane_decoding_on_cuda_falls_back_to_decode_threads(make_handler):
+    handler, _ = make_handler("cuda", decode_threads="lane", worker_batches=[1, 2], pool_slots=4)
+    assert handler.lanes is None and handler.decoder.threads == default_decode_placement(is_cuda=True)
 
 
 @pytest.mark.parametrize("value", [-1, "two", True, 1.5])
@@ -146,6 +188,10 @@ def test_bad_decode_threads_fail_the_load_with_a_reason(make_handler, value):
 def test_decode_threads_are_an_async_handlers_setting():
     config = model_config(SPEC, ServingOptions(handler="ebird", decode_threads=3))
     assert config["handler"]["decode_threads"] == 3
+    assert (
+        model_config(SPEC, ServingOptions(handler="ebird", decode_threads="lane"))["handler"]["decode_threads"]
+        == "lane"
+    )
     assert "decode_threads" not in model_config(SPEC, ServingOptions(handler="ebird"))["handler"]
     with pytest.raises(ValueError, match="applies to async handlers"):
         ServingOptions(decode_threads=2)

@@ -10,10 +10,11 @@ handler:
 ```
 
 ``cpu_lanes`` is how the CPU path splits intra-op threads: workers hand
-their batches to ``cpu_lanes`` lane threads, so at most that many batches
-run at once, each with ``threads // cpu_lanes`` intra-op threads (threads:
-the worker's Packrat slot, or torch's default of one per core).  The
-thread that decodes requests runs single-threaded.  The default, 1, gives every
+their batches to ``cpu_lanes`` lane threads (``handlers/runtime/lanes.py``),
+so at most that many batches run at once, each with ``threads // cpu_lanes``
+intra-op threads (threads: the worker's Packrat slot, or torch's default of
+one per core).  Requests are decoded on the same lanes, between batches
+(``handlers/runtime/decode.py``).  The default, 1, gives every
 batch all cores (on a CPU a lone request is fastest that way); raise it on
 many-core machines where one batch cannot use all cores well.  On CUDA the
 lanes are the workers' streams and all of them may run at once.

@@ -8,8 +8,8 @@ frees its pool slots and goes back to the idle set, which wakes the loop.
 Threads: requests are admitted from one thread (the handler's event loop),
 one scheduler thread runs the loop, and each engine worker has a thread of
 its own (on CUDA it also has its own stream, so workers overlap on the GPU;
-on CPU workers hand their batches to ``cpu_lanes`` lane threads, see
-``config.py``).
+on CPU workers hand their batches to the runtime's lanes, see
+``handlers/runtime/lanes.py``).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from handlers.ebird.scheduler import ElasticScheduler, SchedulerState, WorkerSpe
 from handlers.errors import ServiceUnavailable, bad_request
 from handlers.runtime.device import ExecutionDevice
 from handlers.runtime.engine import Engine, Ticket, layout_of
+from handlers.runtime.lanes import CpuLanes
 from handlers.runtime.metrics import HandlerMetrics
 
 logger = logging.getLogger(__name__)
@@ -59,7 +60,7 @@ class EbirdEngine(Engine):
         device: ExecutionDevice,
         config: EbirdConfig,
         metrics: HandlerMetrics,
-        cpu_threads: int | None = None,
+        lanes: CpuLanes | None = None,
     ) -> None:
         super().__init__()
         self.model = model
@@ -71,21 +72,13 @@ class EbirdEngine(Engine):
         self.policy = ElasticScheduler(specs, config.max_inflight)
         self.workers = [EngineWorker(s, device.new_stream()) for s in specs]
         self._output_stream = device.new_stream()
-        self._max_running = len(self.workers) if device.is_cuda else config.cpu_lanes
-        # On CPU the lanes are threads of their own that every worker's batch
-        # runs on, each owning cores // cpu_lanes intra-op threads.  Always the
-        # same few threads: GNU OpenMP keeps a thread team per calling thread,
-        # and a region on a new thread while another team exists ran ~1.5×
-        # slower (ResNet-50, batch 1, 2 cores: 83 → 125 ms).
-        self._lanes: concurrent.futures.ThreadPoolExecutor | None = None
-        if not device.is_cuda:
-            threads = max(1, (cpu_threads or torch.get_num_threads()) // config.cpu_lanes)
-            self._lanes = concurrent.futures.ThreadPoolExecutor(
-                config.cpu_lanes,
-                thread_name_prefix="ebird-lane",
-                initializer=torch.set_num_threads,
-                initargs=(threads,),
-            )
+        # On CPU every worker's batch runs on the runtime's lanes
+        # (``handlers/runtime/lanes.py``): always the same few threads, each
+        # with its share of the cores, so at most ``lanes.count`` batches run.
+        if not device.is_cuda and lanes is None:
+            raise ValueError("a CPU Ebird engine runs its batches on the handler's CpuLanes; none given")
+        self._lanes = None if device.is_cuda else lanes
+        self._max_running = len(self.workers) if device.is_cuda else lanes.count
         self._tickets: list[Ticket | None] = [None] * config.pool_slots
         self._outstanding: set[Ticket] = set()
         self._cond = threading.Condition()
@@ -220,8 +213,7 @@ class EbirdEngine(Engine):
             if self._lanes is None:
                 run_batch(batch)
             else:
-                for done in [self._lanes.submit(run_batch, batch) for _ in range(self.config.cpu_lanes)]:
-                    done.result()
+                self._lanes.run_on_each(lambda batch=batch: run_batch(batch))
         if self.device.is_cuda:
             torch.cuda.synchronize(self.device.device)
 
@@ -242,6 +234,4 @@ class EbirdEngine(Engine):
             worker.jobs.put(None)
         for thread in [self._scheduler, *(w.thread for w in self.workers)]:
             thread.join(timeout=max(deadline - time.monotonic(), 0.1))
-        if self._lanes is not None:
-            self._lanes.shutdown(wait=False, cancel_futures=True)
         self._notify_space()

@@ -18,5 +18,8 @@ class EbirdHandler(AsyncModelHandler):
     def configure(self, handler_config: dict[str, Any]) -> None:
         self.config = EbirdConfig.from_dict(handler_config.get("ebird"))
 
+    def cpu_lane_count(self) -> int:
+        return self.config.cpu_lanes
+
     def create_engine(self, layout_example: ModelInput) -> EbirdEngine:
-        return EbirdEngine(self.model, layout_example, self.device, self.config, self.metrics, self.cpu_threads)
+        return EbirdEngine(self.model, layout_example, self.device, self.config, self.metrics, self.lanes)

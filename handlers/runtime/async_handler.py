@@ -13,8 +13,8 @@ stay recognisable):
   device, build one engine per declared input layout (``create_engine``),
   warm it up.
 - ``handle``: decode and validate each request on arrival (same codecs and
-  4xx answers as the CPU handler; inline or on a few threads, see
-  ``decode.py``), admit it into the engine (waiting while
+  4xx answers as the CPU handler; on the CPU lanes, inline or on a few
+  threads, see ``decode.py``), admit it into the engine (waiting while
   the engine is full, at most the response timeout), await its future,
   ``postprocess`` the output row.
 
@@ -39,9 +39,10 @@ import torch
 from handlers.codecs import DEFAULT_MAX_PAYLOAD_BYTES, InputCodec, ModelInput, encode_logits
 from handlers.cpu_handler import load_model
 from handlers.errors import ResponseError, ServiceUnavailable, bad_request
-from handlers.runtime.decode import RequestDecoder, default_decode_threads, parse_decode_threads
+from handlers.runtime.decode import LANE, RequestDecoder, default_decode_placement, parse_decode_threads
 from handlers.runtime.device import ExecutionDevice
 from handlers.runtime.engine import Engine, StageTimes, input_key
+from handlers.runtime.lanes import CpuLanes
 from handlers.runtime.metrics import HandlerMetrics
 from model_store.catalog import ModelSpec
 from packrat_plugin.worker import PackratWorkerMixin
@@ -137,7 +138,9 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
         self.engines: dict[tuple[tuple[int, ...], ...], Engine] = {}
         self.response_timeout_s = DEFAULT_RESPONSE_TIMEOUT_S
         self.cpu_threads = torch.get_num_threads()
+        self.lanes: CpuLanes | None = None  # CPU only
         self.decoder: RequestDecoder | None = None
+        self.closing = False
         # Per event loop: TorchServe runs one for the worker's life, but a
         # handler driven directly (tests) may see several.
         self._admissions: dict[tuple[int, tuple[tuple[int, ...], ...]], _Admission] = {}
@@ -150,6 +153,10 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
     @abc.abstractmethod
     def create_engine(self, layout_example: ModelInput) -> Engine:
         """An engine for inputs shaped like ``layout_example``."""
+
+    def cpu_lane_count(self) -> int:
+        """How many batches may run at once on a CPU, each with an equal share of the cores."""
+        return 1
 
     def postprocess(self, output: torch.Tensor) -> Any:
         """One request's answer from its output row."""
@@ -169,23 +176,22 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
             image_shapes=handler_config.get("input_shapes") or (),
         )
         self.response_timeout_s = float(model_config.get("responseTimeout", DEFAULT_RESPONSE_TIMEOUT_S))
-        decode_threads = parse_decode_threads(handler_config.get("decode_threads"))
+        decode_placement = parse_decode_threads(handler_config.get("decode_threads"))
         self.configure(handler_config)
         self.configure_runtime(context)
         self.device = ExecutionDevice.from_context(context)
         # Intra-op threads (Packrat's slot count, or torch's default) belong
-        # to the engine's execution threads.  This thread runs the event
-        # loop, which only decodes and copies inputs: single-threaded, so it
+        # to the CPU lanes (``lanes.py``).  This thread runs the event loop,
+        # which only copies inputs and hands work on: single-threaded, so it
         # never starts an OpenMP team that would compete with theirs.
         self.cpu_threads = torch.get_num_threads()
         if not self.device.is_cuda:
             torch.set_num_threads(1)
+            self.lanes = CpuLanes.splitting(self.cpu_threads, self.cpu_lane_count())
         model_dir = context.system_properties["model_dir"]
         artefact = os.path.join(model_dir, context.manifest["model"]["serializedFile"])
         self.model = load_model(self.spec, artefact, self.device.device)
-        if decode_threads is None:
-            decode_threads = default_decode_threads(self.device.is_cuda)
-        self.decoder = RequestDecoder(self.codec.decode, decode_threads)
+        self.decoder = self._make_decoder(decode_placement)
         self.metrics = HandlerMetrics(getattr(context, "metrics", None), context.model_name)
         for example in declared_inputs(self.codec):
             engine = self.create_engine(example)
@@ -193,14 +199,29 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
             self.engines[input_key(example)] = engine
         self.initialized = True
         logger.info(
-            "%s serving %s (%s mode) on %s with %d input layout(s), decoding %s",
+            "%s serving %s (%s mode) on %s%s with %d input layout(s), decoding %s",
             type(self).__name__,
             self.spec.name,
             self.spec.mode,
             self.device,
+            f" ({self.lanes})" if self.lanes else "",
             len(self.engines),
-            f"on {decode_threads} threads" if decode_threads else "on the event loop",
+            self.decoder.where,
         )
+
+    def _make_decoder(self, placement: int | str | None) -> RequestDecoder:
+        if placement == LANE and self.lanes is None:
+            placement = default_decode_placement(self.device.is_cuda)
+            logger.warning(
+                "decode_threads 'lane' needs CPU lanes; on %s decoding on %s threads",
+                self.device,
+                placement,
+            )
+        if placement is None:
+            placement = default_decode_placement(self.device.is_cuda)
+        if placement == LANE:
+            return RequestDecoder(self.codec.decode, submit=self.lanes.submit)
+        return RequestDecoder(self.codec.decode, threads=placement)
 
     async def handle(self, data: list[dict[str, Any]], context: Any) -> list[Any]:
         answers = await asyncio.gather(*(self._serve(index, row, context) for index, row in enumerate(data)))
@@ -209,6 +230,8 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
     async def _serve(self, index: int, row: dict[str, Any], context: Any) -> Any:
         try:
             received = time.monotonic()
+            if self.closing:  # not worth decoding: no engine will take it
+                raise ServiceUnavailable("worker is shutting down")
             item = await self.decoder(row)
             decoded = time.monotonic()
             output, times, admitted, woken = await self._infer_timed(item)
@@ -254,7 +277,10 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
     def close(self, timeout_s: float = 30.0) -> None:
         """Finish admitted requests (up to ``timeout_s``), answer the rest with 503, stop engine threads."""
         started = time.monotonic()
+        self.closing = True
         for engine in self.engines.values():
             engine.close(max(timeout_s - (time.monotonic() - started), 0.0))
         if self.decoder is not None:
             self.decoder.close()
+        if self.lanes is not None:
+            self.lanes.close()

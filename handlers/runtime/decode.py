@@ -1,21 +1,28 @@
-"""Where an async handler decodes requests: inline on its event loop, or in a few threads.
+"""Where an async handler decodes requests: on its CPU lanes, inline on its event loop, or in a few threads.
 
 Decoding an image request (PIL decode, resize, crop, normalise) costs a few
-milliseconds of CPU.  Inline on the event loop, requests are decoded one at
-a time, and that thread also competes for the GIL with the engine threads
-launching kernels.  So requests reach the engine one by one, at the decode
-rate.  On an H100 this capped Ebird at 70 ResNet-50 requests/s, mean batch
-1.1 under overload; four decode threads raised it to 93/s, mean batch 2.7
-(docs/benchmarks/ebird_direct_resnet50_cuda.md).  PIL's decoder and resampler
-and torch's tensor ops release the GIL.  A few decode threads therefore work
-in parallel, and several inputs are ready at once for the batch scheduler.
+milliseconds of CPU.  Where it runs matters differently per device:
 
-On a CPU the same cores run the batch, and a decode thread takes them from
-it; there the default stays inline.  ``decode_threads`` in the archive's
-``handler:`` section overrides the default (``packrat archive
---decode-threads N``).  Each decode thread runs torch single-threaded, so it
-never starts a second full OpenMP team on the batch's cores.  One such team
-made a batch 1.5× slower (``handlers/ebird/engine.py``).
+- **CUDA: a few decode threads** (default 4).  Inline on the event loop,
+  requests are decoded one at a time, and that thread also competes for the
+  GIL with the engine threads launching kernels, so requests reach the engine
+  one by one, at the decode rate.  On an H100 this capped Ebird at 70
+  ResNet-50 requests/s, mean batch 1.1 under overload; four decode threads
+  raised it to 93/s, mean batch 2.7
+  (docs/benchmarks/ebird_direct_resnet50_cuda.md).  PIL's decoder and
+  resampler and torch's tensor ops release the GIL, so decode threads work
+  in parallel.  Each runs torch single-threaded.
+- **CPU: on the lanes** (``lane``, the default).  The batch's OpenMP team
+  holds every core, and a decode that overlaps a batch stalls the whole team
+  (``lanes.py``).  Queued on the lane behind the batches already waiting, a
+  request is decoded between two batches with all the lane's threads, and
+  is ready for the next one: the order TorchServe's sync worker has, without
+  its batch window.
+- **Inline** (0): on the event loop, one at a time; for tests and comparison.
+
+``decode_threads`` in the archive's ``handler:`` section overrides the
+default (``packrat archive --decode-threads N|lane``).  The time a request
+waits for its decode slot counts as its ``decode`` stage.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -31,38 +38,61 @@ import torch
 from handlers.codecs import ModelInput
 
 CUDA_DECODE_THREADS = 4
+LANE = "lane"
+
+DecodePlacement = int | str  # threads (0 = inline), or LANE
 
 
-def parse_decode_threads(value: Any) -> int | None:
-    """An explicit thread count (0 = inline), or None for the device's default ("auto" or absent)."""
+def parse_decode_threads(value: Any) -> DecodePlacement | None:
+    """An explicit placement (threads, 0 = inline, or "lane"), or None for the device's default ("auto" or absent)."""
     if value is None or value == "auto":
         return None
+    if value == LANE:
+        return LANE
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"decode_threads must be an integer ≥ 0 or 'auto', got {value!r}")
+        raise ValueError(f"decode_threads must be an integer ≥ 0, 'lane' or 'auto', got {value!r}")
     return value
 
 
-def default_decode_threads(is_cuda: bool) -> int:
-    return min(CUDA_DECODE_THREADS, os.cpu_count() or 1) if is_cuda else 0
+def default_decode_placement(is_cuda: bool) -> DecodePlacement:
+    return min(CUDA_DECODE_THREADS, os.cpu_count() or 1) if is_cuda else LANE
+
+
+Submit = Callable[[Callable[[dict[str, Any]], ModelInput], dict[str, Any]], Future]
 
 
 class RequestDecoder:
-    """Awaitable decoding, inline or on a pool; a decode error reaches the caller unchanged."""
+    """Awaitable decoding, inline or on other threads; a decode error reaches the caller unchanged.
 
-    def __init__(self, decode: Callable[[dict[str, Any]], ModelInput], threads: int) -> None:
+    ``threads`` > 0 starts a pool of its own; ``submit`` runs decodes on
+    someone else's threads (the handler's CPU lanes), which it does not close.
+    """
+
+    def __init__(
+        self, decode: Callable[[dict[str, Any]], ModelInput], threads: int = 0, submit: Submit | None = None
+    ) -> None:
+        if threads and submit is not None:
+            raise ValueError("decode either on its own threads or through a given submit, not both")
         self._decode = decode
         self.threads = threads
-        self._pool = (
+        self._own_pool = (
             ThreadPoolExecutor(threads, thread_name_prefix="decode", initializer=torch.set_num_threads, initargs=(1,))
             if threads
             else None
         )
+        self._submit = submit or (self._own_pool.submit if self._own_pool else None)
+
+    @property
+    def where(self) -> str:
+        if self._own_pool is not None:
+            return f"on {self.threads} decode threads"
+        return "on the CPU lanes" if self._submit is not None else "on the event loop"
 
     async def __call__(self, row: dict[str, Any]) -> ModelInput:
-        if self._pool is None:
+        if self._submit is None:
             return self._decode(row)
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self._decode, row)
+        return await asyncio.wrap_future(self._submit(self._decode, row))
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
+        if self._own_pool is not None:
+            self._own_pool.shutdown(wait=True)
