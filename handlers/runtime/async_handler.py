@@ -210,17 +210,13 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
         )
 
     def _make_decoder(self, placement: int | str | None) -> RequestDecoder:
-        if placement == LANE and self.lanes is None:
-            placement = default_decode_placement(self.device.is_cuda)
-            logger.warning(
-                "decode_threads 'lane' needs CPU lanes; on %s decoding on %s threads",
-                self.device,
-                placement,
-            )
         if placement is None:
             placement = default_decode_placement(self.device.is_cuda)
         if placement == LANE:
-            return RequestDecoder(self.codec.decode, submit=self.lanes.submit)
+            if self.lanes is not None:
+                return RequestDecoder(self.codec.decode, submit=self.lanes.submit)
+            placement = default_decode_placement(self.device.is_cuda)
+            logger.warning("no CPU lanes on %s: decode_threads 'lane' becomes %s threads", self.device, placement)
         return RequestDecoder(self.codec.decode, threads=placement)
 
     async def handle(self, data: list[dict[str, Any]], context: Any) -> list[Any]:
