@@ -72,6 +72,19 @@ def test_close_runs_what_was_queued_then_refuses_new_work(lanes):
         lane.submit(lambda: None)
 
 
+def test_close_gives_up_on_a_stuck_job_after_its_timeout(lanes):
+    lane = lanes()
+    gate = threading.Event()
+    lane.submit(gate.wait)
+    closer = threading.Thread(target=lane.close, kwargs={"timeout_s": 0.2})
+    closer.start()
+    closer.join(timeout=30)  # without the timeout, close would wait for the gate forever
+    try:
+        assert not closer.is_alive()
+    finally:
+        gate.set()
+
+
 @pytest.mark.parametrize("count, threads_each", [(0, 1), (1, 0)])
 def test_bad_sizes_are_refused(count, threads_each):
     with pytest.raises(ValueError, match="lane"):

@@ -279,4 +279,4 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
         if self.decoder is not None:
             self.decoder.close()
         if self.lanes is not None:
-            self.lanes.close()
+            self.lanes.close(max(timeout_s - (time.monotonic() - started), 0.1))

@@ -34,6 +34,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
@@ -109,15 +110,20 @@ class CpuLanes:
         for done in [self.submit(on_one_lane) for _ in range(self.count)]:
             done.result()
 
-    def close(self) -> None:
+    def close(self, timeout_s: float | None = None) -> None:
         """Run what was queued (engines have already settled their batches; a queued decode
-        still reaches its request, which the closed engine then answers 503), then stop."""
+        still reaches its request, which the closed engine then answers 503), then stop.
+
+        Waits at most ``timeout_s`` for that: a stuck batch must not hold up
+        the worker's shutdown (the threads are daemons).
+        """
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._cond:
             self._closed = True
             self._cond.notify_all()
         for thread in self._threads:
             if thread is not threading.current_thread():
-                thread.join()
+                thread.join(None if deadline is None else max(deadline - time.monotonic(), 0.0))
 
     def __repr__(self) -> str:
         return f"CpuLanes({self.count} × {self.threads_each} threads)"
