@@ -164,6 +164,43 @@ def test_on_cpu_requests_are_decoded_on_the_lane_between_batches(make_handler):
         assert all(d1 <= b0 or b1 <= d0 for _, b0, b1 in batches), "a decode overlapped a batch"
 
 
+def record_batch_sizes(engine, log, sizes):
+    model = engine.model
+
+    def sized(*tensors):
+        sizes.append(tensors[0].shape[0])
+        return model(*tensors)
+
+    engine.model = Intervals(sized, log)
+
+
+def test_on_cpu_a_burst_is_batched_after_its_decodes_not_one_by_one(make_handler):
+    """Late binding: a batch handed to the lane while the burst's decodes are queued there would run after
+    them anyway, so the engine waits for them and the burst shares its batches (else: a batch of 1 first)."""
+    handler, ctx = make_handler(worker_batches=[1, 1, 2, 4], pool_slots=8)
+    decodes, batches, sizes = [], [], []
+    handler.decoder._decode = Intervals(handler.decoder._decode, decodes)
+    record_batch_sizes(handler.engines[((3, 224, 224),)], batches, sizes)
+    rows = [{"body": jpeg_bytes(seed=i)} for i in range(6)]
+    answers = serve_all(handler, ctx, rows)
+    assert [status for status, _ in answers] == [200] * 6
+    for (_, body), row in zip(answers, reference_logits(SPEC, rows), strict=True):
+        assert outputs_close(torch.tensor(body["logits"]), row, 1e-4)
+    assert sorted(sizes, reverse=True) == [4, 2]
+    assert min(b0 for _, b0, _ in batches) >= max(d1 for _, _, d1 in decodes)
+
+
+def test_a_request_refused_while_arriving_releases_the_batch_waiting_for_it(make_handler):
+    handler, ctx = make_handler(response_timeout_s=20, worker_batches=[1, 1, 2, 4], pool_slots=8)
+    batches, sizes = [], []
+    record_batch_sizes(handler.engines[((3, 224, 224),)], batches, sizes)
+    rows = [{"body": jpeg_bytes(seed=1)}, {"body": jpeg_bytes(seed=2)}, {"body": b"{not json"}]
+    answers = serve_all(handler, ctx, rows)
+    assert [status for status, _ in answers] == [200, 200, 400]  # a 503 after 20 s if the hold outlived it
+    assert sizes == [2]
+    assert len(handler.arrivals) == 0
+
+
 def test_decoding_defaults_to_a_pool_on_cuda_and_inline_is_a_choice(make_handler):
     assert default_decode_placement(is_cuda=True) == min(4, os.cpu_count() or 1)
     assert default_decode_placement(is_cuda=False) == "lane"

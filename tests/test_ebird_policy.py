@@ -18,8 +18,8 @@ def workers(*batches: int) -> list[WorkerSpec]:
     return [WorkerSpec(i, b) for i, b in enumerate(batches)]
 
 
-def plan(scheduler, ready, in_flight=0, idle=None):
-    state = SchedulerState(ready, in_flight, idle if idle is not None else scheduler.workers)
+def plan(scheduler, ready, in_flight=0, idle=None, arriving=0):
+    state = SchedulerState(ready, in_flight, idle if idle is not None else scheduler.workers, arriving)
     return [(a.worker_id, a.count) for a in scheduler.next_batch(state).assignments]
 
 
@@ -54,6 +54,17 @@ def test_busy_workers_are_not_used_and_finished_ones_come_back():
     idle = [w for w in s.workers if w.batch != 16]
     assert plan(s, ready=20, idle=idle) == [(4, 8), (3, 4), (2, 2), (0, 1), (1, 1)]
     assert plan(s, ready=20, idle=s.workers)[0] == (5, 16)
+
+
+def test_while_inputs_arrive_a_batch_waits_only_if_it_could_still_grow():
+    s = ElasticScheduler(workers(1, 1, 2, 4), max_inflight=8)
+    assert plan(s, ready=1, arriving=2) == []  # a 4 is idle: wait for the arrivals
+    assert plan(s, ready=3, arriving=5) == []
+    assert plan(s, ready=4, arriving=5) == [(3, 4)]  # the largest idle worker is full already
+    assert plan(s, ready=1, arriving=0) == [(0, 1)]
+    idle = [w for w in s.workers if w.batch == 1]
+    assert plan(s, ready=1, idle=idle, arriving=3) == [(0, 1)]  # only batch-1 workers are idle
+    assert plan(s, ready=2, in_flight=6, arriving=3) == [(2, 2)]  # MaxInf allows no more than 2
 
 
 @pytest.mark.parametrize(

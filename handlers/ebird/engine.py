@@ -28,6 +28,7 @@ from handlers.ebird.config import EbirdConfig
 from handlers.ebird.pool import InputPool, Run
 from handlers.ebird.scheduler import ElasticScheduler, SchedulerState, WorkerSpec
 from handlers.errors import ServiceUnavailable, bad_request
+from handlers.runtime.arrivals import Arrivals
 from handlers.runtime.device import ExecutionDevice
 from handlers.runtime.engine import Engine, Ticket, layout_of
 from handlers.runtime.lanes import CpuLanes
@@ -61,6 +62,7 @@ class EbirdEngine(Engine):
         config: EbirdConfig,
         metrics: HandlerMetrics,
         lanes: CpuLanes | None = None,
+        arrivals: Arrivals | None = None,
     ) -> None:
         super().__init__()
         self.model = model
@@ -78,6 +80,11 @@ class EbirdEngine(Engine):
         if not device.is_cuda and lanes is None:
             raise ValueError("a CPU Ebird engine runs its batches on the handler's CpuLanes; none given")
         self._lanes = None if device.is_cuda else lanes
+        # Late binding (``arrivals.py``): the handler passes its arrivals
+        # when requests are decoded on these lanes, ahead of any batch.
+        self._arrivals = arrivals
+        if arrivals is not None:
+            arrivals.on_leave(self._wake)
         self._max_running = len(self.workers) if device.is_cuda else lanes.count
         self._tickets: list[Ticket | None] = [None] * config.pool_slots
         self._outstanding: set[Ticket] = set()
@@ -115,20 +122,31 @@ class EbirdEngine(Engine):
 
     # -- the loop: state → policy → dispatch -----------------------------------
 
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
     def _schedule_loop(self) -> None:
         while True:
             with self._cond:
                 plan = None
+                horizon = None  # the latest arrival this batch may wait for
                 while not self._stopping:
                     busy = [w for w in self.workers if w.spec.worker_id not in self._idle]
                     if self._idle and len(busy) < self._max_running:
                         ready = self.pool.ready()
                         if ready:
+                            arriving = 0
+                            if self._arrivals is not None:
+                                if horizon is None:
+                                    horizon = self._arrivals.horizon
+                                arriving = self._arrivals.pending_through(horizon)
                             state = SchedulerState(
                                 ready=ready,
                                 # CurInf: a busy worker holds exactly its batch size of inputs.
                                 in_flight=sum(w.spec.batch for w in busy),
                                 idle=[w.spec for w in self._idle.values()],
+                                arriving=arriving,
                             )
                             plan = self.policy.next_batch(state)
                             if plan.assignments:

@@ -22,4 +22,6 @@ class EbirdHandler(AsyncModelHandler):
         return self.config.cpu_lanes
 
     def create_engine(self, layout_example: ModelInput) -> EbirdEngine:
-        return EbirdEngine(self.model, layout_example, self.device, self.config, self.metrics, self.lanes)
+        return EbirdEngine(
+            self.model, layout_example, self.device, self.config, self.metrics, self.lanes, self.arrivals
+        )

@@ -9,6 +9,14 @@ ready:
     repeat: give the next b inputs to the first idle worker with b ≤ R; R −= b
     until R = 0 or no idle worker fits
 
+Late binding (CPU): when requests that arrived before this decision are
+still being decoded on the lane the batch would run on
+(``handlers/runtime/arrivals.py``), a batch handed over now would start
+only after those decodes anyway, without them.  So the rule holds (returns
+no assignment) while such requests are ``arriving`` and R is smaller than
+both the largest idle worker and the MaxInf headroom: waiting can only grow
+the batch, not delay it.
+
 A finished worker returns to the idle set.  At low load this runs each input
 at once on a small worker (no batching window); at high load large workers
 take large batches while small ones mop up the remainder.  MaxInf bounds the
@@ -61,11 +69,12 @@ class BatchPlan:
 
 @dataclass
 class SchedulerState:
-    """What the policy looks at: ready inputs, inputs in flight, idle workers."""
+    """What the policy looks at: ready inputs, inputs in flight, idle workers, inputs still arriving."""
 
     ready: int
     in_flight: int
     idle: Sequence[WorkerSpec] = field(default_factory=tuple)
+    arriving: int = 0  # received before this decision, not yet ready, and ahead of the batch on its lane
 
 
 class ElasticScheduler:
@@ -83,9 +92,12 @@ class ElasticScheduler:
         self.max_inflight = max_inflight
 
     def next_batch(self, state: SchedulerState) -> BatchPlan:
-        budget = min(state.ready, self.max_inflight - state.in_flight)
+        headroom = self.max_inflight - state.in_flight
+        budget = min(state.ready, headroom)
         # Largest first; among equal sizes the lower id, so plans are reproducible.
         idle = sorted(state.idle, key=lambda w: (-w.batch, w.worker_id))
+        if state.arriving > 0 and idle and budget < min(idle[0].batch, headroom):
+            return BatchPlan()  # late binding: the batch can still grow at no cost
         assignments = []
         for worker in idle:
             if budget <= 0:

@@ -39,6 +39,7 @@ import torch
 from handlers.codecs import DEFAULT_MAX_PAYLOAD_BYTES, InputCodec, ModelInput, encode_logits
 from handlers.cpu_handler import load_model
 from handlers.errors import ResponseError, ServiceUnavailable, bad_request
+from handlers.runtime.arrivals import Arrivals
 from handlers.runtime.decode import LANE, RequestDecoder, default_decode_placement, parse_decode_threads
 from handlers.runtime.device import ExecutionDevice
 from handlers.runtime.engine import Engine, StageTimes, input_key
@@ -140,6 +141,9 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
         self.cpu_threads = torch.get_num_threads()
         self.lanes: CpuLanes | None = None  # CPU only
         self.decoder: RequestDecoder | None = None
+        # Requests between receipt and admission, for engines that bind
+        # batches late (``arrivals.py``); only when decoding on the lanes.
+        self.arrivals: Arrivals | None = None
         self.closing = False
         # Per event loop: TorchServe runs one for the worker's life, but a
         # handler driven directly (tests) may see several.
@@ -192,6 +196,8 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
         artefact = os.path.join(model_dir, context.manifest["model"]["serializedFile"])
         self.model = load_model(self.spec, artefact, self.device.device)
         self.decoder = self._make_decoder(decode_placement)
+        if self.decoder.on_lanes:
+            self.arrivals = Arrivals()
         self.metrics = HandlerMetrics(getattr(context, "metrics", None), context.model_name)
         for example in declared_inputs(self.codec):
             engine = self.create_engine(example)
@@ -224,13 +230,16 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
         return list(answers)
 
     async def _serve(self, index: int, row: dict[str, Any], context: Any) -> Any:
+        arrival = None
         try:
             received = time.monotonic()
             if self.closing:  # not worth decoding: no engine will take it
                 raise ServiceUnavailable("worker is shutting down")
+            if self.arrivals is not None:
+                arrival = self.arrivals.enter()
             item = await self.decoder(row)
             decoded = time.monotonic()
-            output, times, admitted, woken = await self._infer_timed(item)
+            output, times, admitted, woken = await self._infer_timed(item, arrival)
             answer = self.postprocess(output)
             self.metrics.stages(stage_breakdown(received, decoded, admitted, times, woken, time.monotonic()))
             return answer
@@ -239,6 +248,9 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
         except Exception as exc:  # a bug or a device fault: this request fails, the worker serves on
             logger.exception("request %d failed", index)
             answer = ServiceUnavailable(f"inference failed: {type(exc).__name__}: {exc}")
+        finally:
+            if arrival is not None:
+                self.arrivals.leave(arrival)  # refused before admission: a held batch need not wait for it
         context.set_response_status(code=answer.status, phrase=answer.reason, idx=index)
         context.set_response_content_type(index, "application/json")
         logger.info("request %d answered %d: %s", index, answer.status, answer.reason)
@@ -248,8 +260,13 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
         """The model's output row for one decoded input, through the engine."""
         return (await self._infer_timed(item))[0]
 
-    async def _infer_timed(self, item: ModelInput) -> tuple[torch.Tensor, StageTimes | None, float, float]:
-        """``infer``, plus the engine's stage times, when admission ended and when this coroutine woke."""
+    async def _infer_timed(
+        self, item: ModelInput, arrival: int | None = None
+    ) -> tuple[torch.Tensor, StageTimes | None, float, float]:
+        """``infer``, plus the engine's stage times, when admission ended and when this coroutine woke.
+
+        ``arrival``: the request's ``Arrivals`` token, released once it is admitted.
+        """
         key = input_key(item)
         if key not in self.engines:
             raise bad_request(f"input shape {[list(k) for k in key]} is not one this archive declares")
@@ -260,6 +277,8 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
         deadline = loop.time() + self.response_timeout_s
         future = await admission.admit(item, deadline)
         admitted = time.monotonic()
+        if arrival is not None:
+            self.arrivals.leave(arrival)
         self.metrics.request_admitted()
         try:
             output = await asyncio.wait_for(asyncio.wrap_future(future), max(deadline - loop.time(), 0.0))

@@ -17,7 +17,8 @@ milliseconds of CPU.  Where it runs matters differently per device:
   (``lanes.py``).  Queued on the lane behind the batches already waiting, a
   request is decoded between two batches with all the lane's threads, and
   is ready for the next one: the order TorchServe's sync worker has, without
-  its batch window.
+  its batch window.  The next batch is formed once the decodes queued ahead
+  of it are done (late binding, ``arrivals.py``), so a burst shares it.
 - **Inline** (0): on the event loop, one at a time; for tests and comparison.
 
 ``decode_threads`` in the archive's ``handler:`` section overrides the
@@ -83,10 +84,15 @@ class RequestDecoder:
         self._submit = submit or (self._own_pool.submit if self._own_pool else None)
 
     @property
+    def on_lanes(self) -> bool:
+        """Decoding through someone else's ``submit`` (the CPU lanes), ahead of the batches queued after it."""
+        return self._own_pool is None and self._submit is not None
+
+    @property
     def where(self) -> str:
         if self._own_pool is not None:
             return f"on {self.threads} decode threads"
-        return "on the CPU lanes" if self._submit is not None else "on the event loop"
+        return "on the CPU lanes" if self.on_lanes else "on the event loop"
 
     async def __call__(self, row: dict[str, Any]) -> ModelInput:
         if self._submit is None:
