@@ -1,4 +1,4 @@
-"""Ebird vs TorchServe's own batching, under the paper's low-then-high load.
+"""Ebird vs TorchServe's own batching, at loads within and beyond capacity.
 
     python -m bench.ebird [--quick] [--model resnet50] --json PATH
 
@@ -11,15 +11,19 @@ One TorchServe serves one model three ways, each with one worker:
   the lowest mean latency in a sweep run first, inside this benchmark
   ("OPT Wait").
 
-Load: Poisson arrivals, a low-rate phase then a high-rate phase, the same
-arrival schedule for every system, real client payloads (JPEGs for vision
-models).  Rates default to fractions of the measured single-request capacity
-1/L1 (L1: mean latency of one request at a time): low 0.3/L1, high 1.3/L1,
-so the high phase cannot be served without batching.  The systems take turns
-(ABC, CBA, …) and the ratios are medians over the repeats.
+Load: Poisson arrivals, the same arrival schedule for every system, real
+client payloads (JPEGs for vision models).  The rates are fractions of the
+*capacity* measured first in the same run: the best throughput Ebird or NO
+Wait sustains under a closed loop of ``--capacity-clients`` clients.  The
+main pattern is a low phase (30 % of capacity) then a high phase (85 %),
+the paper's QoS-bounded setting: every system can keep up, so the mean
+latency measures batching, not queue growth.  An overload run (130 % of
+capacity, queues grow for its whole length) is a separate, labelled row and
+no part of the claim.  The systems take turns (ABC, CBA, …); ratios are
+medians over the repeats.
 
 ``throughput_at_qos`` is goodput in the high phase: answers within the QoS
-target (default 10·L1) per second of that phase.
+target (default 10·L1, L1: one request at a time) per second of that phase.
 """
 
 from __future__ import annotations
@@ -55,7 +59,7 @@ from packrat_plugin.torchserve import TorchServeProcess
 SYSTEMS = ("ebird", "nowait", "optwait")
 LABELS = {"ebird": "Ebird", "nowait": "TorchServe NO Wait", "optwait": "TorchServe OPT Wait"}
 TS_MAX_BATCH = 32
-CLAIM_MARGIN = 1.05  # the issue's bar: Ebird within 5% of the better baseline
+CLAIM_MARGIN = 1.0  # the bar: Ebird's mean no worse than the better baseline's, its p99 no worse than NO Wait's
 
 
 def phase_stats(result: LoadResult, start: float, end: float, qos_s: float) -> dict[str, Any]:
@@ -95,14 +99,25 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             warm(name)
         single = run(closed_loop(url["nowait"], lambda i: payloads[i % len(payloads)], 1, args.calibrate_seconds))
         l1_s = single.mean_latency_ms() / 1e3
-        low_rate = args.low_rate or 0.3 / l1_s
-        high_rate = args.high_rate or 1.3 / l1_s
+
+        # Capacity: what the better of the two sustains when clients never let it idle.
+        def saturate(name: str) -> float:
+            clients, seconds = args.capacity_clients, args.capacity_seconds
+            return run(closed_loop(url[name], lambda i: payloads[i % len(payloads)], clients, seconds)).throughput()
+
+        capacity = {name: saturate(name) for name in ("ebird", "nowait")}
+        capacity_rps = max(capacity.values())
+        low_rate = args.low_rate or args.low_fraction * capacity_rps
+        high_rate = args.high_rate or args.high_fraction * capacity_rps
+        overload_rate = args.overload_fraction * capacity_rps
         qos_s = (args.qos_ms / 1e3) if args.qos_ms else 10 * l1_s
         phases = [(args.low_seconds, low_rate), (args.high_seconds, high_rate)]
         bounds = {"low": (0.0, args.low_seconds), "high": (args.low_seconds, args.low_seconds + args.high_seconds)}
+        if args.overload_seconds > 0:
+            bounds["overload"] = (0.0, args.overload_seconds)
 
         # OPT Wait: the max_batch_delay with the lowest mean latency over the
-        # whole pattern, each candidate registered fresh under one name.
+        # low-then-high pattern, each candidate registered fresh under one name.
         sweep = []
         for delay in tqdm(args.sweep_delays, desc="OPT Wait sweep", unit="delay"):
             mgmt.register(
@@ -118,17 +133,28 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         )
         warm("optwait")
 
-        results: dict[str, list[LoadResult]] = {name: [] for name in SYSTEMS}
+        patterns = {"pattern": phases}
+        if args.overload_seconds > 0:
+            patterns["overload"] = [(args.overload_seconds, overload_rate)]
+        results: dict[str, dict[str, list[LoadResult]]] = {p: {n: [] for n in SYSTEMS} for p in patterns}
         orders = [SYSTEMS, tuple(reversed(SYSTEMS))]
-        with tqdm(total=args.repeats * len(SYSTEMS), desc="ebird vs baselines", unit="run") as bar:
+        runs = args.repeats * len(SYSTEMS) * len(patterns)
+        with tqdm(total=runs, desc="ebird vs baselines", unit="run") as bar:
             for r in range(args.repeats):
-                for name in orders[r % 2]:
-                    bar.set_postfix_str(name)
-                    results[name].append(run_pattern(url[name], payloads, phases, seed=r))
-                    bar.update()
+                for pattern, shape in patterns.items():
+                    for name in orders[r % 2]:
+                        bar.set_postfix_str(f"{pattern} {name}")
+                        results[pattern][name].append(run_pattern(url[name], payloads, shape, seed=r))
+                        bar.update()  # a run ends when its last answer is in: no backlog leaks into the next
+
+    def result_of(phase: str, name: str, r: int) -> LoadResult:
+        return results["overload" if phase == "overload" else "pattern"][name][r]
 
     per_repeat = {
-        name: [{ph: phase_stats(res, *bounds[ph], qos_s) for ph in bounds} for res in results[name]] for name in SYSTEMS
+        name: [
+            {ph: phase_stats(result_of(ph, name, r), *bounds[ph], qos_s) for ph in bounds} for r in range(args.repeats)
+        ]
+        for name in SYSTEMS
     }
 
     def median(name: str, phase: str, key: str) -> float:
@@ -146,30 +172,40 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         }
         for ph in bounds
     }
-    # Per repeat: Ebird's mean latency over the better baseline's, same repeat.
-    ratios = {
-        ph: [
-            per_repeat["ebird"][r][ph]["mean_ms"]
-            / min(per_repeat["nowait"][r][ph]["mean_ms"], per_repeat["optwait"][r][ph]["mean_ms"])
+
+    # Per repeat, Ebird over a baseline in the same repeat.
+    def ratios(phase: str, key: str, baselines: tuple[str, ...]) -> list[float]:
+        return [
+            per_repeat["ebird"][r][phase][key] / min(per_repeat[b][r][phase][key] for b in baselines)
             for r in range(args.repeats)
         ]
-        for ph in bounds
-    }
+
+    def spread(values: list[float]) -> dict[str, float]:
+        return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+    mean_ratio = {ph: spread(ratios(ph, "mean_ms", ("nowait", "optwait"))) for ph in bounds}
+    p99_ratio = {ph: spread(ratios(ph, "p99_ms", ("nowait",))) for ph in bounds}
     return {
         "model": spec.name,
         "mode": spec.mode,
         "phases": phases_out,
         "throughput_at_qos": {name: median(name, "high", "goodput_rps") for name in SYSTEMS},
-        "ebird_vs_best_baseline": {
-            ph: {"median": statistics.median(v), "min": min(v), "max": max(v)} for ph, v in ratios.items()
+        "ebird_vs_best_baseline": mean_ratio,
+        "ebird_p99_vs_nowait": p99_ratio,
+        "claim": {
+            ph: mean_ratio[ph]["median"] <= CLAIM_MARGIN and p99_ratio[ph]["median"] <= CLAIM_MARGIN
+            for ph in ("low", "high")
         },
-        "claim_within_5pct": {ph: statistics.median(v) <= CLAIM_MARGIN for ph, v in ratios.items()},
         "load": {
             "l1_ms": 1e3 * l1_s,
+            "capacity_rps": capacity,
+            "capacity_clients": args.capacity_clients,
             "low_rate_rps": low_rate,
             "high_rate_rps": high_rate,
+            "overload_rate_rps": overload_rate,
             "low_seconds": args.low_seconds,
             "high_seconds": args.high_seconds,
+            "overload_seconds": args.overload_seconds,
             "qos_ms": 1e3 * qos_s,
             "repeats": args.repeats,
         },
@@ -177,7 +213,8 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "optwait_delay_ms": best_delay,
         "sweep": sweep,
         "timeline": {
-            name: sorted((s.sent, 1e3 * s.latency_s, s.status) for s in results[name][-1].samples) for name in SYSTEMS
+            name: sorted((s.sent, 1e3 * s.latency_s, s.status) for s in results["pattern"][name][-1].samples)
+            for name in SYSTEMS
         },
     }
 
@@ -199,19 +236,21 @@ def plot(data: dict[str, Any], path: Path) -> None:
 def render(data: dict[str, Any], stem: str) -> str:
     load = data["load"]
     rows = []
-    for ph in ("low", "high"):
+    for ph in data["phases"]:
         cell = data["phases"][ph]
-        ratio = data["ebird_vs_best_baseline"][ph]
+        mean, p99 = data["ebird_vs_best_baseline"][ph], data["ebird_p99_vs_nowait"][ph]
+        claim = data["claim"].get(ph)
         rows.append(
-            [ph, f"{load[f'{ph}_rate_rps']:.1f}"]
+            [ph if ph != "overload" else "overload (not in the claim)", f"{load[f'{ph}_rate_rps']:.1f}"]
             + [f"{cell[n]['mean_ms']:.0f} / {cell[n]['p99_ms']:.0f}" for n in SYSTEMS]
-            + [f"{ratio['median']:.2f} ({ratio['min']:.2f}-{ratio['max']:.2f})",
-               "yes" if data["claim_within_5pct"][ph] else "**no**",
+            + [f"{mean['median']:.2f} ({mean['min']:.2f}-{mean['max']:.2f})",
+               f"{p99['median']:.2f} ({p99['min']:.2f}-{p99['max']:.2f})",
+               "-" if claim is None else ("yes" if claim else "**no**"),
                str(sum(cell[n]["failed"] for n in SYSTEMS))]
         )  # fmt: skip
     table = markdown_table(
         ["phase", "rate (req/s)", *(f"{LABELS[n]} mean / p99 ms" for n in SYSTEMS),
-         "Ebird ÷ better baseline (min-max)", "within 5%", "failed"],
+         "Ebird mean ÷ better baseline (min-max)", "Ebird p99 ÷ NO Wait (min-max)", "≤ 1.0 both", "failed"],
         rows,
     )  # fmt: skip
     qos = markdown_table(
@@ -220,13 +259,24 @@ def render(data: dict[str, Any], stem: str) -> str:
           *(f"{data['throughput_at_qos'][n]:.2f}" for n in SYSTEMS)]],
     )  # fmt: skip
     sweep = ", ".join(f"{row['max_batch_delay_ms']} ms → {row['mean_ms']:.0f} ms" for row in data["sweep"])
+    capacity = ", ".join(f"{LABELS[n]} {v:.1f}" for n, v in load["capacity_rps"].items())
+    overload = (
+        f" The overload row is a run of its own: {load['overload_seconds']:g} s at "
+        f"{load['overload_rate_rps']:.1f} req/s, beyond every system's capacity, so it measures how a backlog "
+        "grows, not batching."
+        if "overload" in data["phases"]
+        else ""
+    )
     return (
         f"# Ebird vs TorchServe batching: {data['model']} ({data['mode']})\n\n"
-        f"One TorchServe, one worker per system, Poisson arrivals: {load['low_seconds']:g} s at the low rate, then "
-        f"{load['high_seconds']:g} s at the high rate (rates from the measured one-at-a-time latency "
-        f"L1 = {load['l1_ms']:.0f} ms), {load['repeats']} interleaved repeat(s). "
+        f"One TorchServe, one worker per system. Capacity, measured first in the same run with "
+        f"{load['capacity_clients']} closed-loop clients: {capacity} req/s; the better one sets the rates. "
+        f"Poisson arrivals: {load['low_seconds']:g} s at the low rate, then {load['high_seconds']:g} s at the high "
+        f"rate, {load['repeats']} interleaved repeat(s); a ratio is Ebird's over the baseline's in the same repeat, "
+        f"median (min-max).{overload} "
         f"Ebird settings: `{data['ebird_settings']}`. OPT Wait = batch 32 with max_batch_delay "
-        f"**{data['optwait_delay_ms']} ms**, chosen by a sweep of mean latency ({sweep}).\n\n"
+        f"**{data['optwait_delay_ms']} ms**, chosen by a sweep of mean latency ({sweep}). "
+        f"One request at a time takes L1 = {load['l1_ms']:.0f} ms.\n\n"
         f"{table}\n\n{qos}\n\n![latency by arrival order]({stem}.png)\n\n{provenance_block(data['provenance'])}"
     )
 
@@ -234,11 +284,17 @@ def render(data: dict[str, Any], stem: str) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="resnet50", help="catalog name")
     parser.add_argument("--mode", default="eager", choices=("eager", "script", "compile"))
-    parser.add_argument("--quick", action="store_true", help="short phases, one repeat, two sweep points")
+    parser.add_argument("--quick", action="store_true", help="short phases, one repeat, two sweep points (a smoke run)")
     parser.add_argument("--low-seconds", type=float, default=40.0)
     parser.add_argument("--high-seconds", type=float, default=40.0)
-    parser.add_argument("--low-rate", type=float, help="requests/s (default 0.3/L1)")
-    parser.add_argument("--high-rate", type=float, help="requests/s (default 1.3/L1)")
+    parser.add_argument("--low-fraction", type=float, default=0.3, help="low rate, as a share of capacity")
+    parser.add_argument("--high-fraction", type=float, default=0.85, help="high rate, as a share of capacity")
+    parser.add_argument("--overload-fraction", type=float, default=1.3, help="overload row's rate, likewise")
+    parser.add_argument("--overload-seconds", type=float, default=20.0, help="0: no overload row")
+    parser.add_argument("--low-rate", type=float, help="requests/s (overrides --low-fraction)")
+    parser.add_argument("--high-rate", type=float, help="requests/s (overrides --high-fraction)")
+    parser.add_argument("--capacity-clients", type=int, default=8, help="closed-loop clients that measure capacity")
+    parser.add_argument("--capacity-seconds", type=float, default=10.0)
     parser.add_argument("--qos-ms", type=float, help="QoS target for goodput (default 10·L1)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--sweep-delays", default="5,10,25,50,100", help="OPT Wait candidates (ms)")
@@ -254,6 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         args.low_seconds, args.high_seconds, args.repeats = 15.0, 15.0, 1
+        args.overload_seconds, args.capacity_seconds = 10.0, 6.0
         args.sweep_delays, args.warmup_seconds, args.calibrate_seconds = "10,50", 3.0, 4.0
     args.sweep_delays = [int(d) for d in str(args.sweep_delays).split(",") if d.strip()]
     prov = provenance("bench.ebird")
