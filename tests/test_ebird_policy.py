@@ -112,6 +112,25 @@ def test_full_pool_pushes_back_and_out_of_order_release_frees_slots():
     assert pool.reserve() == 0 and pool.in_use() == 1
 
 
+def test_a_ready_run_can_grow_only_into_the_next_free_slot_before_the_rings_end():
+    pool = image_pool(4)
+    fill(pool, 2)
+    assert pool.ready_run_can_grow()  # slot 2 is the next handed out
+    slot = pool.reserve()
+    assert pool.ready_run_can_grow()  # being written: it joins the run
+    pool.write(slot, [torch.zeros(3, 4, 4)])
+    fill(pool, 1)
+    assert not pool.ready_run_can_grow()  # full: whoever arrives waits for a batch to finish
+    pool.release(pool.take(3))
+    assert not pool.ready_run_can_grow()  # slot 3 ends the ring; the next inputs wrap to 0
+    pool.release(pool.take(1))
+    fill(pool, 1)
+    other = pool.take(1)
+    fill(pool, 1)
+    assert pool.ready_run_can_grow()  # slot 1 ready, slot 2 free and next
+    pool.release(other)
+
+
 def test_runs_never_wrap_around_the_ring():
     pool = image_pool(4)
     fill(pool, 3)

@@ -137,7 +137,7 @@ class EbirdEngine(Engine):
                         ready = self.pool.ready()
                         if ready:
                             arriving = 0
-                            if self._arrivals is not None:
+                            if self._arrivals is not None and self.pool.ready_run_can_grow():
                                 if horizon is None:
                                     horizon = self._arrivals.horizon
                                 arriving = self._arrivals.pending_through(horizon)

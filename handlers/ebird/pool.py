@@ -114,6 +114,23 @@ class InputPool:
                 n += 1
             return n
 
+    def ready_run_can_grow(self) -> bool:
+        """Whether inputs admitted next would lengthen the run ``ready`` counts.
+
+        Not when the run reaches the ring's end (later inputs wrap to its
+        start), nor when the slot after it is in use or the ring is full
+        elsewhere: a batch that waits for arrivals then waits for nothing,
+        and with the ring full, for ever.
+        """
+        with self._lock:
+            end = self._tail
+            while end < self.capacity and self._state[end] is SlotState.READY:
+                end += 1
+            if end >= self.capacity:
+                return False
+            state = self._state[end]
+            return state is SlotState.WRITING or (state is SlotState.FREE and self._head == end)
+
     def take(self, count: int) -> Run:
         """Take the next ``count`` ready inputs as one batch."""
         with self._lock:
