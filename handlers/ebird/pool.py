@@ -108,11 +108,7 @@ class InputPool:
     def ready(self) -> int:
         """Ready inputs in a contiguous run from ``tail`` that does not wrap."""
         with self._lock:
-            n = 0
-            slot = self._tail
-            while slot + n < self.capacity and self._state[slot + n] is SlotState.READY:
-                n += 1
-            return n
+            return self._ready_end() - self._tail
 
     def ready_run_can_grow(self) -> bool:
         """Whether inputs admitted next would lengthen the run ``ready`` counts.
@@ -123,13 +119,18 @@ class InputPool:
         and with the ring full, for ever.
         """
         with self._lock:
-            end = self._tail
-            while end < self.capacity and self._state[end] is SlotState.READY:
-                end += 1
+            end = self._ready_end()
             if end >= self.capacity:
                 return False
             state = self._state[end]
             return state is SlotState.WRITING or (state is SlotState.FREE and self._head == end)
+
+    def _ready_end(self) -> int:
+        """One past the ready run from ``tail`` (caller holds the lock)."""
+        end = self._tail
+        while end < self.capacity and self._state[end] is SlotState.READY:
+            end += 1
+        return end
 
     def take(self, count: int) -> Run:
         """Take the next ``count`` ready inputs as one batch."""

@@ -15,7 +15,9 @@ still being decoded on the lane the batch would run on
 only after those decodes anyway, without them.  So the rule holds (returns
 no assignment) while such requests are ``arriving`` and R is smaller than
 both the largest idle worker and the MaxInf headroom: waiting can only grow
-the batch, not delay it.
+the batch, not delay it.  The mechanism reports arrivals only while they
+can still join the ready run (``InputPool.ready_run_can_grow``); otherwise
+the hold would wait for nothing, or, with the pool full, for ever.
 
 A finished worker returns to the idle set.  At low load this runs each input
 at once on a small worker (no batching window); at high load large workers
