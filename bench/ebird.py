@@ -29,6 +29,7 @@ target (default 10·L1, L1: one request at a time) per second of that phase.
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
 import sys
 import tempfile
@@ -315,8 +316,17 @@ def main(argv: list[str] | None = None) -> int:
     args.sweep_delays = [int(d) for d in str(args.sweep_delays).split(",") if d.strip()]
     prov = provenance("bench.ebird")
     started = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="ebird-bench-") as tmp:
-        data = measure(args, Path(tmp))
+    workdir = Path(tempfile.mkdtemp(prefix="ebird-bench-"))
+    try:
+        data = measure(args, workdir)
+    except BaseException:
+        print(f"kept TorchServe's logs for diagnosis: {workdir / 'ts' / 'logs'}", file=sys.stderr)
+        raise
+    failed = sum(row["failed"] for phase in data["phases"].values() for row in phase.values())
+    if failed:  # a failed request is a finding: keep what explains it
+        print(f"{failed} requests failed; TorchServe's logs are in {workdir / 'ts' / 'logs'}", file=sys.stderr)
+    else:
+        shutil.rmtree(workdir, ignore_errors=True)
     data["provenance"] = prov
     data["wall_s"] = time.monotonic() - started
     stem = f"ebird_{data['model']}"
