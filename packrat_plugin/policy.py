@@ -65,9 +65,12 @@ A move happens only when all of these hold:
 
 A closed loop (N clients, each waiting for its answer) sends only as fast
 as answers come, so its rate says little; its load is the depth it keeps in
-the system, Packrat's own B.  The policy therefore never serves a level below
-the persistent concurrency (the least depth over the short window, ignored
-while the queue drains).
+the system, Packrat's own B.  The policy therefore moves up to the level of
+the persistent concurrency (the least depth over the long window, ignored
+while the queue drains) when the rate model agrees that level is clearly
+better at the measured rate.  A closed loop keeps its level saturated, so
+the model agrees; an open loop's lingering queue after a swap or a peak
+does not move the level for nothing.
 
 A safety net covers a profile that is too optimistic: if the queue keeps
 growing (beyond its Poisson wander, over the long window) while the policy
@@ -323,6 +326,13 @@ class ReconfigurationPolicy:
             return math.isfinite(w_new) or new.capacity > cur.capacity
         return w_new < w_cur * (1.0 - self.config.min_gain)
 
+    @staticmethod
+    def _no_worse(new: Level, ref: Level, rate: float) -> bool:
+        w_new, w_ref = new.predicted_latency_s(rate), ref.predicted_latency_s(rate)
+        if math.isinf(w_new) and math.isinf(w_ref):
+            return new.capacity >= ref.capacity
+        return w_new <= w_ref
+
     def floor_level(self, concurrency: float) -> Level:
         """The largest level whose B the persistent concurrency fills."""
         fitting = [lv for lv in self.levels if lv.batch <= max(1.0, concurrency)]
@@ -344,8 +354,17 @@ class ReconfigurationPolicy:
         up = self.best(short_high)
         # Growing: even at the low end of the rate's noise, the target beats the current level.
         if up.batch > cur.batch and self._clearly_better(up, cur, rate_low):
-            return max(up, floor, key=lambda lv: lv.batch), rate, "load rose"
-        if floor.batch > cur.batch:
+            # The larger of the two, unless the rate model calls the floor worse.
+            target = floor if floor.batch > up.batch and self._no_worse(floor, up, short_high) else up
+            return target, rate, "load rose"
+        # Requests in flight beyond B move up only where the rate agrees that
+        # the floor level serves it clearly better.  A closed loop keeps the
+        # current level busy (it sends as fast as answers come), so there the
+        # current level's predicted wait soars and the rule applies; in an open
+        # loop a queue that outlives a swap or a peak is not a new load, and a
+        # move the rate model calls no better (or a level with less capacity)
+        # is a swap for nothing: the diurnal bench made two such a load change.
+        if floor.batch > cur.batch and self._clearly_better(floor, cur, rate):
             return floor, rate, "requests in flight rose"
         if obs.backlog_growing:
             bigger = [lv for lv in self.levels if lv.capacity > cur.capacity]

@@ -282,3 +282,24 @@ def test_a_slow_rise_is_acted_on_once_and_mostly_before_the_fat_worker_saturates
         assert len(moves) == 1 and moves[0][1] == 1 and moves[0][3] == "load rose", moves
         first_moves.append(moves[0][0])
     assert min(first_moves) > 10 + 24 and statistics.median(first_moves) < 10 + 37.4 and max(first_moves) < 10 + 50
+
+
+def test_a_queue_that_outlives_a_peak_does_not_move_an_open_loop_for_nothing():
+    # Poisson arrivals at 11/s on 2×⟨1,1⟩ (B=2), with 4 requests still in the system:
+    # B=4 (2×⟨1,2⟩) is predicted only ~5 % better at 11/s, so no swap (the diurnal bench's spurious moves).
+    policy = ReconfigurationPolicy(levels(), PolicyConfig(up_confirm_s=0.0))
+    obs = dict(rate_short=11.0, rate_long=11.0, short_span_s=2.0, long_span_s=6.0, concurrency=4.0)
+    assert policy.observe(Observation(0.0, **obs), current=2) is None
+    assert policy.observe(Observation(0.5, **obs), current=2) is None
+
+
+def test_requests_in_flight_never_move_to_a_level_with_less_capacity():
+    base = levels()
+    # A made-up B=8 that is a single slow worker: fewer requests/s than B=4 at every rate.
+    slow = Level(8, Plan(2, 8, 2000.0, (PlanItem(1, 2, 8),)), ((1, 400.0), (8, 2000.0)))
+    policy = ReconfigurationPolicy([lv for lv in base if lv.batch != 8] + [slow], PolicyConfig(up_confirm_s=0.0))
+    assert slow.capacity < policy.level(4).capacity
+    obs = dict(rate_short=19.0, rate_long=19.0, short_span_s=2.0, long_span_s=6.0, concurrency=8.0)
+    for now in (0.0, 0.5, 1.0):
+        decision = policy.observe(Observation(now, **obs), current=4)
+        assert decision is None or decision.target.batch != 8
