@@ -40,6 +40,14 @@ def _profile(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=profiler.run)
 
 
+def _segments(sub: argparse._SubParsersAction) -> None:
+    from handlers.runtime import segment_profile
+
+    p = sub.add_parser("segments", help="cut a model into time-balanced segments and time each (DVABatch, REEF)")
+    segment_profile.add_arguments(p)
+    p.set_defaults(run=segment_profile.run)
+
+
 def _run_optimize(args: argparse.Namespace) -> int:
     from packrat_plugin.optimizer import KnapsackOptimizer
     from packrat_plugin.profile import load_profile
@@ -82,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     _demo(sub)
     _bench(sub)
     _profile(sub)
+    _segments(sub)
     _optimize(sub)
     _serve(sub)
     return parser

@@ -1,0 +1,211 @@
+"""Per-segment latency over batch sizes: what stage schedulers plan with.
+
+DVABatch splits a batch at a stage when the time left for the whole batch is
+at least twice the time left for half of it; REEF lets a best-effort segment
+run beside a real-time one only if it is the shorter.  Both read the time of
+segment ``s`` at batch ``b``, measured on this machine at this thread count,
+which is what this file holds::
+
+    {"model": "bert-base", "segments": 4, "threads": 2,
+     "batches": [1, 2, 4, 8], "times_ms": [[...per batch...], ...per segment...],
+     "hardware": {...}, "command": "packrat segments ..."}
+
+Like a Packrat profile it is tied to the machine it was measured on, and
+loading refuses another machine's file unless forced.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from handlers.runtime.segments import SegmentedModel, State
+from packrat_plugin.profile import ProfileError, hardware_fingerprint
+
+
+@dataclass(frozen=True)
+class SegmentProfile:
+    model: str
+    threads: int
+    batches: tuple[int, ...]
+    times_ms: tuple[tuple[float, ...], ...]  # [segment][index into batches]
+    hardware: dict[str, Any] = field(default_factory=dict)
+    command: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.batches or list(self.batches) != sorted(set(self.batches)) or self.batches[0] < 1:
+            raise ProfileError(f"batches must be increasing positive sizes, got {list(self.batches)}")
+        if not self.times_ms or any(len(row) != len(self.batches) for row in self.times_ms):
+            raise ProfileError("times_ms needs one time per batch size for every segment")
+        if any(not (t >= 0.0) for row in self.times_ms for t in row):
+            raise ProfileError("segment times must be non-negative numbers")
+
+    @property
+    def segments(self) -> int:
+        return len(self.times_ms)
+
+    def ms(self, segment: int, batch: int) -> float:
+        """Segment time at ``batch``: measured, linear between measured sizes, extrapolated beyond."""
+        row, sizes = self.times_ms[segment], self.batches
+        if batch <= sizes[0]:
+            return row[0] * batch / sizes[0]
+        i = bisect.bisect_left(sizes, batch)
+        if i < len(sizes) and sizes[i] == batch:
+            return row[i]
+        lo, hi = (i - 1, i) if i < len(sizes) else (len(sizes) - 2, len(sizes) - 1)
+        if lo < 0:  # a single measured size
+            return row[0] * batch / sizes[0]
+        slope = (row[hi] - row[lo]) / (sizes[hi] - sizes[lo])
+        return max(0.0, row[lo] + slope * (batch - sizes[lo]))
+
+    def remaining_ms(self, first_segment: int, batch: int) -> float:
+        """Time to finish a batch that stands before ``first_segment`` (DVABatch's T_remain)."""
+        return sum(self.ms(s, batch) for s in range(first_segment, self.segments))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "segments": self.segments,
+            "threads": self.threads,
+            "batches": list(self.batches),
+            "times_ms": [[round(t, 4) for t in row] for row in self.times_ms],
+            "hardware": self.hardware,
+            "command": self.command,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SegmentProfile:
+        try:
+            profile = cls(
+                model=str(data["model"]),
+                threads=int(data["threads"]),
+                batches=tuple(int(b) for b in data["batches"]),
+                times_ms=tuple(tuple(float(t) for t in row) for row in data["times_ms"]),
+                hardware=dict(data.get("hardware", {})),
+                command=str(data.get("command", "")),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            if isinstance(exc, ProfileError):
+                raise
+            raise ProfileError(f"malformed segment profile: {exc!r}") from None
+        if "segments" in data and int(data["segments"]) != profile.segments:
+            raise ProfileError(f"says {data['segments']} segments but times {profile.segments}")
+        return profile
+
+    def save(self, path: Path) -> Path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        return path
+
+
+def load_segment_profile(path: Path, force: bool = False) -> SegmentProfile:
+    try:
+        profile = SegmentProfile.from_dict(json.loads(Path(path).read_text()))
+    except FileNotFoundError:
+        raise ProfileError(f"no segment profile at {path}") from None
+    except json.JSONDecodeError as exc:
+        raise ProfileError(f"{path}: malformed JSON: {exc.msg}") from None
+    if not force:
+        here = hardware_fingerprint()
+        keys = ("cpu_model", "logical_cores", "torch")
+        if any(profile.hardware.get(k) != here[k] for k in keys):
+            raise ProfileError(
+                f"{path} was measured on other hardware ({profile.hardware.get('cpu_model')!r}); "
+                "measure this machine with `packrat segments`, or force"
+            )
+    return profile
+
+
+def measure_segments(
+    sliced: SegmentedModel,
+    make_inputs: Callable[[int], tuple[torch.Tensor, ...]],
+    batches: Sequence[int],
+    model: str,
+    warmup: int = 2,
+    iters: int = 5,
+    command: str = "",
+    progress: bool = True,
+) -> SegmentProfile:
+    """Median time of each segment at each batch size, run in order on real states."""
+    times = [[0.0] * len(batches) for _ in range(len(sliced))]
+    bar = tqdm(total=len(batches), desc=f"segments of {model}", unit="batch", disable=not progress)
+    with torch.no_grad(), bar:
+        for j, batch in enumerate(batches):
+            samples: list[list[float]] = [[] for _ in range(len(sliced))]
+            for i in range(warmup + iters):
+                state: State = sliced.start(*make_inputs(batch))
+                for s, seg in enumerate(sliced.segments_):
+                    started = time.perf_counter()
+                    state = seg(state)
+                    if i >= warmup:
+                        samples[s].append(1e3 * (time.perf_counter() - started))
+            for s in range(len(sliced)):
+                times[s][j] = statistics.median(samples[s])
+            bar.update()
+    return SegmentProfile(
+        model=model,
+        threads=torch.get_num_threads(),
+        batches=tuple(batches),
+        times_ms=tuple(tuple(row) for row in times),
+        hardware=hardware_fingerprint(),
+        command=command,
+    )
+
+
+# -- `packrat segments` ---------------------------------------------------------------
+
+DEFAULT_DIR = Path(__file__).resolve().parents[2] / "profiles" / "segments"
+
+
+def default_path(model: str, segments: int) -> Path:
+    return DEFAULT_DIR / f"{model}-{segments}seg.json"
+
+
+def add_arguments(parser: Any) -> None:
+    parser.add_argument("model", help="catalog name")
+    parser.add_argument("--segments", "-n", type=int, default=4, help="pieces to cut the model into")
+    parser.add_argument("--batches", default="1,2,4,8", help="batch sizes to time each segment at")
+    parser.add_argument("--threads", type=int, default=None, help="intra-op threads (default: torch's)")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=None, help="default profiles/segments/MODEL-Nseg.json")
+
+
+def run(args: Any) -> int:
+    """Slice a catalog model into time-balanced segments, check it, time each segment, save."""
+    import sys
+
+    from handlers.runtime.segments import slice_model
+    from model_store.catalog import get_spec
+    from model_store.factory import build_model, example_inputs, outputs_close
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    batches = sorted({int(b) for b in str(args.batches).split(",") if b.strip()})
+    if not batches or batches[0] < 1:
+        raise ProfileError(f"--batches needs positive sizes, got {args.batches!r}")
+    spec = get_spec(args.model)
+    model = build_model(spec)
+    dims = (0, 1) if spec.input_kind == "tokens" else (0,)
+    sliced = slice_model(
+        model, example_inputs(spec, 2), args.segments, dims, check=lambda g, e: outputs_close(g, e, 1e-4)
+    )
+    command = "packrat segments " + " ".join(sys.argv[2:]) if len(sys.argv) > 2 else f"packrat segments {args.model}"
+    profile = measure_segments(
+        sliced, lambda b: example_inputs(spec, b), batches, spec.name, args.warmup, args.iters, command
+    )
+    path = profile.save(args.out or default_path(spec.name, args.segments))
+    for s in range(profile.segments):
+        row = ", ".join(f"b={b}: {profile.ms(s, b):.1f} ms" for b in profile.batches)
+        print(f"segment {s} ({sliced[s].nodes} nodes): {row}")
+    print(f"wrote {path}")
+    return 0
