@@ -302,6 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--loads", default="step,spike,diurnal")
     parser.add_argument("--quick", action="store_true", help="halve the phases (a smoke run)")
     parser.add_argument("--repeats", type=int, default=2, help="runs of each load per system, interleaved")
+    parser.add_argument("--stem", default=None, help="output file stem (default packrat_swap_MODEL)")
     add_output_arguments(parser)
     args = parser.parse_args(argv)
 
@@ -317,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     prov = provenance("bench.packrat_swap")
     with tempfile.TemporaryDirectory(prefix="packrat-swap-") as tmp:
         results = run_all(spec, archive, profile, shapes, payloads, args.repeats, Path(tmp))
-    stem = f"packrat_swap_{spec.name}"
+    stem = args.stem or f"packrat_swap_{spec.name}"
     data = {
         "model": spec.name, "mode": spec.mode, "threads": threads, "capacity": capacity, "low": low, "high": high,
         "low_fraction": args.low, "high_fraction": args.high, "loads": shapes, "repeats": args.repeats, **results,
