@@ -114,7 +114,7 @@ def test_a_sliced_unet_equals_the_model_at_every_batch_size(segments):
             assert torch.allclose(sliced(batch), model(batch), atol=1e-5)
     # Every state between segments is batch-first, whatever the skip connection carries.
     state = sliced.start(torch.randn(5, 3, 16, 16))
-    for seg in sliced.segments_:
+    for seg in sliced:
         with torch.no_grad():
             state = seg(state)
         assert state_rows(state) == 5 and all(v.shape[0] == 5 for v in state.values())

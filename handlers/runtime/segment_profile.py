@@ -143,7 +143,7 @@ def measure_segments(
             samples: list[list[float]] = [[] for _ in range(len(sliced))]
             for i in range(warmup + iters):
                 state: State = sliced.start(*make_inputs(batch))
-                for s, seg in enumerate(sliced.segments_):
+                for s, seg in enumerate(sliced):
                     started = time.perf_counter()
                     state = seg(state)
                     if i >= warmup:

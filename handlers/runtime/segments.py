@@ -35,7 +35,7 @@ from __future__ import annotations
 import statistics
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -199,16 +199,19 @@ class SegmentedModel(nn.Module):
 
     def __init__(self, segments: list[Segment], input_names: tuple[str, ...], output_names: tuple[str, ...]) -> None:
         super().__init__()
-        self.segments_ = list(segments)
+        self._segments = list(segments)
         self.stages = nn.ModuleList(seg.module for seg in segments)
         self.input_names = input_names
         self.output_names = output_names
 
     def __len__(self) -> int:
-        return len(self.segments_)
+        return len(self._segments)
 
     def __getitem__(self, index: int) -> Segment:
-        return self.segments_[index]
+        return self._segments[index]
+
+    def __iter__(self) -> Iterator[Segment]:
+        return iter(self._segments)
 
     def start(self, *inputs: torch.Tensor) -> State:
         if len(inputs) != len(self.input_names):
@@ -221,7 +224,7 @@ class SegmentedModel(nn.Module):
 
     def forward(self, *inputs: torch.Tensor):  # noqa: ANN201 - the model's own output
         state = self.start(*inputs)
-        for seg in self.segments_:
+        for seg in self._segments:
             state = seg(state)
         return self.finish(state)
 
