@@ -51,6 +51,7 @@ class HandlerKind:
 HANDLERS = {
     "packrat": HandlerKind(HANDLER_ENTRY),
     "ebird": HandlerKind(ENTRY_DIR / "ebird_handler.py", asynchronous=True),
+    "dvabatch": HandlerKind(ENTRY_DIR / "dvabatch_handler.py", asynchronous=True),
 }
 ARCHIVE_VERSION = "1.0"
 
@@ -86,6 +87,10 @@ class ServingOptions:
             from handlers.ebird.config import EbirdConfig
 
             EbirdConfig.from_dict(dict(self.handler_settings))
+        if self.handler == "dvabatch":
+            from handlers.dvabatch.policy import DvaBatchConfig
+
+            DvaBatchConfig.from_dict(dict(self.handler_settings))
 
 
 def archive_name(model: str, mode: str, handler: str = "packrat") -> str:
@@ -151,6 +156,20 @@ def _check_trace_batch_invariant(eager: torch.nn.Module, scripted, spec: ModelSp
         raise RuntimeError(f"{spec.name}: traced model disagrees with eager at batch 3")
 
 
+def _check_segments(spec: ModelSpec, options: ServingOptions) -> None:
+    """DVABatch runs the eager model cut into stages: refuse an archive whose cut would not reproduce it."""
+    from handlers.dvabatch.policy import DvaBatchConfig
+    from handlers.runtime.segments import slice_model
+
+    if spec.mode != "eager":
+        raise ValueError(f"the dvabatch handler slices the eager model; build {spec.name} in mode 'eager'")
+    config = DvaBatchConfig.from_dict(dict(options.handler_settings))
+    slice_model(
+        build_model(spec), example_inputs(spec, batch=2), config.segments, repeats=1,
+        check=lambda got, expected: outputs_close(got, expected, tol=1e-4),
+    )  # fmt: skip
+
+
 def write_artefact(spec: ModelSpec, workdir: Path) -> Path:
     model = build_model(spec)
     if spec.mode == "script":
@@ -178,6 +197,8 @@ def build_archive(
     target = out_dir / f"{name}.mar"
     if target.exists() and not force:
         return target
+    if options.handler == "dvabatch":
+        _check_segments(spec, options)
     with tempfile.TemporaryDirectory(prefix=f"mar-{name}-") as tmp:
         workdir = Path(tmp)
         artefact = write_artefact(spec, workdir)

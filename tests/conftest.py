@@ -23,9 +23,13 @@ CI_MODES = ("eager", "script", "compile")
 # The Ebird archive the serving tests use: small enough for 2 cores, two CPU
 # lanes so batches overlap, and a pool small enough that a burst fills it.
 EBIRD_TEST_SETTINGS = {"worker_batches": [1, 1, 2, 4, 8], "max_inflight": 16, "pool_slots": 16, "cpu_lanes": 2}
+# The DVABatch archive: ResNet-50 in two stages (one lane each on 2 cores),
+# batches of up to 4, stretchable for 200 ms so a burst exercises stretch.
+DVABATCH_TEST_SETTINGS = {"segments": 2, "max_batch": 4, "max_inflight": 16, "t_comp_wait_ms": 200.0}
 HANDLER_OPTIONS = {
     "packrat": ServingOptions(),
     "ebird": ServingOptions(handler="ebird", handler_settings=tuple(sorted(EBIRD_TEST_SETTINGS.items()))),
+    "dvabatch": ServingOptions(handler="dvabatch", handler_settings=tuple(sorted(DVABATCH_TEST_SETTINGS.items()))),
 }
 
 

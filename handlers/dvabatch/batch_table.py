@@ -100,6 +100,23 @@ class BatchTable:
         self._entries[entry.id] = entry
         return entry
 
+    def join(self, batch_id: int, requests: Sequence[Hashable]) -> BatchEntry:
+        """Add newcomers to a batch that has not started: nothing to catch up."""
+        entry = self[batch_id]
+        if entry.stage != 0 or entry.running or entry.joins is not None:
+            raise BatchTableError(f"batch {batch_id} has started; newcomers must stretch it instead")
+        entry.requests.extend(requests)
+        return entry
+
+    def drop(self, batch_id: int) -> list[Hashable]:
+        """Remove a batch whose stage failed; its requests, to be answered with the error."""
+        entry = self[batch_id]
+        del self._entries[batch_id]
+        for other in self._entries.values():
+            if other.joins == batch_id:
+                other.joins = None
+        return entry.requests
+
     def stretch(
         self, requests: Sequence[Hashable], target_id: int, now: float, t_comp_wait: float
     ) -> BatchEntry | None:

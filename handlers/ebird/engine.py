@@ -30,7 +30,7 @@ from handlers.ebird.scheduler import ElasticScheduler, SchedulerState, WorkerSpe
 from handlers.errors import ServiceUnavailable, bad_request
 from handlers.runtime.arrivals import Arrivals
 from handlers.runtime.device import ExecutionDevice
-from handlers.runtime.engine import Engine, Ticket, layout_of
+from handlers.runtime.engine import Engine, Ticket, fail_unanswered, layout_of, wait_for_answers, warm_up_sizes
 from handlers.runtime.lanes import CpuLanes
 from handlers.runtime.metrics import HandlerMetrics
 
@@ -227,13 +227,7 @@ class EbirdEngine(Engine):
 
         for tensor in self.pool.storage:
             tensor.zero_()
-        for batch in sorted(set(self.config.worker_batches)):
-            if self._lanes is None:
-                run_batch(batch)
-            else:
-                self._lanes.run_on_each(lambda batch=batch: run_batch(batch))
-        if self.device.is_cuda:
-            torch.cuda.synchronize(self.device.device)
+        warm_up_sizes(list(self.config.worker_batches), run_batch, self._lanes, self.device)
 
     # -- shutdown ------------------------------------------------------------
 
@@ -241,13 +235,10 @@ class EbirdEngine(Engine):
         deadline = time.monotonic() + timeout_s
         with self._cond:
             self._closing = True
-            while self._outstanding and time.monotonic() < deadline:
-                self._cond.wait(timeout=max(deadline - time.monotonic(), 0.0))
+            leftover = wait_for_answers(self._cond, self._outstanding, deadline)
             self._stopping = True
-            leftover = list(self._outstanding)
             self._cond.notify_all()
-        for ticket in leftover:
-            ticket.settle(error=ServiceUnavailable("worker shut down before this request finished"))
+        fail_unanswered(leftover)
         for worker in self.workers:
             worker.jobs.put(None)
         for thread in [self._scheduler, *(w.thread for w in self.workers)]:

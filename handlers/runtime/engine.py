@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 import concurrent.futures
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ from typing import Any
 import torch
 
 from handlers.codecs import ModelInput
+from handlers.errors import ServiceUnavailable
 
 
 @dataclass
@@ -98,6 +100,36 @@ class Engine(abc.ABC):
     def _notify_space(self) -> None:
         for listener in self._space_listeners:
             listener()
+
+
+def wait_for_answers(cond: threading.Condition, outstanding: set[Ticket], deadline: float) -> list[Ticket]:
+    """With ``cond`` held, wait until every admitted ticket is answered or ``deadline`` passes.
+
+    Returns the tickets still unanswered; the engine stops its threads and
+    then calls :func:`fail_unanswered` on them outside the lock.  Engines
+    notify ``cond`` whenever they answer, so this waits no longer than it must.
+    """
+    while outstanding and time.monotonic() < deadline:
+        cond.wait(timeout=max(deadline - time.monotonic(), 0.0))
+    return list(outstanding)
+
+
+def fail_unanswered(tickets: list[Ticket]) -> None:
+    """Answer what a closing engine could not finish: 503, so the client may retry elsewhere."""
+    for ticket in tickets:
+        ticket.settle(error=ServiceUnavailable("worker shut down before this request finished"))
+
+
+def warm_up_sizes(sizes: list[int], run: Callable[[int], Any], lanes: Any | None, device: Any) -> None:
+    """``run(size)`` for every batch size: on every CPU lane (each lane's OpenMP team, each shape's
+    kernels), or once on CUDA, before TorchServe marks the worker READY."""
+    for size in sorted(set(sizes)):
+        if lanes is None:
+            run(size)
+        else:
+            lanes.run_on_each(lambda size=size: run(size))
+    if device.is_cuda:
+        torch.cuda.synchronize(device.device)
 
 
 def input_key(item: ModelInput) -> tuple[tuple[int, ...], ...]:

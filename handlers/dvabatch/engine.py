@@ -1,0 +1,252 @@
+"""DVABatch's mechanism: a model's stages run as a pipeline, batches tracked in the batch table.
+
+The loop has the same shape as Ebird's (``handlers/ebird/engine.py``): under
+one lock it looks at the state, asks the policy, and dispatches.  Here the
+state is the batch table; a dispatch is one batch running one stage.
+
+- Admission puts each newcomer into the table at once (the policy says
+  where: join a batch that has not started, stretch one in flight, or a new
+  batch), so no request waits for a batching window.
+- Each stage runs at most one batch at a time.  Whenever a stage is free,
+  the oldest batch standing before it runs there, split first if the policy
+  says so, unless it waits there for catch-up batches bound for it
+  (``DvaPolicy.hold``).  On CPU, stage runs go to the runtime's lanes (one per stage, each
+  with its share of the cores, ``handlers/runtime/lanes.py``), so stages
+  overlap as a pipeline; on CUDA each stage has a stream of its own.
+- When a stage finishes, the table records it and merges a catch-up batch
+  with its target if they now stand idle before the same stage; the states
+  are joined in the table's row order (target rows first).  After the last
+  stage each row answers its own request.
+
+Every admitted request is answered exactly once: with its row, with a 503
+if its batch's stage failed, or with a 503 when the engine closes first.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+import time
+from collections import Counter, deque
+from concurrent.futures import Future
+
+import torch
+
+from handlers.codecs import ModelInput
+from handlers.dvabatch.batch_table import BatchTable
+from handlers.dvabatch.policy import DvaBatchConfig, DvaPolicy
+from handlers.errors import ServiceUnavailable, bad_request
+from handlers.runtime.device import ExecutionDevice
+from handlers.runtime.engine import Engine, Ticket, fail_unanswered, layout_of, wait_for_answers, warm_up_sizes
+from handlers.runtime.lanes import CpuLanes
+from handlers.runtime.metrics import HandlerMetrics
+from handlers.runtime.segment_profile import SegmentProfile
+from handlers.runtime.segments import SegmentedModel, State, merge_states, split_state
+
+logger = logging.getLogger(__name__)
+
+
+class DvaBatchEngine(Engine):
+    def __init__(
+        self,
+        sliced: SegmentedModel,
+        example: ModelInput,
+        device: ExecutionDevice,
+        config: DvaBatchConfig,
+        metrics: HandlerMetrics,
+        lanes: CpuLanes | None = None,
+        profile: SegmentProfile | None = None,
+    ) -> None:
+        super().__init__()
+        self.sliced = sliced
+        self.device = device
+        self.config = config
+        self.metrics = metrics
+        self.policy = DvaPolicy(config, profile)
+        self.table = BatchTable(len(sliced))
+        self.layout = layout_of(example)
+        if not device.is_cuda and lanes is None:
+            raise ValueError("a CPU DVABatch engine runs its stages on the handler's CpuLanes; none given")
+        self._lanes = None if device.is_cuda else lanes
+        self._streams = [device.new_stream() for _ in range(len(sliced))]
+        self._stage_threads = (
+            [concurrent.futures.ThreadPoolExecutor(1, f"dvabatch-stage-{s}") for s in range(len(sliced))]
+            if device.is_cuda
+            else []
+        )
+        self._states: dict[int, State] = {}
+        self.counts: Counter[str] = Counter()  # meta operations done: new, join, stretch, split, merge
+        self._pending: deque[tuple[Ticket, ModelInput]] = deque()
+        self._busy: list[bool] = [False] * len(sliced)
+        self._outstanding: set[Ticket] = set()
+        self._cond = threading.Condition()
+        self._closing = False
+        self._stopping = False
+        self._scheduler = threading.Thread(target=self._schedule_loop, name="dvabatch-scheduler", daemon=True)
+        self._scheduler.start()
+
+    # -- admission (the handler's thread) --------------------------------------------
+
+    def try_submit(self, item: ModelInput) -> concurrent.futures.Future | None:
+        if self._closing:
+            raise ServiceUnavailable("worker is shutting down")
+        if layout_of(item) != self.layout:
+            raise bad_request(f"input shapes {[list(t.shape) for t in item.tensors]} do not fit this model's stages")
+        with self._cond:
+            if len(self._outstanding) >= self.config.max_inflight:
+                return None
+            ticket = Ticket()
+            self._outstanding.add(ticket)
+            self._pending.append((ticket, item))
+            self._cond.notify_all()
+        return ticket.future
+
+    # -- the loop: place newcomers, dispatch free stages ------------------------------
+
+    def _schedule_loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopping and not self._pending and not self._dispatchable():
+                    self._cond.wait()
+                if self._stopping:
+                    return
+                self._place_pending()
+                runs = self._dispatch()
+            for batch_id, stage, state in runs:
+                self._launch(batch_id, stage, state)
+
+    def _dispatchable(self) -> bool:
+        return any(
+            not self._busy[s] and any(not self.policy.hold(e, self.table) for e in self.table.waiting_at(s))
+            for s in range(len(self.sliced))
+        )
+
+    def _place_pending(self) -> None:
+        now = time.monotonic()
+        while self._pending:
+            placement = self.policy.place(self.table, len(self._pending), now)
+            items = [self._pending.popleft() for _ in range(placement.count)]
+            tickets = [t for t, _ in items]
+            columns = zip(*(i.tensors for _, i in items), strict=True)
+            inputs = self.sliced.start(*(torch.stack(c).to(self.device.device) for c in columns))
+            self.counts[placement.kind] += 1
+            if placement.kind == "join":
+                entry = self.table.join(placement.target, tickets)
+                self._states[entry.id] = merge_states([self._states[entry.id], inputs])
+            elif placement.kind == "stretch":
+                entry = self.table.stretch(tickets, placement.target, now, self.config.t_comp_wait_ms / 1e3)
+                if entry is None:  # the policy and the table disagree only by a race on the clock
+                    entry = self.table.new(tickets, now)
+                self._states[entry.id] = inputs
+            else:
+                entry = self.table.new(tickets, now)
+                self._states[entry.id] = inputs
+
+    def _dispatch(self) -> list[tuple[int, int, State]]:
+        runs = []
+        for stage in range(len(self.sliced)):
+            if self._busy[stage]:
+                continue
+            waiting = [e for e in self.table.waiting_at(stage) if not self.policy.hold(e, self.table)]
+            if not waiting:
+                continue
+            entry = waiting[0]
+            sizes = self.policy.split_sizes(entry)
+            if sizes is not None:
+                self.counts["split"] += 1
+                parts = self.table.split(entry.id, sizes)
+                for part, state in zip(parts, split_state(self._states.pop(entry.id), sizes), strict=True):
+                    self._states[part.id] = state
+                entry = parts[0]
+            self.table.start(entry.id)
+            self._busy[stage] = True
+            if stage == 0:
+                started = time.monotonic()
+                for ticket in entry.requests:
+                    ticket.times.started = started
+                self.metrics.batch_started(entry.size, [started - t.arrived for t in entry.requests])
+            runs.append((entry.id, stage, self._states[entry.id]))
+        return runs
+
+    # -- running a stage -----------------------------------------------------------------
+
+    def _launch(self, batch_id: int, stage: int, state: State) -> None:
+        if self._lanes is not None:
+            future: Future = self._lanes.submit(self._run_stage, stage, state)
+        else:
+            future = self._stage_threads[stage].submit(self._run_stage, stage, state)
+        future.add_done_callback(lambda f: self._stage_done(batch_id, stage, f))
+
+    def _run_stage(self, stage: int, state: State) -> State:
+        with torch.inference_mode(), self.device.on(self._streams[stage]):
+            out = self.sliced[stage](state)
+            if self.device.is_cuda:
+                self.device.synchronize(self.device.record(self._streams[stage]))
+        return out
+
+    def _stage_done(self, batch_id: int, stage: int, future: Future) -> None:
+        answers: list[tuple[Ticket, torch.Tensor | None, BaseException | None]] = []
+        with self._cond:
+            self._busy[stage] = False
+            error = future.exception()
+            if error is not None:
+                logger.error("stage %d of batch %d failed: %r", stage, batch_id, error)
+                failure = ServiceUnavailable(f"inference failed: {type(error).__name__}: {error}")
+                self._states.pop(batch_id, None)
+                answers = [(t, None, failure) for t in self.table.drop(batch_id)]
+            else:
+                self._states[batch_id] = future.result()
+                for merge in self.table.finish_stage(batch_id):
+                    self.counts["merge"] += 1
+                    joined = [self._states[merge.target], self._states.pop(merge.catch_up)]
+                    self._states[merge.target] = merge_states(joined)
+                answers = self._collect_finished()
+            self._outstanding.difference_update(t for t, _, _ in answers)
+            self._cond.notify_all()
+        finished = time.monotonic()
+        for ticket, row, err in answers:
+            ticket.times.finished = finished
+            ticket.settle(result=row, error=err)
+        if answers:
+            self._notify_space()
+
+    def _collect_finished(self) -> list[tuple[Ticket, torch.Tensor | None, BaseException | None]]:
+        answers = []
+        for entry in list(self.table):
+            if entry.stage < len(self.sliced) or entry.running:
+                continue
+            output = self.sliced.finish(self._states.pop(entry.id))
+            if isinstance(output, tuple):
+                output = output[0]
+            output = output.float().cpu()
+            tickets = self.table.complete(entry.id)
+            self.metrics.batch_finished(time.monotonic() - entry.created)
+            answers.extend((t, output[i], None) for i, t in enumerate(tickets))
+        return answers
+
+    # -- warm-up and shutdown --------------------------------------------------------
+
+    def warm_up(self) -> None:
+        """Run every stage at batch 1 and at the largest batch on every lane (OpenMP teams, kernels)."""
+        zeros = tuple(torch.zeros((1, *shape), dtype=dtype, device=self.device.device) for shape, dtype in self.layout)
+
+        def through_all(rows: int) -> None:
+            with torch.inference_mode():
+                self.sliced(*(z.expand(rows, *z.shape[1:]).contiguous() for z in zeros))
+
+        warm_up_sizes([1, self.config.max_batch], through_all, self._lanes, self.device)
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            self._closing = True
+            leftover = wait_for_answers(self._cond, self._outstanding, deadline)
+            self._stopping = True
+            self._outstanding.clear()
+            self._cond.notify_all()
+        fail_unanswered(leftover)
+        self._scheduler.join(timeout=max(deadline - time.monotonic(), 0.1))
+        for pool in self._stage_threads:
+            pool.shutdown(wait=False)
+        self._notify_space()

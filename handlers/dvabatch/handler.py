@@ -1,0 +1,60 @@
+"""The DVABatch handler: the async runtime plus DVABatch's stage pipeline, configured from the archive."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from handlers.codecs import ModelInput
+from handlers.dvabatch.engine import DvaBatchEngine
+from handlers.dvabatch.policy import DvaBatchConfig
+from handlers.runtime.async_handler import AsyncModelHandler
+from handlers.runtime.segment_profile import SegmentProfile, measure_segments
+from handlers.runtime.segments import slice_model
+from model_store.factory import outputs_close
+
+logger = logging.getLogger(__name__)
+
+
+class DvaBatchHandler(AsyncModelHandler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = DvaBatchConfig()
+
+    def configure(self, handler_config: dict[str, Any]) -> None:
+        self.config = DvaBatchConfig.from_dict(handler_config.get("dvabatch"))
+
+    def cpu_lane_count(self) -> int:
+        # One lane per stage, so the stages run as a pipeline, each on its share of the cores.
+        return self.config.segments
+
+    def create_engine(self, layout_example: ModelInput) -> DvaBatchEngine:
+        if self.spec.mode != "eager":
+            raise RuntimeError(f"DVABatch slices the eager model; this archive is {self.spec.mode!r}: rebuild it eager")
+
+        def rows(batch: int) -> tuple[torch.Tensor, ...]:
+            return tuple(
+                t.unsqueeze(0).expand(batch, *t.shape).clone().to(self.device.device) for t in layout_example.tensors
+            )
+
+        # The worker checks what the builder checked: the segments reproduce the model.
+        sliced = slice_model(
+            self.model, rows(2), self.config.segments, repeats=1, check=lambda g, e: outputs_close(g, e, 1e-4)
+        )
+        profile = None
+        if self.config.split:
+            # Split decisions need this machine's segment times at the lanes' thread count:
+            # a short profile at worker start, on a lane.
+            sizes = sorted({1, max(1, self.config.max_batch // 2), self.config.max_batch})
+
+            def measure() -> SegmentProfile:
+                return measure_segments(
+                    sliced, rows, sizes, self.spec.name, warmup=1, iters=2, command="worker start-up", progress=False
+                )
+
+            profile = self.lanes.submit(measure).result() if self.lanes is not None else measure()
+        nodes = [seg.nodes for seg in sliced]
+        logger.info("DVABatch: %s in %d segments of %s graph nodes", self.spec.name, len(sliced), nodes)
+        return DvaBatchEngine(sliced, layout_example, self.device, self.config, self.metrics, self.lanes, profile)

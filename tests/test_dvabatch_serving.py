@@ -1,0 +1,57 @@
+"""DVABatch served by a real TorchServe in async mode, on CPU (``DVABATCH_TEST_SETTINGS`` in conftest)."""
+
+from __future__ import annotations
+
+import json
+import zipfile
+
+import pytest
+import yaml
+
+from model_store.build import ServingOptions, build_archive
+from model_store.catalog import get_spec
+from model_store.samples import image_tensor_json, jpeg_bytes
+from tests.conftest import DVABATCH_TEST_SETTINGS
+from tests.test_ebird_serving import burst, handler_metric, post_all
+from tests.test_serving import assert_matches_reference
+
+pytestmark = pytest.mark.torchserve
+
+
+def test_dvabatch_archive_asks_for_async_mode_and_only_eager_models_are_sliced(archive, tmp_path):
+    with zipfile.ZipFile(archive("resnet50", "eager", "dvabatch")) as mar:
+        config = yaml.safe_load(mar.read("model-config.yaml"))
+        manifest = json.loads(mar.read("MAR-INF/MANIFEST.json"))
+    assert config["asyncCommunication"] is True and (config["batchSize"], config["maxBatchDelay"]) == (1, 0)
+    assert config["handler"]["dvabatch"] == DVABATCH_TEST_SETTINGS
+    assert manifest["model"]["handler"] == "dvabatch_handler.py"
+    options = ServingOptions(handler="dvabatch", handler_settings=(("segments", 2),))
+    with pytest.raises(ValueError, match="eager"):
+        build_archive(get_spec("resnet50", "script"), tmp_path, options)
+    with pytest.raises(ValueError, match="segments"):
+        ServingOptions(handler="dvabatch", handler_settings=(("segments", 0),))
+
+
+def test_a_burst_through_the_stages_equals_the_models_output(served, torchserve):
+    spec = get_spec("resnet50", "eager")
+    model = served("resnet50", "eager", "dvabatch")
+    rows = [{"body": jpeg_bytes(seed=i) if i % 2 else image_tensor_json(spec, seed=i)} for i in range(10)]
+    answers = post_all(f"{torchserve.inference_url}/predictions/{model}", [row["body"] for row in rows])
+    assert [status for status, _ in answers] == [200] * len(rows), answers
+    assert_matches_reference(spec, rows, [json.loads(body) for _, body in answers])
+    batches = {int(labels["BatchSize"]): n for labels, n in handler_metric(torchserve, "HandlerBatches", model)}
+    assert max(batches) > 1, batches  # requests shared batches, none waited for a window
+
+
+def test_bad_input_gets_its_4xx_alone_while_its_batch_mates_succeed(served, torchserve):
+    spec = get_spec("resnet50", "eager")
+    model = served("resnet50", "eager", "dvabatch")
+    good = [{"body": jpeg_bytes(seed=200 + i)} for i in range(4)]
+    bad = [(b"{not json", 400), (json.dumps({"data": [[[0.0] * 5] * 5] * 3}).encode(), 400), (b"", 400)]
+    payloads = [row["body"] for row in good[:2]] + [p for p, _ in bad] + [row["body"] for row in good[2:]]
+    result = burst(torchserve, model, payloads, rate=40.0)
+    statuses = [s.status for s in sorted(result.samples, key=lambda s: s.sent)]
+    assert statuses == [200] * 2 + [code for _, code in bad] + [200] * 2
+    answer = torchserve.inference().predict(model, good[0]["body"])
+    assert answer.status == 200
+    assert_matches_reference(spec, good[:1], [answer.body])
