@@ -10,7 +10,7 @@ import yaml
 
 from model_store.build import ServingOptions, build_archive
 from model_store.catalog import get_spec
-from model_store.samples import image_tensor_json, jpeg_bytes
+from model_store.samples import image_tensor_json, jpeg_bytes, token_ids_json
 from tests.conftest import DVABATCH_TEST_SETTINGS
 from tests.test_ebird_serving import burst, handler_metric, post_all
 from tests.test_serving import assert_matches_reference
@@ -55,3 +55,23 @@ def test_bad_input_gets_its_4xx_alone_while_its_batch_mates_succeed(served, torc
     answer = torchserve.inference().predict(model, good[0]["body"])
     assert answer.status == 200
     assert_matches_reference(spec, good[:1], [answer.body])
+
+
+def test_bert_with_mixed_lengths_and_bad_inputs_in_one_burst(served, torchserve):
+    """BERT (sliced through torch.export) in stages: every length right, every bad input its own 400."""
+    spec = get_spec("bert-base", "eager")
+    model = served("bert-base", "eager", "dvabatch")
+    rows = [{"body": token_ids_json(spec, n, seed=n)} for n in (3, 17, 64, 128, 40, 9)]
+    bad = [
+        {"input_ids": [1.5, 2.0, 3.0]},  # wrong dtype
+        {"input_ids": list(range(spec.seq_len + 1))},  # longer than the model takes
+        b"",  # empty body
+    ]
+    answers = post_all(
+        f"{torchserve.inference_url}/predictions/{model}",
+        [r["body"] for r in rows[:3]] + bad + [r["body"] for r in rows[3:]],
+    )
+    statuses = [status for status, _ in answers]
+    assert statuses == [200] * 3 + [400] * 3 + [200] * 3, answers
+    bodies = [json.loads(body) for status, body in answers if status == 200]
+    assert_matches_reference(spec, rows, bodies)
