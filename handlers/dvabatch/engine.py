@@ -138,7 +138,10 @@ class DvaBatchEngine(Engine):
                 entry = self.table.stretch(tickets, placement.target, now, self.config.t_comp_wait_ms / 1e3)
                 if entry is None:  # the policy and the table disagree only by a race on the clock
                     entry = self.table.new(tickets, now)
-                self._states[entry.id] = inputs
+                if entry.id == placement.target:  # it had not started: joined outright
+                    self._states[entry.id] = merge_states([self._states[entry.id], inputs])
+                else:
+                    self._states[entry.id] = inputs
             else:
                 entry = self.table.new(tickets, now)
                 self._states[entry.id] = inputs

@@ -182,8 +182,6 @@ def add_arguments(parser: Any) -> None:
 
 def run(args: Any) -> int:
     """Slice a catalog model into time-balanced segments, check it, time each segment, save."""
-    import sys
-
     from handlers.runtime.segments import slice_model
     from model_store.catalog import get_spec
     from model_store.factory import build_model, example_inputs, outputs_close
@@ -199,7 +197,10 @@ def run(args: Any) -> int:
     sliced = slice_model(
         model, example_inputs(spec, 2), args.segments, dims, check=lambda g, e: outputs_close(g, e, 1e-4)
     )
-    command = "packrat segments " + " ".join(sys.argv[2:]) if len(sys.argv) > 2 else f"packrat segments {args.model}"
+    command = (
+        f"packrat segments {spec.name} --segments {args.segments} --batches {','.join(map(str, batches))} "
+        f"--threads {torch.get_num_threads()} --warmup {args.warmup} --iters {args.iters}"
+    )
     profile = measure_segments(
         sliced, lambda b: example_inputs(spec, b), batches, spec.name, args.warmup, args.iters, command
     )
