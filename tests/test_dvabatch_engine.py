@@ -38,12 +38,18 @@ def model():
     return Mlp().eval()
 
 
-def make_engine(model, segments=3, lanes=None, device="cpu", **settings):
+def make_engine(model, segments=3, lanes=None, device="cpu", profile=None, **settings):
     sliced = slice_model(copy.deepcopy(model).to(device), (torch.randn(2, 64, device=device),), segments)
     config = DvaBatchConfig(segments=segments, **settings)
     lanes = lanes if lanes is not None or device != "cpu" else CpuLanes(segments, 1)
     engine = DvaBatchEngine(
-        sliced, ModelInput((torch.zeros(64),)), ExecutionDevice(device), config, HandlerMetrics(None, "m"), lanes
+        sliced,
+        ModelInput((torch.zeros(64),)),
+        ExecutionDevice(device),
+        config,
+        HandlerMetrics(None, "m"),
+        lanes,
+        profile,
     )
     return engine, lanes
 
@@ -146,6 +152,23 @@ def test_close_answers_everything_admitted(model):
     assert 503 in codes
     with pytest.raises(ResponseError):
         engine.try_submit(ModelInput((torch.randn(64),)))
+    lanes.close()
+
+
+def test_split_batches_keep_every_request_its_row(model):
+    # A profile where time grows linearly with batch: halves never cost more, so every batch of ≥ 2 splits.
+    linear = SegmentProfile("m", 1, (1, 8), tuple((1.0, 8.0) for _ in range(3)))
+    engine, lanes = make_engine(model, max_batch=8, stretch=False, profile=linear)
+    seg = engine.sliced._segments[0]
+    engine.sliced._segments[0] = dataclasses.replace(seg, module=_Slow(seg.module, 0.05))  # a queue builds
+    inputs = [torch.randn(64) for _ in range(12)]
+    futures = [engine.try_submit(ModelInput((x,))) for x in inputs]
+    with torch.no_grad():
+        expected = model(torch.stack(inputs))
+    for i, future in enumerate(futures):
+        assert torch.allclose(future.result(timeout=30), expected[i], atol=1e-5), i
+    assert engine.counts["split"] >= 1, engine.counts
+    engine.close()
     lanes.close()
 
 
