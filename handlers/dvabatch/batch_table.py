@@ -110,6 +110,10 @@ class BatchTable:
 
     def drop(self, batch_id: int) -> list[Hashable]:
         """Remove a batch whose stage failed; its requests, to be answered with the error."""
+        return self._remove(batch_id)
+
+    def _remove(self, batch_id: int) -> list[Hashable]:
+        """Take a batch out; catch-ups bound for it can no longer merge and go on alone."""
         entry = self[batch_id]
         del self._entries[batch_id]
         for other in self._entries.values():
@@ -127,9 +131,7 @@ class BatchTable:
         if now - target.created > t_comp_wait:
             return None
         if target.stage == 0 and not target.running:
-            # It has not started: the newcomers join it outright, nothing to catch up.
-            target.requests.extend(requests)
-            return target
+            return self.join(target_id, requests)  # it has not started: nothing to catch up
         entry = self.new(requests, now)
         entry.joins = target_id
         return entry
@@ -213,8 +215,4 @@ class BatchTable:
         entry = self[batch_id]
         if entry.stage < self.stages or entry.running:
             raise BatchTableError(f"batch {batch_id} has not finished (stage {entry.stage} of {self.stages})")
-        del self._entries[batch_id]
-        for other in self._entries.values():
-            if other.joins == batch_id:
-                other.joins = None  # too late to merge: it finishes on its own
-        return entry.requests
+        return self._remove(batch_id)

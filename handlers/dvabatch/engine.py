@@ -34,7 +34,7 @@ from concurrent.futures import Future
 import torch
 
 from handlers.codecs import ModelInput
-from handlers.dvabatch.batch_table import BatchTable
+from handlers.dvabatch.batch_table import BatchEntry, BatchTable
 from handlers.dvabatch.policy import DvaBatchConfig, DvaPolicy
 from handlers.errors import ServiceUnavailable, bad_request
 from handlers.runtime.device import ExecutionDevice
@@ -117,10 +117,13 @@ class DvaBatchEngine(Engine):
                 self._launch(batch_id, stage, state)
 
     def _dispatchable(self) -> bool:
-        return any(
-            not self._busy[s] and any(not self.policy.hold(e, self.table) for e in self.table.waiting_at(s))
-            for s in range(len(self.sliced))
-        )
+        return any(self._runnable(stage) for stage in range(len(self.sliced)))
+
+    def _runnable(self, stage: int) -> list[BatchEntry]:
+        """Batches that may run ``stage`` now, oldest first: none while it is busy, none that hold for catch-ups."""
+        if self._busy[stage]:
+            return []
+        return [e for e in self.table.waiting_at(stage) if not self.policy.hold(e, self.table)]
 
     def _place_pending(self) -> None:
         now = time.monotonic()
@@ -133,25 +136,20 @@ class DvaBatchEngine(Engine):
             self.counts[placement.kind] += 1
             if placement.kind == "join":
                 entry = self.table.join(placement.target, tickets)
-                self._states[entry.id] = merge_states([self._states[entry.id], inputs])
             elif placement.kind == "stretch":
-                entry = self.table.stretch(tickets, placement.target, now, self.config.t_comp_wait_ms / 1e3)
-                if entry is None:  # the policy and the table disagree only by a race on the clock
-                    entry = self.table.new(tickets, now)
-                if entry.id == placement.target:  # it had not started: joined outright
-                    self._states[entry.id] = merge_states([self._states[entry.id], inputs])
-                else:
-                    self._states[entry.id] = inputs
+                # None: the policy and the table disagree only by a race on the clock.
+                t_comp_wait = self.config.t_comp_wait_ms / 1e3
+                entry = self.table.stretch(tickets, placement.target, now, t_comp_wait) or self.table.new(tickets, now)
             else:
                 entry = self.table.new(tickets, now)
-                self._states[entry.id] = inputs
+            # Joined a batch that had not started: its rows go after the batch's, as in the table.
+            previous = self._states.get(entry.id)
+            self._states[entry.id] = inputs if previous is None else merge_states([previous, inputs])
 
     def _dispatch(self) -> list[tuple[int, int, State]]:
         runs = []
         for stage in range(len(self.sliced)):
-            if self._busy[stage]:
-                continue
-            waiting = [e for e in self.table.waiting_at(stage) if not self.policy.hold(e, self.table)]
+            waiting = self._runnable(stage)
             if not waiting:
                 continue
             entry = waiting[0]

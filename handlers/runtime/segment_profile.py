@@ -29,7 +29,7 @@ import torch
 from tqdm import tqdm
 
 from handlers.runtime.segments import SegmentedModel, State
-from packrat_plugin.profile import ProfileError, hardware_fingerprint
+from packrat_plugin.profile import ProfileError, check_hardware, hardware_fingerprint
 
 
 @dataclass(frozen=True)
@@ -115,13 +115,7 @@ def load_segment_profile(path: Path, force: bool = False) -> SegmentProfile:
     except json.JSONDecodeError as exc:
         raise ProfileError(f"{path}: malformed JSON: {exc.msg}") from None
     if not force:
-        here = hardware_fingerprint()
-        keys = ("cpu_model", "logical_cores", "torch")
-        if any(profile.hardware.get(k) != here[k] for k in keys):
-            raise ProfileError(
-                f"{path} was measured on other hardware ({profile.hardware.get('cpu_model')!r}); "
-                "measure this machine with `packrat segments`, or force"
-            )
+        check_hardware(profile)  # the same fingerprint rule as a Packrat profile's
     return profile
 
 

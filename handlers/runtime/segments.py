@@ -231,7 +231,7 @@ class SegmentedModel(nn.Module):
 
 def split_state(state: State, sizes: Sequence[int]) -> list[State]:
     """Cut a state into consecutive row blocks of ``sizes`` (each request keeps its rows)."""
-    total = next(iter(state.values())).shape[0]
+    total = state_rows(state)
     if sum(sizes) != total or any(s <= 0 for s in sizes):
         raise SegmentError(f"cannot split a batch of {total} into {list(sizes)}")
     parts: list[State] = [{} for _ in sizes]
