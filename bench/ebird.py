@@ -30,18 +30,26 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from tqdm import tqdm
-
 if __package__ in (None, ""):  # `python bench/NAME.py` from the repository root
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.batching_compare import (
+    interleaved,
+    median_cell,
+    payload_cycle,
+    phase_stats,
+    ratio_spread,
+    register_batching,
+    sustained_throughput,
+    sweep_batch_delay,
+    warm,
+)
 from bench.report import (
     add_output_arguments,
     markdown_table,
@@ -54,28 +62,12 @@ from bench.report import (
 from model_store.build import ServingOptions, build_archive
 from model_store.catalog import get_spec
 from model_store.samples import client_payload
-from packrat_plugin.loadgen import LoadResult, closed_loop, open_loop, run
+from packrat_plugin.loadgen import LoadResult, closed_loop, run
 from packrat_plugin.torchserve import TorchServeProcess
 
 SYSTEMS = ("ebird", "nowait", "optwait")
 LABELS = {"ebird": "Ebird", "nowait": "TorchServe NO Wait", "optwait": "TorchServe OPT Wait"}
-TS_MAX_BATCH = 32
 CLAIM_MARGIN = 1.0  # the bar: Ebird's mean no worse than the better baseline's, its p99 no worse than NO Wait's
-
-
-def phase_stats(result: LoadResult, start: float, end: float, qos_s: float) -> dict[str, Any]:
-    phase = LoadResult([s for s in result.samples if start <= s.sent < end], end - start)
-    return {
-        "mean_ms": phase.mean_latency_ms(),
-        "p99_ms": phase.percentile_ms(99),
-        "requests": len(phase.samples),
-        "failed": phase.failed,
-        "goodput_rps": sum(s.latency_s <= qos_s for s in phase.ok) / (end - start),
-    }
-
-
-def run_pattern(url: str, payloads: list, phases: list[tuple[float, float]], seed: int) -> LoadResult:
-    return run(open_loop(url, lambda i: payloads[i % len(payloads)], phases, poisson=True, seed=seed))
 
 
 def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
@@ -91,22 +83,18 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         mgmt = server.management()
         url = {name: f"{server.inference_url}/predictions/{name}" for name in (*SYSTEMS, "sweep")}
         mgmt.register(ebird.name, model_name="ebird", initial_workers=1)
-        mgmt.register(plain.name, model_name="nowait", initial_workers=1, batch_size=TS_MAX_BATCH, max_batch_delay_ms=0)
-
-        def warm(name: str) -> None:
-            run(closed_loop(url[name], lambda i: payloads[i % len(payloads)], 4, args.warmup_seconds))
+        register_batching(mgmt, plain.name, "nowait", 0)
 
         for name in ("ebird", "nowait"):
-            warm(name)
-        single = run(closed_loop(url["nowait"], lambda i: payloads[i % len(payloads)], 1, args.calibrate_seconds))
+            warm(url[name], payloads, args.warmup_seconds)
+        single = run(closed_loop(url["nowait"], payload_cycle(payloads), 1, args.calibrate_seconds))
         l1_s = single.mean_latency_ms() / 1e3
 
         # Capacity: what the better of the two sustains when clients never let it idle.
-        def saturate(name: str) -> float:
-            clients, seconds = args.capacity_clients, args.capacity_seconds
-            return run(closed_loop(url[name], lambda i: payloads[i % len(payloads)], clients, seconds)).throughput()
-
-        capacity = {name: saturate(name) for name in ("ebird", "nowait")}
+        capacity = {
+            name: sustained_throughput(url[name], payloads, args.capacity_clients, args.capacity_seconds)
+            for name in ("ebird", "nowait")
+        }
         capacity_rps = max(capacity.values())
         low_rate = args.low_rate or args.low_fraction * capacity_rps
         high_rate = args.high_rate or args.high_fraction * capacity_rps
@@ -118,35 +106,18 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             bounds["overload"] = (0.0, args.overload_seconds)
 
         # OPT Wait: the max_batch_delay with the lowest mean latency over the
-        # low-then-high pattern, each candidate registered fresh under one name.
-        sweep = []
-        for delay in tqdm(args.sweep_delays, desc="OPT Wait sweep", unit="delay"):
-            mgmt.register(
-                plain.name, model_name="sweep", initial_workers=1, batch_size=TS_MAX_BATCH, max_batch_delay_ms=delay
-            )
-            warm("sweep")
-            result = run_pattern(url["sweep"], payloads, [(s * args.sweep_fraction, r) for s, r in phases], seed=99)
-            sweep.append({"max_batch_delay_ms": delay, "mean_ms": result.mean_latency_ms(), "failed": result.failed})
-            mgmt.unregister("sweep")
-        best_delay = min(sweep, key=lambda row: row["mean_ms"])["max_batch_delay_ms"]
-        mgmt.register(
-            plain.name, model_name="optwait", initial_workers=1, batch_size=TS_MAX_BATCH, max_batch_delay_ms=best_delay
+        # low-then-high pattern.
+        sweep_shape = [(s * args.sweep_fraction, r) for s, r in phases]
+        best_delay, sweep = sweep_batch_delay(
+            mgmt, plain.name, url["sweep"], payloads, [sweep_shape], args.sweep_delays, args.warmup_seconds
         )
-        warm("optwait")
+        register_batching(mgmt, plain.name, "optwait", best_delay)
+        warm(url["optwait"], payloads, args.warmup_seconds)
 
         patterns = {"pattern": phases}
         if args.overload_seconds > 0:
             patterns["overload"] = [(args.overload_seconds, overload_rate)]
-        results: dict[str, dict[str, list[LoadResult]]] = {p: {n: [] for n in SYSTEMS} for p in patterns}
-        orders = [SYSTEMS, tuple(reversed(SYSTEMS))]
-        runs = args.repeats * len(SYSTEMS) * len(patterns)
-        with tqdm(total=runs, desc="ebird vs baselines", unit="run") as bar:
-            for r in range(args.repeats):
-                for pattern, shape in patterns.items():
-                    for name in orders[r % 2]:
-                        bar.set_postfix_str(f"{pattern} {name}")
-                        results[pattern][name].append(run_pattern(url[name], payloads, shape, seed=r))
-                        bar.update()  # a run ends when its last answer is in: no backlog leaks into the next
+        results = interleaved({n: url[n] for n in SYSTEMS}, payloads, patterns, args.repeats, "ebird vs baselines")
 
     def result_of(phase: str, name: str, r: int) -> LoadResult:
         return results["overload" if phase == "overload" else "pattern"][name][r]
@@ -159,7 +130,7 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     }
 
     def median(name: str, phase: str, key: str) -> float:
-        return statistics.median(rep[phase][key] for rep in per_repeat[name])
+        return median_cell(per_repeat[name], phase, key)
 
     phases_out = {
         ph: {
@@ -175,17 +146,8 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     }
 
     # Per repeat, Ebird over a baseline in the same repeat.
-    def ratios(phase: str, key: str, baselines: tuple[str, ...]) -> list[float]:
-        return [
-            per_repeat["ebird"][r][phase][key] / min(per_repeat[b][r][phase][key] for b in baselines)
-            for r in range(args.repeats)
-        ]
-
-    def spread(values: list[float]) -> dict[str, float]:
-        return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-    mean_ratio = {ph: spread(ratios(ph, "mean_ms", ("nowait", "optwait"))) for ph in bounds}
-    p99_ratio = {ph: spread(ratios(ph, "p99_ms", ("nowait",))) for ph in bounds}
+    mean_ratio = {ph: ratio_spread(per_repeat, "ebird", ("nowait", "optwait"), ph, "mean_ms") for ph in bounds}
+    p99_ratio = {ph: ratio_spread(per_repeat, "ebird", ("nowait",), ph, "p99_ms") for ph in bounds}
     return {
         "model": spec.name,
         "mode": spec.mode,

@@ -84,6 +84,7 @@ def test_newcomers_stretch_a_batch_in_flight_and_merge_with_it(model):
     for f in first + second:
         f.result(timeout=30)
     assert engine.counts["stretch"] >= 1 and engine.counts["merge"] >= 1, engine.counts
+    assert engine.metrics.snapshot()["operations"] == dict(engine.counts)  # what TorchServe is told
     engine.close()
     lanes.close()
 

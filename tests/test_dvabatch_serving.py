@@ -41,6 +41,8 @@ def test_a_burst_through_the_stages_equals_the_models_output(served, torchserve)
     assert_matches_reference(spec, rows, [json.loads(body) for _, body in answers])
     batches = {int(labels["BatchSize"]): n for labels, n in handler_metric(torchserve, "HandlerBatches", model)}
     assert max(batches) > 1, batches  # requests shared batches, none waited for a window
+    operations = {labels["Operation"]: n for labels, n in handler_metric(torchserve, "HandlerOperations", model)}
+    assert operations.get("new", 0) >= 1 and sum(operations.values()) >= 2, operations
 
 
 def test_bad_input_gets_its_4xx_alone_while_its_batch_mates_succeed(served, torchserve):

@@ -76,7 +76,9 @@ class DvaBatchEngine(Engine):
             else []
         )
         self._states: dict[int, State] = {}
-        self.counts: Counter[str] = Counter()  # meta operations done: new, join, stretch, split, merge
+        # Meta operations done (new, join, stretch, split, merge); also
+        # reported to TorchServe as HandlerOperations.
+        self.counts: Counter[str] = Counter()
         self._pending: deque[tuple[Ticket, ModelInput]] = deque()
         self._busy: list[bool] = [False] * len(sliced)
         self._outstanding: set[Ticket] = set()
@@ -125,6 +127,10 @@ class DvaBatchEngine(Engine):
             return []
         return [e for e in self.table.waiting_at(stage) if not self.policy.hold(e, self.table)]
 
+    def _count(self, operation: str) -> None:
+        self.counts[operation] += 1
+        self.metrics.operation(operation)
+
     def _place_pending(self) -> None:
         now = time.monotonic()
         while self._pending:
@@ -133,7 +139,7 @@ class DvaBatchEngine(Engine):
             tickets = [t for t, _ in items]
             columns = zip(*(i.tensors for _, i in items), strict=True)
             inputs = self.sliced.start(*(torch.stack(c).to(self.device.device) for c in columns))
-            self.counts[placement.kind] += 1
+            self._count(placement.kind)
             if placement.kind == "join":
                 entry = self.table.join(placement.target, tickets)
             elif placement.kind == "stretch":
@@ -155,7 +161,7 @@ class DvaBatchEngine(Engine):
             entry = waiting[0]
             sizes = self.policy.split_sizes(entry)
             if sizes is not None:
-                self.counts["split"] += 1
+                self._count("split")
                 parts = self.table.split(entry.id, sizes)
                 for part, state in zip(parts, split_state(self._states.pop(entry.id), sizes), strict=True):
                     self._states[part.id] = state
@@ -199,7 +205,7 @@ class DvaBatchEngine(Engine):
             else:
                 self._states[batch_id] = future.result()
                 for merge in self.table.finish_stage(batch_id):
-                    self.counts["merge"] += 1
+                    self._count("merge")
                     joined = [self._states[merge.target], self._states.pop(merge.catch_up)]
                     self._states[merge.target] = merge_states(joined)
                 answers = self._collect_finished()

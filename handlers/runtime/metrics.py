@@ -25,6 +25,9 @@ Names (Prometheus, per ModelName):
   encode of the batch the request was in (it waits for all of them).
   Counters rather than a histogram so that the mean of each stage reads
   straight off the endpoint, with no bucket guesswork.
+- ``HandlerOperations`` (counter, ``Operation`` label): a scheduler's own
+  operations, by name (DVABatch: new, join, stretch, split, merge), so a
+  benchmark can say how often each policy acted.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ class HandlerMetrics:
         self.admission_waits = 0
         self.stage_seconds: collections.defaultdict[str, float] = collections.defaultdict(float)
         self.stage_counts: collections.Counter[str] = collections.Counter()
+        self.operations: collections.Counter[str] = collections.Counter()
 
     # -- events ------------------------------------------------------------
 
@@ -105,6 +109,12 @@ class HandlerMetrics:
             self._emit("HandlerStageSeconds", value * requests, "s", "COUNTER", Stage=stage)
             self._emit("HandlerStageCount", requests, "count", "COUNTER", Stage=stage)
 
+    def operation(self, name: str) -> None:
+        """A scheduler did ``name`` once (see ``HandlerOperations``)."""
+        with self._lock:
+            self.operations[name] += 1
+        self._emit("HandlerOperations", 1, "count", "COUNTER", Operation=name)
+
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
             return {
@@ -116,6 +126,7 @@ class HandlerMetrics:
                 "queue_seconds": list(self.queue_seconds),
                 "batch_seconds": list(self.batch_seconds),
                 "stage_mean_ms": {k: self.stage_seconds[k] * 1e3 / n for k, n in self.stage_counts.items()},
+                "operations": dict(self.operations),
             }
 
     # -- TorchServe ----------------------------------------------------------

@@ -1,0 +1,147 @@
+"""A scheduling handler against TorchServe's own batching, side by side in one TorchServe.
+
+The Ebird and DVABatch benchmarks ask the same question of different
+handlers: at loads every system can sustain, does the handler answer faster
+than TorchServe batching the plain handler with no window ("NO Wait", the
+DVABatch paper's ZeroBatch) or with the best window ("OPT Wait", DelayBatch)?
+This module is the part they share, so both measure the same way:
+
+- ``sustained_throughput``: what a system sustains when closed-loop clients never let it idle;
+- ``sweep_batch_delay``: the window with the lowest mean latency over a load
+  shape, each candidate registered fresh under one name, run in this process
+  so that its result belongs to this run;
+- ``interleaved``: every system runs every load shape, the systems taking
+  turns (ABC, CBA, …) so that a drift of the shared machine touches all alike;
+- ``phase_stats`` / ``ratio_spread``: per-repeat numbers and the median
+  (min-max) of per-repeat ratios, the form every table here reports.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from packrat_plugin.clients import ManagementClient
+from packrat_plugin.loadgen import LoadResult, Payload, closed_loop, open_loop, run
+
+TS_MAX_BATCH = 32  # the baselines' batch_size: larger than any batch these loads form
+Phases = list[tuple[float, float]]  # (seconds, requests/s) in order
+
+
+def payload_cycle(payloads: Sequence[Payload]) -> Callable[[int], Payload]:
+    return lambda i: payloads[i % len(payloads)]
+
+
+def warm(url: str, payloads: Sequence[Payload], seconds: float, clients: int = 4) -> None:
+    run(closed_loop(url, payload_cycle(payloads), clients, seconds))
+
+
+def sustained_throughput(url: str, payloads: Sequence[Payload], clients: int, seconds: float) -> float:
+    """Answers per second under ``clients`` closed-loop clients: the system is never idle."""
+    return run(closed_loop(url, payload_cycle(payloads), clients, seconds)).throughput()
+
+
+def run_pattern(url: str, payloads: Sequence[Payload], phases: Phases, seed: int) -> LoadResult:
+    """Open-loop Poisson arrivals; the same seed gives every system the same schedule."""
+    return run(open_loop(url, payload_cycle(payloads), phases, poisson=True, seed=seed))
+
+
+def register_batching(mgmt: ManagementClient, archive: str, name: str, delay_ms: int) -> None:
+    """The plain archive under TorchServe's batching: batch_size 32, window ``delay_ms``."""
+    mgmt.register(archive, model_name=name, initial_workers=1, batch_size=TS_MAX_BATCH, max_batch_delay_ms=delay_ms)
+
+
+def sweep_batch_delay(
+    mgmt: ManagementClient,
+    archive: str,
+    url: str,
+    payloads: Sequence[Payload],
+    patterns: Sequence[Phases],
+    delays: Sequence[int],
+    warm_seconds: float,
+    name: str = "sweep",
+) -> tuple[int, list[dict[str, Any]]]:
+    """The window with the lowest mean latency over ``patterns``, and every candidate's result.
+
+    ``url`` serves ``name``; each candidate is registered under it, run, and
+    unregistered, so the sweep leaves nothing behind.
+    """
+    rows = []
+    for delay in tqdm(delays, desc="batch window sweep", unit="delay"):
+        register_batching(mgmt, archive, name, delay)
+        try:
+            warm(url, payloads, warm_seconds)
+            results = [run_pattern(url, payloads, shape, seed=99) for shape in patterns]
+        finally:
+            mgmt.unregister(name)
+        samples = [s for r in results for s in r.samples]
+        merged = LoadResult(samples, sum(r.wall_s for r in results))
+        rows.append({"max_batch_delay_ms": delay, "mean_ms": merged.mean_latency_ms(), "failed": merged.failed})
+    best = min(rows, key=lambda row: row["mean_ms"])["max_batch_delay_ms"]
+    return best, rows
+
+
+def interleaved(
+    urls: dict[str, str],
+    payloads: Sequence[Payload],
+    patterns: dict[str, Phases],
+    repeats: int,
+    desc: str,
+    around_run: Callable[[str, str], Callable[[], None]] | None = None,
+) -> dict[str, dict[str, list[LoadResult]]]:
+    """``results[pattern][system]``: one LoadResult per repeat, systems alternating order each repeat.
+
+    A run ends when its last answer is in, so no backlog leaks into the next.
+    ``around_run(pattern, system)`` is called before each run and returns
+    what to call after it (e.g. to read the server's counters either side).
+    """
+    systems = tuple(urls)
+    orders = [systems, tuple(reversed(systems))]
+    results: dict[str, dict[str, list[LoadResult]]] = {p: {n: [] for n in systems} for p in patterns}
+    with tqdm(total=repeats * len(systems) * len(patterns), desc=desc, unit="run") as bar:
+        for r in range(repeats):
+            for pattern, shape in patterns.items():
+                for name in orders[r % 2]:
+                    bar.set_postfix_str(f"{pattern} {name}")
+                    after = around_run(pattern, name) if around_run else None
+                    results[pattern][name].append(run_pattern(urls[name], payloads, shape, seed=r))
+                    if after:
+                        after()
+                    bar.update()
+    return results
+
+
+def phase_stats(result: LoadResult, start: float, end: float, qos_s: float) -> dict[str, Any]:
+    """Mean / p99 / counts / goodput of the requests sent in ``[start, end)`` seconds of a run."""
+    phase = LoadResult([s for s in result.samples if start <= s.sent < end], end - start)
+    return {
+        "mean_ms": phase.mean_latency_ms(),
+        "p99_ms": phase.percentile_ms(99),
+        "requests": len(phase.samples),
+        "failed": phase.failed,
+        "throughput_rps": len(phase.ok) / (end - start),
+        "goodput_rps": sum(s.latency_s <= qos_s for s in phase.ok) / (end - start),
+    }
+
+
+def spread(values: Sequence[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def ratio_spread(per_repeat: dict[str, list[dict[str, Any]]], system: str, baselines: Sequence[str],
+                 phase: str, key: str) -> dict[str, float]:  # fmt: skip
+    """Median (min-max) over repeats of ``system``'s ``key`` ÷ the best baseline's in the same repeat."""
+    repeats = len(per_repeat[system])
+    return spread(
+        [
+            per_repeat[system][r][phase][key] / min(per_repeat[b][r][phase][key] for b in baselines)
+            for r in range(repeats)
+        ]
+    )
+
+
+def median_cell(per_repeat: list[dict[str, Any]], phase: str, key: str) -> float:
+    return statistics.median(rep[phase][key] for rep in per_repeat)
