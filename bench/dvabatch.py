@@ -6,6 +6,8 @@ One TorchServe serves one model three ways, one worker each, all eager:
 
 - ``dvabatch``: the DVABatch archive (async mode; the model cut into
   stages, one CPU lane per stage, new / stretch / split over a batch table);
+- ``dvabatch1``: the same with ``cpu_lanes: 1``: every stage on all the
+  cores, one at a time (no pipeline across cores);
 - ``zerobatch``: the plain handler under TorchServe batching with batch_size
   32 and max_batch_delay 0 (the paper's ZeroBatch: a worker takes whatever
   is queued, never waits);
@@ -19,6 +21,11 @@ then each system gets Poisson arrivals at 1/4, 3/5 and 9/10 of it (the
 paper's low / medium / high), the same arrival schedule for every system, in
 interleaved repeats (ABC, CBA, …).  A ratio is DVABatch's over the better
 baseline's in the same repeat; the table gives its median (min-max).
+
+Before TorchServe starts, the stages are timed in this process
+(``stage_scaling``): the whole model on all the cores, each stage alone on
+a one-thread lane, and every stage at once, one per lane.  That says what a
+pipeline across cores can give on this CPU before any scheduling.
 
 Payloads are what a client sends: JPEGs for vision models; for token models,
 JSON token ids whose lengths follow ``TOKEN_LENGTH_MIX`` (read its comment:
@@ -67,9 +74,16 @@ from packrat_plugin.clients import MetricsClient
 from packrat_plugin.loadgen import Payload, closed_loop, run
 from packrat_plugin.torchserve import TorchServeProcess
 
-SYSTEMS = ("dvabatch", "zerobatch", "delaybatch")
+SYSTEMS = ("dvabatch", "dvabatch1", "zerobatch", "delaybatch")
+VARIANTS = ("dvabatch", "dvabatch1")
 BASELINES = ("zerobatch", "delaybatch")
-LABELS = {"dvabatch": "DVABatch", "zerobatch": "ZeroBatch", "delaybatch": "DelayBatch"}
+LABELS = {
+    "dvabatch": "DVABatch (a lane per stage)",
+    "dvabatch1": "DVABatch (one lane)",
+    "zerobatch": "ZeroBatch",
+    "delaybatch": "DelayBatch",
+}
+SHORT = {"dvabatch": "D", "dvabatch1": "D1", "zerobatch": "Z", "delaybatch": "Dl"}
 LOADS = {"low": 0.25, "medium": 0.6, "high": 0.9}  # fractions of peak, the paper's three loads
 CLAIM_LOADS = ("medium", "high")  # the issue's bar: DVABatch's mean below the better baseline's here
 
@@ -99,6 +113,63 @@ def bench_payloads(spec: ModelSpec, count: int = 64) -> tuple[list[Payload], lis
     return [token_ids_json(spec, n, seed=i) for i, n in enumerate(lengths)], lengths
 
 
+def stage_scaling(spec: ModelSpec, segments: int, repeats: int = 8) -> dict[str, float]:
+    """Median ms per batch of one: the whole model on all the cores; each stage alone on a
+    one-thread lane; all stages at once, one per lane (what a full pipeline's step costs)."""
+    import statistics
+
+    import torch
+
+    from handlers.runtime.lanes import CpuLanes
+    from handlers.runtime.segments import slice_model
+    from model_store.factory import build_model, example_inputs
+
+    model = build_model(spec).eval()
+    one = example_inputs(spec, batch=1)
+    with torch.inference_mode():
+        sliced = slice_model(model, example_inputs(spec, batch=2), segments, repeats=2)
+        states = [sliced.start(*one)]
+        for segment in list(sliced)[:-1]:
+            states.append(segment(states[-1]))
+
+        def median_ms(fn) -> float:  # noqa: ANN001
+            fn()
+            times = []
+            for _ in range(repeats):
+                began = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - began)
+            return 1e3 * statistics.median(times)
+
+        out = {"threads": torch.get_num_threads(), "whole_all_cores_ms": median_ms(lambda: model(*one))}
+        lanes = CpuLanes(segments, 1)
+        try:
+
+            def on_lane(fn):  # noqa: ANN001, ANN202
+                return lambda: lanes.submit(fn).result()
+
+            def run_stage(s: int):  # noqa: ANN202
+                def run() -> None:
+                    with torch.inference_mode():  # per thread: the lane's is not this one's
+                        sliced[s](states[s])
+
+                return run
+
+            for s in range(segments):
+                out[f"stage{s}_one_thread_ms"] = median_ms(on_lane(run_stage(s)))
+
+            def all_at_once() -> None:
+                for done in [lanes.submit(run_stage(s)) for s in range(segments)]:
+                    done.result()
+
+            out["all_stages_at_once_ms"] = median_ms(all_at_once)
+        finally:
+            lanes.close()
+    out["stages_in_turn_ms"] = sum(out[f"stage{s}_one_thread_ms"] for s in range(segments))
+    out["pipeline_gain"] = out["whole_all_cores_ms"] / out["all_stages_at_once_ms"]  # throughput, > 1: pipeline wins
+    return out
+
+
 def handler_counts(metrics: MetricsClient, model: str) -> dict[str, Counter]:
     """The handler's batch sizes and scheduler operations so far (TorchServe's metrics endpoint)."""
     out: dict[str, Counter] = {"batches": Counter(), "operations": Counter()}
@@ -121,23 +192,31 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "t_comp_wait_ms": args.t_comp_wait_ms,
         "max_inflight": args.max_inflight,
     }
-    options = ServingOptions(handler="dvabatch", handler_settings=tuple(sorted(settings.items())))
-    dva = build_archive(spec, store, options)
+    archives = {}
+    for variant, lanes in (("dvabatch", None), ("dvabatch1", 1)):
+        variant_settings = tuple(sorted({**settings, "cpu_lanes": lanes}.items()))
+        options = ServingOptions(handler="dvabatch", handler_settings=variant_settings)
+        # Both archives get the same file name: each is built in a store of its own, then copied.
+        built = build_archive(spec, workdir / variant, options)
+        archives[variant] = f"{built.stem}-{variant}.mar"
+        shutil.copy(built, store / archives[variant])
+    scaling = stage_scaling(spec, args.segments)
     payloads, lengths = bench_payloads(spec)
     counts: dict[str, dict[str, list[dict[str, Counter]]]] = {p: {n: [] for n in SYSTEMS} for p in LOADS}
     with TorchServeProcess(workdir / "ts", store) as server:
         mgmt, metrics = server.management(), server.metrics()
         url = {name: f"{server.inference_url}/predictions/{name}" for name in (*SYSTEMS, "sweep")}
-        mgmt.register(dva.name, model_name="dvabatch", initial_workers=1)
+        for variant in VARIANTS:
+            mgmt.register(archives[variant], model_name=variant, initial_workers=1)
         register_batching(mgmt, plain.name, "zerobatch", 0)
-        for name in ("dvabatch", "zerobatch"):
+        for name in (*VARIANTS, "zerobatch"):
             warm(url[name], payloads, args.warmup_seconds)
         single = run(closed_loop(url["zerobatch"], payload_cycle(payloads), 1, args.calibrate_seconds))
         l1_ms = single.mean_latency_ms()
 
         peak = {
             name: sustained_throughput(url[name], payloads, args.capacity_clients, args.capacity_seconds)
-            for name in ("dvabatch", "zerobatch")
+            for name in (*VARIANTS, "zerobatch")
         }
         peak_rps = max(peak.values())
         patterns = {load: [(args.seconds, fraction * peak_rps)] for load, fraction in LOADS.items()}
@@ -192,15 +271,18 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                 "operations": dict(operations),
             }
         loads_out[load] = row
-    mean_ratio = {load: ratio_spread(per_repeat, "dvabatch", BASELINES, load, "mean_ms") for load in LOADS}
-    p99_ratio = {load: ratio_spread(per_repeat, "dvabatch", BASELINES, load, "p99_ms") for load in LOADS}
+    mean_ratio = {
+        v: {load: ratio_spread(per_repeat, v, BASELINES, load, "mean_ms") for load in LOADS} for v in VARIANTS
+    }
+    p99_ratio = {v: {load: ratio_spread(per_repeat, v, BASELINES, load, "p99_ms") for load in LOADS} for v in VARIANTS}
     return {
         "model": spec.name,
         "mode": spec.mode,
         "loads": loads_out,
         "dvabatch_mean_vs_best_baseline": mean_ratio,
         "dvabatch_p99_vs_best_baseline": p99_ratio,
-        "claim": {load: mean_ratio[load]["median"] < 1.0 for load in CLAIM_LOADS},
+        "claim": {load: min(mean_ratio[v][load]["median"] for v in VARIANTS) < 1.0 for load in CLAIM_LOADS},
+        "stage_scaling": scaling,
         "load": {
             "l1_ms": l1_ms,
             "peak_rps": peak,
@@ -238,27 +320,43 @@ def _ops_cell(ops: dict[str, int]) -> str:
 def render(data: dict[str, Any], stem: str) -> str:
     load = data["load"]
     rows = []
+
+    def ratio(kind: str, variant: str, name: str) -> str:
+        r = data[f"dvabatch_{kind}_vs_best_baseline"][variant][name]
+        return f"{r['median']:.2f} ({r['min']:.2f}-{r['max']:.2f})"
+
     for name in LOADS:
         cell = data["loads"][name]
-        mean, p99 = data["dvabatch_mean_vs_best_baseline"][name], data["dvabatch_p99_vs_best_baseline"][name]
         claim = data["claim"].get(name)
         rows.append(
             [f"{name} ({LOADS[name]:g} of peak)", f"{load['rates_rps'][name]:.1f}"]
             + [f"{cell[n]['mean_ms']:.0f} / {cell[n]['p99_ms']:.0f}" for n in SYSTEMS]
-            + [f"{mean['median']:.2f} ({mean['min']:.2f}-{mean['max']:.2f})",
-               f"{p99['median']:.2f} ({p99['min']:.2f}-{p99['max']:.2f})",
-               "-" if claim is None else ("yes" if claim else "**no**"),
+            + [ratio("mean", v, name) for v in VARIANTS]
+            + [ratio("p99", v, name) for v in VARIANTS]
+            + ["-" if claim is None else ("yes" if claim else "**no**"),
                " / ".join(f"{cell[n]['throughput_rps']:.1f}" for n in SYSTEMS),
                " / ".join("-" if cell[n]["mean_batch"] is None else f"{cell[n]['mean_batch']:.2f}" for n in SYSTEMS),
-               _ops_cell(cell["dvabatch"]["operations"]),
+               " / ".join(_ops_cell(cell[v]["operations"]) for v in VARIANTS),
                str(sum(cell[n]["failed"] for n in SYSTEMS))]
         )  # fmt: skip
+    short = " / ".join(SHORT[n] for n in SYSTEMS)
     table = markdown_table(
         ["load", "rate (req/s)", *(f"{LABELS[n]} mean / p99 ms" for n in SYSTEMS),
-         "DVABatch mean ÷ better baseline (min-max)", "DVABatch p99 ÷ better baseline", "mean below (bar)",
-         "throughput req/s (D / Z / Dl)", "mean batch (D / Z / Dl)", "DVABatch operations", "failed"],
+         *(f"{SHORT[v]} mean ÷ better baseline (min-max)" for v in VARIANTS),
+         *(f"{SHORT[v]} p99 ÷ better baseline" for v in VARIANTS), "a DVABatch mean below (bar)",
+         f"throughput req/s ({short})", f"mean batch ({short})", "DVABatch operations (D / D1)", "failed"],
         rows,
     )  # fmt: skip
+    sc = data["stage_scaling"]
+    stages = len([k for k in sc if k.startswith("stage") and k.endswith("_one_thread_ms")])
+    scaling = (
+        f"Stage timing in-process before the run (batch 1, median ms): the whole model on all "
+        f"{sc['threads']} threads {sc['whole_all_cores_ms']:.1f}; each stage alone on a one-thread lane "
+        + ", ".join(f"{sc[f'stage{s}_one_thread_ms']:.1f}" for s in range(stages))
+        + f" (in turn {sc['stages_in_turn_ms']:.1f}); all stages at once, one per lane, "
+        f"{sc['all_stages_at_once_ms']:.1f}. A full pipeline's throughput ÷ the whole model's on all cores: "
+        f"**{sc['pipeline_gain']:.2f}×**."
+    )
     sweep = ", ".join(f"{row['max_batch_delay_ms']} ms → {row['mean_ms']:.0f} ms" for row in data["sweep"])
     peak = ", ".join(f"{LABELS[n]} {v:.1f}" for n, v in load["peak_rps"].items())
     lengths = data["token_lengths"]
@@ -277,7 +375,8 @@ def render(data: dict[str, Any], stem: str) -> str:
         f"DVABatch settings: `{data['dvabatch_settings']}`. DelayBatch = batch 32 with max_batch_delay "
         f"**{data['delaybatch_delay_ms']} ms**, chosen by a sweep of mean latency over the medium and high loads "
         f"({sweep}); ZeroBatch = batch 32, delay 0. One request at a time takes L1 = {load['l1_ms']:.0f} ms."
-        f"{length_note}\n\n{table}\n\n![mean latency by load]({stem}.png)\n\n{provenance_block(data['provenance'])}"
+        f"{length_note}\n\n{scaling}\n\n{table}\n\n![mean latency by load]({stem}.png)\n\n"
+        f"{provenance_block(data['provenance'])}"
     )
 
 
@@ -285,7 +384,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="bert-base", help="catalog name (built eager: DVABatch slices eager models)")
     parser.add_argument("--quick", action="store_true", help="short runs, one repeat, two sweep points (a smoke run)")
     parser.add_argument("--seconds", type=float, default=30.0, help="length of each load's run")
-    parser.add_argument("--segments", type=int, default=2, help="DVABatch stages (one CPU lane each)")
+    parser.add_argument("--segments", type=int, default=2, help="DVABatch stages")
     parser.add_argument("--max-batch", type=int, default=16)
     parser.add_argument("--t-comp-wait-ms", type=float, default=20.0, help="how long a batch may be stretched")
     parser.add_argument("--max-inflight", type=int, default=64)

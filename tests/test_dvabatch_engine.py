@@ -189,6 +189,23 @@ def test_split_follows_the_profile_and_config_is_validated():
             DvaBatchConfig.from_dict(bad)
     with pytest.raises(DvaBatchConfigError, match="one full batch"):
         DvaBatchConfig(max_batch=32, max_inflight=8)
+    for lanes in (0, 3, True, "1"):
+        with pytest.raises(DvaBatchConfigError, match="cpu_lanes"):
+            DvaBatchConfig(segments=2, cpu_lanes=lanes)
+    assert DvaBatchConfig.from_dict({"segments": 2, "cpu_lanes": None}).cpu_lanes is None
+
+
+def test_stages_sharing_one_lane_still_answer_every_request_its_row(model):
+    # ``cpu_lanes: 1``: all three stages queue on one lane, one at a time, in FIFO order.
+    engine, lanes = make_engine(model, segments=3, lanes=CpuLanes(1, 1), max_batch=4, cpu_lanes=1)
+    inputs = [torch.randn(64) for _ in range(20)]
+    futures = [engine.try_submit(ModelInput((x,))) for x in inputs]
+    with torch.no_grad():
+        expected = model(torch.stack(inputs))
+    for i, future in enumerate(futures):
+        assert torch.allclose(future.result(timeout=30), expected[i], atol=1e-5), i
+    engine.close()
+    lanes.close()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

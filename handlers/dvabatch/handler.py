@@ -27,8 +27,14 @@ class DvaBatchHandler(AsyncModelHandler):
         self.config = DvaBatchConfig.from_dict(handler_config.get("dvabatch"))
 
     def cpu_lane_count(self) -> int:
-        # One lane per stage, so the stages run as a pipeline, each on its share of the cores.
-        return self.config.segments
+        """One lane per stage by default, so the stages run as a pipeline, each on its share of the cores.
+
+        ``cpu_lanes: 1`` runs every stage on all the cores instead, one stage
+        at a time (FIFO with the lane's decodes): on a CPU where intra-op
+        threads scale as well as a pipeline would, a pipeline of narrower
+        stages only adds latency (``docs/benchmarks/dvabatch_bert-base.md``).
+        """
+        return self.config.cpu_lanes or self.config.segments
 
     def create_engine(self, layout_example: ModelInput) -> DvaBatchEngine:
         if self.spec.mode != "eager":

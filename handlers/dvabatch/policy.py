@@ -41,6 +41,10 @@ class DvaBatchConfig:
     max_inflight: int = 64  # requests admitted at once (then the runtime waits for room)
     stretch: bool = True
     split: bool = True
+    # CPU lanes the stages run on (null: one per stage, a pipeline with the
+    # cores split among the stages; 1: every stage on all the cores, one at
+    # a time).  See ``DvaBatchHandler.cpu_lane_count``.
+    cpu_lanes: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("segments", "max_batch", "max_inflight"):
@@ -54,6 +58,12 @@ class DvaBatchConfig:
         for name in ("stretch", "split"):
             if not isinstance(getattr(self, name), bool):
                 raise DvaBatchConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.cpu_lanes is not None:
+            lanes = self.cpu_lanes
+            if isinstance(lanes, bool) or not isinstance(lanes, int) or not 1 <= lanes <= self.segments:
+                raise DvaBatchConfigError(
+                    f"cpu_lanes must be null or an integer from 1 to segments ({self.segments}), got {lanes!r}"
+                )
         if self.max_inflight < self.max_batch:
             raise DvaBatchConfigError(f"max_inflight ({self.max_inflight}) must hold one full batch ({self.max_batch})")
 
