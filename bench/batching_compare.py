@@ -13,17 +13,27 @@ This module is the part they share, so both measure the same way:
 - ``interleaved``: every system runs every load shape, the systems taking
   turns (ABC, CBA, …) so that a drift of the shared machine touches all alike;
 - ``phase_stats`` / ``ratio_spread``: per-repeat numbers and the median
-  (min-max) of per-repeat ratios, the form every table here reports.
+  (min-max) of per-repeat ratios, the form every table here reports;
+- ``run_and_publish``: a benchmark's run in a scratch directory, whose
+  TorchServe logs are kept when it fails or a request fails, then its
+  tables, plot and JSON.
 """
 
 from __future__ import annotations
 
+import argparse
+import shutil
 import statistics
+import sys
+import tempfile
+import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
+from bench.report import provenance, publish
 from packrat_plugin.clients import ManagementClient
 from packrat_plugin.loadgen import LoadResult, Payload, closed_loop, open_loop, run
 
@@ -145,3 +155,37 @@ def ratio_spread(per_repeat: dict[str, list[dict[str, Any]]], system: str, basel
 
 def median_cell(per_repeat: list[dict[str, Any]], phase: str, key: str) -> float:
     return statistics.median(rep[phase][key] for rep in per_repeat)
+
+
+def run_and_publish(
+    args: argparse.Namespace,
+    module: str,
+    measure: Callable[[argparse.Namespace, Path], dict[str, Any]],
+    failed: Callable[[dict[str, Any]], int],
+    render: Callable[[dict[str, Any], str], str],
+    plot: Callable[[dict[str, Any], Path], None],
+) -> int:
+    """Run ``measure`` in a scratch directory and publish ``<module's name>_<model>.*``.
+
+    A failed request is a finding: the scratch directory (TorchServe's logs)
+    is kept whenever the run raises or ``failed(data)`` is not 0.
+    """
+    name = module.rpartition(".")[2]
+    prov = provenance(module)
+    started = time.monotonic()
+    workdir = Path(tempfile.mkdtemp(prefix=f"{name}-bench-"))
+    try:
+        data = measure(args, workdir)
+    except BaseException:
+        print(f"kept TorchServe's logs for diagnosis: {workdir / 'ts' / 'logs'}", file=sys.stderr)
+        raise
+    lost = failed(data)
+    if lost:
+        print(f"{lost} requests failed; TorchServe's logs are in {workdir / 'ts' / 'logs'}", file=sys.stderr)
+    else:
+        shutil.rmtree(workdir, ignore_errors=True)
+    data["provenance"] = prov
+    data["wall_s"] = time.monotonic() - started
+    stem = f"{name}_{data['model']}"
+    print(publish(stem, data, lambda d: render(d, stem), plot, args.out_dir, args.json))
+    return 0

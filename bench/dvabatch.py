@@ -37,8 +37,8 @@ from __future__ import annotations
 import argparse
 import random
 import shutil
+import statistics
 import sys
-import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -47,6 +47,8 @@ from typing import Any
 if __package__ in (None, ""):  # `python bench/NAME.py` from the repository root
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import torch
+
 from bench.batching_compare import (
     interleaved,
     median_cell,
@@ -54,6 +56,7 @@ from bench.batching_compare import (
     phase_stats,
     ratio_spread,
     register_batching,
+    run_and_publish,
     sustained_throughput,
     sweep_batch_delay,
     warm,
@@ -62,13 +65,14 @@ from bench.report import (
     add_output_arguments,
     markdown_table,
     new_figure,
-    provenance,
     provenance_block,
-    publish,
     save_figure,
 )
+from handlers.runtime.lanes import CpuLanes
+from handlers.runtime.segments import slice_model
 from model_store.build import ServingOptions, build_archive
 from model_store.catalog import ModelSpec, get_spec
+from model_store.factory import build_model, example_inputs
 from model_store.samples import client_payload, token_ids_json
 from packrat_plugin.clients import MetricsClient
 from packrat_plugin.loadgen import Payload, closed_loop, run
@@ -116,14 +120,6 @@ def bench_payloads(spec: ModelSpec, count: int = 64) -> tuple[list[Payload], lis
 def stage_scaling(spec: ModelSpec, segments: int, repeats: int = 8) -> dict[str, float]:
     """Median ms per batch of one: the whole model on all the cores; each stage alone on a
     one-thread lane; all stages at once, one per lane (what a full pipeline's step costs)."""
-    import statistics
-
-    import torch
-
-    from handlers.runtime.lanes import CpuLanes
-    from handlers.runtime.segments import slice_model
-    from model_store.factory import build_model, example_inputs
-
     model = build_model(spec).eval()
     one = example_inputs(spec, batch=1)
     with torch.inference_mode():
@@ -398,6 +394,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_output_arguments(parser)
 
 
+def failed_requests(data: dict[str, Any]) -> int:
+    return sum(row["failed"] for load in data["loads"].values() for row in load.values())
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_arguments(parser)
@@ -406,24 +406,7 @@ def main(argv: list[str] | None = None) -> int:
         args.seconds, args.repeats, args.capacity_seconds = 10.0, 1, 6.0
         args.sweep_delays, args.warmup_seconds, args.calibrate_seconds = "10,50", 3.0, 4.0
     args.sweep_delays = [int(d) for d in str(args.sweep_delays).split(",") if d.strip()]
-    prov = provenance("bench.dvabatch")
-    started = time.monotonic()
-    workdir = Path(tempfile.mkdtemp(prefix="dvabatch-bench-"))
-    try:
-        data = measure(args, workdir)
-    except BaseException:
-        print(f"kept TorchServe's logs for diagnosis: {workdir / 'ts' / 'logs'}", file=sys.stderr)
-        raise
-    failed = sum(row["failed"] for load in data["loads"].values() for row in load.values())
-    if failed:  # a failed request is a finding: keep what explains it
-        print(f"{failed} requests failed; TorchServe's logs are in {workdir / 'ts' / 'logs'}", file=sys.stderr)
-    else:
-        shutil.rmtree(workdir, ignore_errors=True)
-    data["provenance"] = prov
-    data["wall_s"] = time.monotonic() - started
-    stem = f"dvabatch_{data['model']}"
-    print(publish(stem, data, lambda d: render(d, stem), plot, args.out_dir, args.json))
-    return 0
+    return run_and_publish(args, "bench.dvabatch", measure, failed_requests, render, plot)
 
 
 if __name__ == "__main__":

@@ -29,10 +29,7 @@ target (default 10·L1, L1: one request at a time) per second of that phase.
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
-import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +43,7 @@ from bench.batching_compare import (
     phase_stats,
     ratio_spread,
     register_batching,
+    run_and_publish,
     sustained_throughput,
     sweep_batch_delay,
     warm,
@@ -54,9 +52,7 @@ from bench.report import (
     add_output_arguments,
     markdown_table,
     new_figure,
-    provenance,
     provenance_block,
-    publish,
     save_figure,
 )
 from model_store.build import ServingOptions, build_archive
@@ -267,6 +263,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_output_arguments(parser)
 
 
+def failed_requests(data: dict[str, Any]) -> int:
+    return sum(row["failed"] for phase in data["phases"].values() for row in phase.values())
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_arguments(parser)
@@ -276,24 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         args.overload_seconds, args.capacity_seconds = 10.0, 6.0
         args.sweep_delays, args.warmup_seconds, args.calibrate_seconds = "10,50", 3.0, 4.0
     args.sweep_delays = [int(d) for d in str(args.sweep_delays).split(",") if d.strip()]
-    prov = provenance("bench.ebird")
-    started = time.monotonic()
-    workdir = Path(tempfile.mkdtemp(prefix="ebird-bench-"))
-    try:
-        data = measure(args, workdir)
-    except BaseException:
-        print(f"kept TorchServe's logs for diagnosis: {workdir / 'ts' / 'logs'}", file=sys.stderr)
-        raise
-    failed = sum(row["failed"] for phase in data["phases"].values() for row in phase.values())
-    if failed:  # a failed request is a finding: keep what explains it
-        print(f"{failed} requests failed; TorchServe's logs are in {workdir / 'ts' / 'logs'}", file=sys.stderr)
-    else:
-        shutil.rmtree(workdir, ignore_errors=True)
-    data["provenance"] = prov
-    data["wall_s"] = time.monotonic() - started
-    stem = f"ebird_{data['model']}"
-    print(publish(stem, data, lambda d: render(d, stem), plot, args.out_dir, args.json))
-    return 0
+    return run_and_publish(args, "bench.ebird", measure, failed_requests, render, plot)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,14 @@ def model():
     return Mlp().eval()
 
 
+def assert_rows_of(model, inputs, futures, atol=1e-5):
+    """Each future holds its own input's row of the unsliced model's output."""
+    with torch.no_grad():
+        expected = model(torch.stack(inputs))
+    for i, future in enumerate(futures):
+        assert torch.allclose(future.result(timeout=30), expected[i], atol=atol), i
+
+
 def make_engine(model, segments=3, lanes=None, device="cpu", profile=None, **settings):
     sliced = slice_model(copy.deepcopy(model).to(device), (torch.randn(2, 64, device=device),), segments)
     config = DvaBatchConfig(segments=segments, **settings)
@@ -63,10 +71,7 @@ def test_every_request_gets_its_own_row_whatever_it_was_batched_with(model):
         futures.append(engine.try_submit(ModelInput((x,))))
         if i % 7 == 0:
             time.sleep(0.002)  # some arrive while earlier batches are in the pipeline
-    with torch.no_grad():
-        expected = model(torch.stack(inputs))
-    for i, future in enumerate(futures):
-        assert torch.allclose(future.result(timeout=30), expected[i], atol=1e-5), i
+    assert_rows_of(model, inputs, futures)
     assert engine.counts["new"] >= 1 and sum(engine.counts[k] for k in ("new", "join", "stretch")) >= 10
     engine.close()
     lanes.close()
@@ -164,10 +169,7 @@ def test_split_batches_keep_every_request_its_row(model):
     engine.sliced._segments[0] = dataclasses.replace(seg, module=_Slow(seg.module, 0.05))  # a queue builds
     inputs = [torch.randn(64) for _ in range(12)]
     futures = [engine.try_submit(ModelInput((x,))) for x in inputs]
-    with torch.no_grad():
-        expected = model(torch.stack(inputs))
-    for i, future in enumerate(futures):
-        assert torch.allclose(future.result(timeout=30), expected[i], atol=1e-5), i
+    assert_rows_of(model, inputs, futures)
     assert engine.counts["split"] >= 1, engine.counts
     engine.close()
     lanes.close()
@@ -200,10 +202,7 @@ def test_stages_sharing_one_lane_still_answer_every_request_its_row(model):
     engine, lanes = make_engine(model, segments=3, lanes=CpuLanes(1, 1), max_batch=4, cpu_lanes=1)
     inputs = [torch.randn(64) for _ in range(20)]
     futures = [engine.try_submit(ModelInput((x,))) for x in inputs]
-    with torch.no_grad():
-        expected = model(torch.stack(inputs))
-    for i, future in enumerate(futures):
-        assert torch.allclose(future.result(timeout=30), expected[i], atol=1e-5), i
+    assert_rows_of(model, inputs, futures)
     engine.close()
     lanes.close()
 
