@@ -69,6 +69,7 @@ from bench.report import (
     save_figure,
 )
 from handlers.runtime.lanes import CpuLanes
+from handlers.runtime.metrics import DEFAULT_FLUSH_INTERVAL_S
 from handlers.runtime.segments import slice_model
 from model_store.build import ServingOptions, build_archive
 from model_store.catalog import ModelSpec, get_spec
@@ -233,7 +234,8 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             before = handler_counts(metrics, name)
 
             def after() -> None:
-                time.sleep(0.5)  # the last answers' metric lines reach the frontend
+                # The handler's next metrics flush, then the frontend's parse of it.
+                time.sleep(DEFAULT_FLUSH_INTERVAL_S + 0.5)
                 now = handler_counts(metrics, name)
                 counts[load][name].append({k: now[k] - before[k] for k in now})
 

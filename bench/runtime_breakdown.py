@@ -41,6 +41,7 @@ from bench.report import (
     run_benchmark,
     save_figure,
 )
+from handlers.runtime.metrics import DEFAULT_FLUSH_INTERVAL_S
 from model_store.build import ServingOptions, build_archive
 from model_store.catalog import get_spec
 from model_store.samples import client_payload
@@ -94,7 +95,8 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                     for name in SYSTEMS if r % 2 == 0 else SYSTEMS[::-1]:  # ABC, CBA, …
                         before = stage_totals(server, name)
                         result = run(open_loop(url[name], lambda i: payloads[i % 64], [(args.seconds, rate)], seed=r))
-                        time.sleep(0.5)  # the last answers' metrics lines reach the frontend
+                        # The handler's next metrics flush, then the frontend's parse of it.
+                        time.sleep(DEFAULT_FLUSH_INTERVAL_S + 0.5)
                         after = stage_totals(server, name)
                         stages_ms = {}
                         for stage in STAGES[name]:

@@ -12,7 +12,8 @@ from model_store.build import ServingOptions, build_archive
 from model_store.catalog import get_spec
 from model_store.samples import image_tensor_json, jpeg_bytes, token_ids_json
 from tests.conftest import DVABATCH_TEST_SETTINGS
-from tests.test_ebird_serving import burst, handler_metric, post_all
+from tests.metrics_endpoint import handler_metric
+from tests.test_ebird_serving import burst, post_all
 from tests.test_serving import assert_matches_reference
 
 pytestmark = pytest.mark.torchserve
@@ -39,9 +40,15 @@ def test_a_burst_through_the_stages_equals_the_models_output(served, torchserve)
     answers = post_all(f"{torchserve.inference_url}/predictions/{model}", [row["body"] for row in rows])
     assert [status for status, _ in answers] == [200] * len(rows), answers
     assert_matches_reference(spec, rows, [json.loads(body) for _, body in answers])
-    batches = {int(labels["BatchSize"]): n for labels, n in handler_metric(torchserve, "HandlerBatches", model)}
+
+    def batched(samples) -> float:
+        return sum(int(labels["BatchSize"]) * n for labels, n in samples)
+
+    samples = handler_metric(torchserve, "HandlerBatches", model, until=lambda s: batched(s) >= len(rows))
+    batches = {int(labels["BatchSize"]): n for labels, n in samples}
     assert max(batches) > 1, batches  # requests shared batches, none waited for a window
-    operations = {labels["Operation"]: n for labels, n in handler_metric(torchserve, "HandlerOperations", model)}
+    samples = handler_metric(torchserve, "HandlerOperations", model, until=lambda s: sum(n for _, n in s) >= 2)
+    operations = {labels["Operation"]: n for labels, n in samples}
     assert operations.get("new", 0) >= 1 and sum(operations.values()) >= 2, operations
 
 

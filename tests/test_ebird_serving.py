@@ -20,15 +20,12 @@ from model_store.catalog import get_spec
 from model_store.samples import image_tensor_json, jpeg_bytes
 from packrat_plugin.loadgen import open_loop, run
 from tests.conftest import EBIRD_TEST_SETTINGS
+from tests.metrics_endpoint import handler_metric
 from tests.test_serving import assert_matches_reference
 
 pytestmark = pytest.mark.torchserve
 
 LARGEST_WORKER = max(EBIRD_TEST_SETTINGS["worker_batches"])
-
-
-def handler_metric(torchserve, name: str, model: str) -> list[tuple[dict[str, str], float]]:
-    return [(labels, value) for labels, value in torchserve.metrics().samples(name) if labels.get("ModelName") == model]
 
 
 def burst(torchserve, model: str, payloads: list, rate: float):
@@ -75,18 +72,27 @@ def test_burst_is_split_across_workers_and_every_result_equals_direct_output(ser
     assert_matches_reference(spec, rows, [bodies[i] for i in range(len(rows))])
     assert client.predict(model, rows[0]["body"]).status == 200  # still serving
 
-    batches = {int(labels["BatchSize"]): value for labels, value in handler_metric(torchserve, "HandlerBatches", model)}
-    assert sum(size * n for size, n in batches.items()) >= len(rows) + 1
+    def batched(samples) -> float:
+        return sum(int(labels["BatchSize"]) * n for labels, n in samples)
+
+    answered = len(rows) + 1
+    samples = handler_metric(torchserve, "HandlerBatches", model, until=lambda s: batched(s) >= answered)
+    batches = {int(labels["BatchSize"]): value for labels, value in samples}
+    assert batched(samples) >= answered
     assert len(batches) >= 2, batches  # the burst was not run as one batch, nor one request at a time
-    [(_, peak)] = handler_metric(torchserve, "HandlerPeakConcurrentBatches", model)
+    [(_, peak)] = handler_metric(torchserve, "HandlerPeakConcurrentBatches", model, until=bool)
     assert peak >= 2  # two workers' batches ran at the same time
-    [(_, inflight)] = handler_metric(torchserve, "HandlerInflight", model)
+    [(_, inflight)] = handler_metric(torchserve, "HandlerInflight", model, until=lambda s: s and s[0][1] == 0)
     assert inflight == 0
+
     # The per-stage breakdown reaches the metrics endpoint: every answered request in every stage.
-    counts = {labels["Stage"]: v for labels, v in handler_metric(torchserve, "HandlerStageCount", model)}
-    seconds = {labels["Stage"]: v for labels, v in handler_metric(torchserve, "HandlerStageSeconds", model)}
+    def every_stage(samples) -> bool:
+        return len(samples) == 7 and min(v for _, v in samples) >= answered
+
+    counts = {labels["Stage"]: v for labels, v in handler_metric(torchserve, "HandlerStageCount", model, every_stage)}
+    seconds = {labels["Stage"]: v for labels, v in handler_metric(torchserve, "HandlerStageSeconds", model, bool)}
     assert set(counts) == set(seconds) == {"decode", "admission", "queue", "batch", "release", "wakeup", "encode"}
-    assert min(counts.values()) >= len(rows) + 1 and seconds["batch"] > 0
+    assert min(counts.values()) >= answered and seconds["batch"] > 0
 
 
 def test_small_batch_answered_before_an_earlier_large_one(served, torchserve):
@@ -111,7 +117,8 @@ def test_no_request_lost_when_the_pool_is_full(served, torchserve):
     result = burst(torchserve, model, [jpeg_bytes(seed=i) for i in range(n)], rate=500.0)
     assert len(result.samples) == n
     assert [s.status for s in result.samples] == [200] * n
-    after = sum(v for _, v in handler_metric(torchserve, "HandlerAdmissionWaits", model))
+    waits = handler_metric(torchserve, "HandlerAdmissionWaits", model, until=lambda s: sum(v for _, v in s) > before)
+    after = sum(v for _, v in waits)
     assert after > before  # the pool was full and requests waited for room
 
 

@@ -13,6 +13,7 @@ import yaml
 from model_store.catalog import ModelSpec, get_spec
 from model_store.factory import outputs_close
 from packrat_plugin.clients import TorchServeAPIError
+from tests.metrics_endpoint import handler_metric
 from tests.payloads import image_tensor_json, jpeg_bytes, png_bytes, reference_logits, token_ids_json
 
 pytestmark = pytest.mark.torchserve
@@ -57,14 +58,14 @@ def test_resnet50_served_result_equals_direct_output(served, torchserve, mode):
     answers = [client.predict(model, row["body"]) for row in rows]
     assert [a.status for a in answers] == [200, 200, 200], [a.body for a in answers]
     assert_matches_reference(spec, rows, [a.body for a in answers])
-    stages = {
-        labels["Stage"]: value
-        for labels, value in torchserve.metrics().samples("HandlerStageCount")
-        if labels.get("ModelName") == model
-    }
+
+    def every_stage(samples) -> bool:
+        return len(samples) == 3 and min(v for _, v in samples) >= len(rows)
+
+    samples = handler_metric(torchserve, "HandlerStageCount", model, until=every_stage)
+    stages = {labels["Stage"]: value for labels, value in samples}
     assert set(stages) == {"decode", "model", "encode"} and min(stages.values()) >= len(rows)
-    batches = [(int(k["BatchSize"]), v) for k, v in torchserve.metrics().samples("HandlerBatches")
-               if k.get("ModelName") == model]  # fmt: skip
+    batches = [(int(k["BatchSize"]), v) for k, v in handler_metric(torchserve, "HandlerBatches", model, until=bool)]
     assert sum(size * n for size, n in batches) >= len(rows)
 
 

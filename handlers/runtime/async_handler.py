@@ -299,3 +299,4 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
             self.decoder.close()
         if self.lanes is not None:
             self.lanes.close(max(timeout_s - (time.monotonic() - started), 0.1))
+        self.metrics.close()

@@ -28,6 +28,19 @@ Names (Prometheus, per ModelName):
 - ``HandlerOperations`` (counter, ``Operation`` label): a scheduler's own
   operations, by name (DVABatch: new, join, stretch, split, merge), so a
   benchmark can say how often each policy acted.
+
+Reaching TorchServe is batched.  Each metric TorchServe's cache takes is a
+log line the worker formats and writes and the frontend parses, on the
+cores the model runs on; emitted per request, as this module first did,
+the async runtime wrote about 17 lines per request and the lines cost
+about a third of the event-loop thread's CPU per request (py-spy, issue
+9's breakdown in ``docs/benchmarks/README.md``).  So events only update
+in-process state, and one ``metrics-flush`` thread hands TorchServe what
+changed every ``flush_interval_s``: counters as their summed increments,
+gauges as their latest value, histogram observations as they came.  The
+endpoint therefore lags the handler by up to one interval, which
+Prometheus scraping (seconds apart) never notices; readers that need the
+value at once call ``flush()`` (in-process) or poll the endpoint.
 """
 
 from __future__ import annotations
@@ -40,13 +53,62 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 RECENT_SAMPLES = 10_000
+DEFAULT_FLUSH_INTERVAL_S = 1.0
+
+# (name, unit, labels) identifies one series of TorchServe's cache.
+SeriesKey = tuple[str, str, tuple[tuple[str, str], ...]]
+
+
+def series(name: str, unit: str, **labels: str) -> SeriesKey:
+    return name, unit, tuple(sorted(labels.items()))
+
+
+class _PendingEmission:
+    """What has changed since TorchServe's cache last heard from this handler.
+
+    Not locked itself: ``HandlerMetrics`` holds its lock around every call.
+    """
+
+    def __init__(self) -> None:
+        self.counters: collections.defaultdict[SeriesKey, float] = collections.defaultdict(float)
+        self.gauges: dict[SeriesKey, float] = {}
+        self.observations: list[tuple[SeriesKey, float]] = []
+
+    def __bool__(self) -> bool:
+        return bool(self.counters or self.gauges or self.observations)
+
+    def count(self, key: SeriesKey, increment: float) -> None:
+        self.counters[key] += increment
+
+    def set(self, key: SeriesKey, value: float) -> None:
+        self.gauges[key] = value
+
+    def observe(self, key: SeriesKey, value: float) -> None:
+        self.observations.append((key, value))
+
+    def items(self) -> list[tuple[SeriesKey, float, str]]:
+        """(series, value, TorchServe metric type), gauges last so they report the state after the counts."""
+        return (
+            [(key, value, "COUNTER") for key, value in self.counters.items()]
+            + [(key, value, "HISTOGRAM") for key, value in self.observations]
+            + [(key, value, "GAUGE") for key, value in self.gauges.items()]
+        )
 
 
 class HandlerMetrics:
-    def __init__(self, cache: Any | None, model_name: str) -> None:
+    def __init__(self, cache: Any | None, model_name: str, flush_interval_s: float = DEFAULT_FLUSH_INTERVAL_S) -> None:
+        if flush_interval_s <= 0:
+            raise ValueError(f"flush_interval_s must be > 0, got {flush_interval_s}")
         self._cache = cache
         self._model = model_name
         self._lock = threading.Lock()
+        self._pending = _PendingEmission()
+        self._flush_interval_s = flush_interval_s
+        self._closed = threading.Event()
+        self._flusher: threading.Thread | None = None
+        if cache is not None:
+            self._flusher = threading.Thread(target=self._flush_periodically, name="metrics-flush", daemon=True)
+            self._flusher.start()
         self.batches: collections.Counter[int] = collections.Counter()
         # The most recent samples only: a worker serves for weeks.
         self.queue_seconds: collections.deque[float] = collections.deque(maxlen=RECENT_SAMPLES)
@@ -61,24 +123,20 @@ class HandlerMetrics:
 
     # -- events ------------------------------------------------------------
 
-    # Gauges are emitted while the lock is held: TorchServe keeps the last
-    # value it reads, so two threads' values must reach it in the order they
-    # were set (a peak of 2 overwritten by a late 1 was seen in a test run).
-
     def request_admitted(self) -> None:
         with self._lock:
             self.inflight += 1
-            self._emit("HandlerInflight", self.inflight, "count", "GAUGE")
+            self._pending.set(series("HandlerInflight", "count"), self.inflight)
 
     def request_answered(self) -> None:
         with self._lock:
             self.inflight -= 1
-            self._emit("HandlerInflight", self.inflight, "count", "GAUGE")
+            self._pending.set(series("HandlerInflight", "count"), self.inflight)
 
     def admission_waited(self) -> None:
         with self._lock:
             self.admission_waits += 1
-        self._emit("HandlerAdmissionWaits", 1, "count", "COUNTER")
+            self._pending.count(series("HandlerAdmissionWaits", "count"), 1)
 
     def batch_started(self, size: int, queue_seconds: list[float]) -> None:
         with self._lock:
@@ -87,16 +145,16 @@ class HandlerMetrics:
             self._concurrent_batches += 1
             if self._concurrent_batches > self.peak_concurrent_batches:
                 self.peak_concurrent_batches = self._concurrent_batches
-                self._emit("HandlerPeakConcurrentBatches", self.peak_concurrent_batches, "count", "GAUGE")
-        self._emit("HandlerBatches", 1, "count", "COUNTER", BatchSize=str(size))
-        for seconds in queue_seconds:
-            self._emit("HandlerQueueSeconds", seconds, "s", "HISTOGRAM")
+                self._pending.set(series("HandlerPeakConcurrentBatches", "count"), self.peak_concurrent_batches)
+            self._pending.count(series("HandlerBatches", "count", BatchSize=str(size)), 1)
+            for seconds in queue_seconds:
+                self._pending.observe(series("HandlerQueueSeconds", "s"), seconds)
 
     def batch_finished(self, seconds: float) -> None:
         with self._lock:
             self._concurrent_batches -= 1
             self.batch_seconds.append(seconds)
-        self._emit("HandlerBatchSeconds", seconds, "s", "HISTOGRAM")
+            self._pending.observe(series("HandlerBatchSeconds", "s"), seconds)
 
     def stages(self, seconds: dict[str, float], requests: int = 1) -> None:
         """Time in each named stage, as ``requests`` requests each spent it
@@ -105,15 +163,14 @@ class HandlerMetrics:
             for stage, value in seconds.items():
                 self.stage_seconds[stage] += value * requests
                 self.stage_counts[stage] += requests
-        for stage, value in seconds.items():
-            self._emit("HandlerStageSeconds", value * requests, "s", "COUNTER", Stage=stage)
-            self._emit("HandlerStageCount", requests, "count", "COUNTER", Stage=stage)
+                self._pending.count(series("HandlerStageSeconds", "s", Stage=stage), value * requests)
+                self._pending.count(series("HandlerStageCount", "count", Stage=stage), requests)
 
     def operation(self, name: str) -> None:
         """A scheduler did ``name`` once (see ``HandlerOperations``)."""
         with self._lock:
             self.operations[name] += 1
-        self._emit("HandlerOperations", 1, "count", "COUNTER", Operation=name)
+            self._pending.count(series("HandlerOperations", "count", Operation=name), 1)
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
@@ -131,9 +188,32 @@ class HandlerMetrics:
 
     # -- TorchServe ----------------------------------------------------------
 
-    def _emit(self, name: str, value: float, unit: str, kind: str, **labels: str) -> None:
-        if self._cache is None:
-            return
+    def flush(self) -> None:
+        """Hand TorchServe's cache everything recorded since the last flush.
+
+        The lock is held while emitting, so two flushes (the periodic one and
+        a caller's) reach the cache in order and a gauge's latest value is the
+        one TorchServe keeps.
+        """
+        with self._lock:
+            if self._cache is None or not self._pending:
+                return
+            pending, self._pending = self._pending, _PendingEmission()
+            for (name, unit, labels), value, kind in pending.items():
+                self._emit(name, value, unit, kind, labels)
+
+    def close(self) -> None:
+        """Flush what is pending and stop the flush thread."""
+        self._closed.set()
+        if self._flusher is not None:
+            self._flusher.join(timeout=5.0)
+        self.flush()
+
+    def _flush_periodically(self) -> None:
+        while not self._closed.wait(self._flush_interval_s):
+            self.flush()
+
+    def _emit(self, name: str, value: float, unit: str, kind: str, labels: tuple[tuple[str, str], ...]) -> None:
         from ts.metrics.dimension import Dimension
         from ts.metrics.metric_type_enum import MetricTypes
 
@@ -141,7 +221,7 @@ class HandlerMetrics:
         # cache would label the metric Level=Error, and its default argument
         # for dimensions is a shared mutable list.
         dims = [Dimension("ModelName", self._model), Dimension("Level", "Model")]
-        dims += [Dimension(k, v) for k, v in labels.items()]
+        dims += [Dimension(k, v) for k, v in labels]
         try:
             self._cache.add_metric(name, value, unit, None, dims, MetricTypes[kind])
         except Exception:  # a metrics fault must never fail a request

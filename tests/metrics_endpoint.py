@@ -1,0 +1,24 @@
+"""Reading the handlers' metrics back from a running TorchServe's Prometheus endpoint."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+
+def handler_metric(
+    torchserve, name: str, model: str, until: Callable[[list], bool] | None = None, timeout_s: float = 10.0
+) -> list[tuple[dict[str, str], float]]:
+    """The model's samples of ``name`` on the metrics endpoint.
+
+    Handlers hand TorchServe their metrics once per flush interval
+    (``handlers/runtime/metrics.py``), so with ``until`` this reads again
+    until ``until(samples)`` holds, and returns the last read if it never
+    does within ``timeout_s`` (the caller's assertion then shows what was there).
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        samples = [(labels, v) for labels, v in torchserve.metrics().samples(name) if labels.get("ModelName") == model]
+        if until is None or until(samples) or time.monotonic() > deadline:
+            return samples
+        time.sleep(0.2)
