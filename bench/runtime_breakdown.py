@@ -2,14 +2,15 @@
 
     python bench/runtime_breakdown.py --model resnet50 --rates 0.3,0.85
 
-One TorchServe serves the model three times, one worker each: ``ebird`` (the
-async runtime: decode, admission, the engine's queue and batch, the hand-back
-to the event loop, encode; requests decoded on the CPU lane between batches,
-the runtime's default), ``ebird-loop`` (the same archive with
-``decode_threads: 0``: decoded on the event loop while a batch runs, the
-runtime's behaviour before the lanes) and ``nowait`` (the plain handler under
-TorchServe's own batching, batch_size 32, max_batch_delay 0).  So "before"
-and "after" are measured side by side in one run.  At each open-loop Poisson
+One TorchServe serves the model once per system (``--systems``), one
+worker each: ``ebird`` (the async runtime as it ships: decode, admission,
+the engine's queue and batch, the hand-back to the event loop, encode),
+``ebird-per-event`` (the same with ``metrics_flush_interval_s: 0``: a
+metrics log line at every event, the runtime before its flush thread),
+``ebird-loop`` (``decode_threads: 0``: decoded on the event loop while a
+batch runs, the runtime before the lanes) and ``nowait`` (the plain handler
+under TorchServe's own batching, batch_size 32, max_batch_delay 0).  So
+"before" and "after" are measured side by side in one run.  At each open-loop Poisson
 rate, a fraction of 1/L1 (L1: one request at a time through ``nowait``), the
 systems take turns on the same arrivals; the handlers' stage
 counters (``HandlerStageSeconds`` / ``HandlerStageCount`` on TorchServe's
@@ -17,14 +18,17 @@ metrics endpoint, see ``handlers/runtime/metrics.py``) are read before and
 after, so each stage's mean is per answered request.  What the client saw
 beyond the handler's stages is the frontend's share (HTTP, the frontend's
 queue and batch aggregation, the socket to the worker, the worker's message
-loop).
+loop).  The CPU that the frontend and the worker's threads spent per
+answered request comes from ``/proc`` (``bench/proc_cpu.py``).
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +37,7 @@ from tqdm import tqdm
 if __package__ in (None, ""):  # `python bench/NAME.py` from the repository root
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.proc_cpu import CpuMeter, java_in_group
 from bench.report import (
     add_output_arguments,
     markdown_table,
@@ -48,9 +53,18 @@ from model_store.samples import client_payload
 from packrat_plugin.loadgen import closed_loop, open_loop, run
 from packrat_plugin.torchserve import TorchServeProcess
 
-SYSTEMS = ("ebird", "ebird-loop", "nowait")
+ALL_SYSTEMS = ("ebird", "ebird-per-event", "ebird-loop", "nowait")
+DEFAULT_SYSTEMS = "ebird,ebird-per-event,nowait"
 ASYNC_STAGES = ("decode", "admission", "queue", "batch", "release", "wakeup", "encode")
-STAGES = {"ebird": ASYNC_STAGES, "ebird-loop": ASYNC_STAGES, "nowait": ("decode", "model", "encode")}
+STAGES = {name: ASYNC_STAGES for name in ALL_SYSTEMS} | {"nowait": ("decode", "model", "encode")}
+DESCRIPTIONS = {
+    "ebird": "the async runtime as it ships: requests decoded on the CPU lane between batches, metrics handed "
+    "to TorchServe once a second",
+    "ebird-per-event": "the same with `metrics_flush_interval_s: 0`: a metrics log line at every event "
+    "(~17 per request), as the runtime did before the flush thread",
+    "ebird-loop": "the same with `decode_threads: 0`: decoded on the event loop while batches run, as before the lanes",
+    "nowait": "the plain handler under TorchServe's NO Wait batching (batch_size 32, max_batch_delay 0)",
+}
 EBIRD_SETTINGS = {"worker_batches": [1, 1, 2, 4, 8, 16], "max_inflight": 32, "pool_slots": 64, "cpu_lanes": 1}
 
 
@@ -68,33 +82,44 @@ def stage_totals(server: TorchServeProcess, model: str) -> dict[str, tuple[float
 
 def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     spec = get_spec(args.model, args.mode)
+    systems = parse_systems(args.systems)
     store = workdir / "model_store"
-    plain = build_archive(spec, store)
     settings = tuple(sorted(EBIRD_SETTINGS.items()))
-    ebird = build_archive(spec, store, ServingOptions(handler="ebird", handler_settings=settings))
-    on_loop = ServingOptions(handler="ebird", handler_settings=settings, decode_threads=0)
-    loop_decoding = build_archive(spec, workdir / "loop", on_loop)
-    loop_decoding = loop_decoding.rename(store / f"{ebird.stem}-decode-on-loop.mar")
+    options = {
+        "ebird": ServingOptions(handler="ebird", handler_settings=settings),
+        "ebird-per-event": ServingOptions(handler="ebird", handler_settings=settings, metrics_flush_interval_s=0),
+        "ebird-loop": ServingOptions(handler="ebird", handler_settings=settings, decode_threads=0),
+        "nowait": ServingOptions(),
+    }
+    archives = {}
+    store.mkdir(parents=True, exist_ok=True)
+    for name in systems:  # archives of one model share a file name: each is built apart, then renamed
+        built = build_archive(spec, workdir / "build" / name, options[name])
+        archives[name] = built.rename(store / f"{built.stem}-{name}.mar")
     payloads = [client_payload(spec, seed=i) for i in range(64)]
     rows = []
     with TorchServeProcess(workdir / "ts", store) as server:
         mgmt = server.management()
-        mgmt.register(ebird.name, model_name="ebird", initial_workers=1)
-        mgmt.register(loop_decoding.name, model_name="ebird-loop", initial_workers=1)
-        mgmt.register(plain.name, model_name="nowait", initial_workers=1, batch_size=32, max_batch_delay_ms=0)
-        url = {name: f"{server.inference_url}/predictions/{name}" for name in SYSTEMS}
-        for name in SYSTEMS:
+        for name in systems:
+            batching = {"batch_size": 32, "max_batch_delay_ms": 0} if name == "nowait" else {}
+            mgmt.register(archives[name].name, model_name=name, initial_workers=1, **batching)
+        frontend = java_in_group(server.proc.pid)
+        meters = {name: CpuMeter(frontend, int(mgmt.describe(name)[0]["workers"][0]["pid"])) for name in systems}
+        url = {name: f"{server.inference_url}/predictions/{name}" for name in systems}
+        for name in systems:
             run(closed_loop(url[name], lambda i: payloads[i % 64], 4, args.warmup_seconds))
         single = run(closed_loop(url["nowait"], lambda i: payloads[i % 64], 1, args.calibrate_seconds))
         l1_s = single.mean_latency_ms() / 1e3
         fractions = [float(x) for x in args.rates.split(",")]
-        with tqdm(total=len(fractions) * args.repeats * len(SYSTEMS), desc="breakdown", unit="run") as bar:
+        with tqdm(total=len(fractions) * args.repeats * len(systems), desc="breakdown", unit="run") as bar:
             for fraction in fractions:
                 rate = fraction / l1_s
                 for r in range(args.repeats):
-                    for name in SYSTEMS if r % 2 == 0 else SYSTEMS[::-1]:  # ABC, CBA, …
+                    for name in systems if r % 2 == 0 else systems[::-1]:  # ABC, CBA, …
                         before = stage_totals(server, name)
+                        meters[name].start()
                         result = run(open_loop(url[name], lambda i: payloads[i % 64], [(args.seconds, rate)], seed=r))
+                        cpu = meters[name].stop()  # before the wait below: CPU of this run only
                         # The handler's next metrics flush, then the frontend's parse of it.
                         time.sleep(DEFAULT_FLUSH_INTERVAL_S + 0.5)
                         after = stage_totals(server, name)
@@ -108,25 +133,50 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                         rows.append({"system": name, "fraction": fraction, "rate": rate, "repeat": r,
                                      "mean_batch": mean_batch,
                                      "requests": len(result.samples), "failed": result.failed,
-                                     "client_ms": result.mean_latency_ms(), "stages_ms": stages_ms})  # fmt: skip
+                                     "client_ms": result.mean_latency_ms(), "stages_ms": stages_ms,
+                                     "cpu_ms": {part: 1e3 * seconds / max(1, len(result.samples))
+                                                for part, seconds in asdict(cpu).items()}})  # fmt: skip
                         bar.update()
-    return {"model": spec.name, "mode": spec.mode, "l1_ms": 1e3 * l1_s, "rows": rows, "repeats": args.repeats}
+    return {"model": spec.name, "mode": spec.mode, "l1_ms": 1e3 * l1_s, "rows": rows, "repeats": args.repeats,
+            "systems": list(systems)}  # fmt: skip
+
+
+def parse_systems(text: str) -> tuple[str, ...]:
+    systems = tuple(dict.fromkeys(s.strip() for s in text.split(",") if s.strip()))
+    unknown = [s for s in systems if s not in ALL_SYSTEMS]
+    if unknown or "nowait" not in systems:
+        raise ValueError(f"--systems: choose from {', '.join(ALL_SYSTEMS)}, nowait included; got {text!r}")
+    return systems
+
+
+def per_repeat_ratios(data: dict[str, Any], name: str, over: str, fraction: float) -> list[float]:
+    """``name``'s client mean over ``over``'s, repeat by repeat (same arrivals, run back to back)."""
+    by = {(r["system"], r["repeat"]): r["client_ms"] for r in data["rows"] if r["fraction"] == fraction}
+    return [by[(name, k)] / by[(over, k)] for k in range(data["repeats"]) if (name, k) in by and (over, k) in by]
 
 
 def summary(data: dict[str, Any]) -> list[dict[str, Any]]:
-    """Mean over repeats per (system, load): client latency, each stage, and the rest (frontend)."""
+    """Mean over repeats per (system, load): client latency, each stage, the rest (frontend), CPU per request."""
     out = []
     for fraction in sorted({r["fraction"] for r in data["rows"]}):
-        for name in SYSTEMS:
+        for name in data["systems"]:
             runs = [r for r in data["rows"] if r["system"] == name and r["fraction"] == fraction]
             client = sum(r["client_ms"] for r in runs) / len(runs)
             stages = {s: sum(r["stages_ms"][s] for r in runs) / len(runs) for s in STAGES[name]}
             requests, failed = sum(r["requests"] for r in runs), sum(r["failed"] for r in runs)
             mean_batch = sum(r["mean_batch"] for r in runs) / len(runs)
+            cpu = {part: sum(r["cpu_ms"][part] for r in runs) / len(runs) for part in runs[0]["cpu_ms"]}
             out.append({"system": name, "fraction": fraction, "rate": runs[0]["rate"], "client_ms": client,
-                        "stages_ms": stages, "outside_ms": client - sum(stages.values()),
+                        "stages_ms": stages, "outside_ms": client - sum(stages.values()), "cpu_ms": cpu,
+                        "vs_nowait": per_repeat_ratios(data, name, "nowait", fraction),
                         "requests": requests, "failed": failed, "mean_batch": mean_batch})  # fmt: skip
     return out
+
+
+def spread(ratios: list[float]) -> str:
+    if not ratios:
+        return ""
+    return f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})"
 
 
 def plot(data: dict[str, Any], path: Path) -> None:
@@ -144,26 +194,44 @@ def plot(data: dict[str, Any], path: Path) -> None:
 
 
 def render(data: dict[str, Any], stem: str) -> str:
-    nowait = {r["fraction"]: r["client_ms"] for r in data["summary"] if r["system"] == "nowait"}
-    all_stages = list(dict.fromkeys(s for name in SYSTEMS for s in STAGES[name]))
+    systems = data["systems"]
+    all_stages = list(dict.fromkeys(s for name in systems for s in STAGES[name]))
     table = markdown_table(
-        ["system", "load (req/s)", "client mean ms", "÷ nowait", "mean batch", *all_stages, "frontend and the rest",
-         "requests (failed)"],
+        ["system", "load (req/s)", "client mean ms", "÷ nowait, per repeat: median (min-max)", "mean batch",
+         *all_stages, "frontend and the rest", "requests (failed)"],
         [[r["system"], f"{r['rate']:.1f} ({r['fraction']:.0%} of 1/L1)", f"{r['client_ms']:.1f}",
-          f"{r['client_ms'] / nowait[r['fraction']]:.2f}",
-          f"{r['mean_batch']:.2f}",
+          spread(r["vs_nowait"]), f"{r['mean_batch']:.2f}",
           *(f"{r['stages_ms'][s]:.1f}" if s in r["stages_ms"] else "" for s in all_stages),
           f"{r['outside_ms']:.1f}", f"{r['requests']} ({r['failed']})"] for r in data["summary"]],
     )  # fmt: skip
+    cpu_table = markdown_table(
+        ["system", "load (req/s)", "frontend (Java)", "worker main thread", "worker other threads", "all"],
+        [[r["system"], f"{r['rate']:.1f}", *(f"{r['cpu_ms'][p]:.1f}" for p in ("frontend", "worker_main",
+          "worker_others")), f"{sum(r['cpu_ms'].values()):.1f}"] for r in data["summary"]],
+    )  # fmt: skip
+    before_after = ""
+    if "ebird-per-event" in systems and "ebird" in systems:
+        lines = [
+            f"- {fraction:.0%} of 1/L1: {spread(per_repeat_ratios(data, 'ebird', 'ebird-per-event', fraction))}"
+            for fraction in sorted({r["fraction"] for r in data["rows"]})
+        ]
+        before_after = (
+            "Metrics once a second against a line per event (`ebird` ÷ `ebird-per-event`, client mean, "
+            "per repeat: median (min-max)):\n\n" + "\n".join(lines) + "\n\n"
+        )
+    described = "\n".join(f"- `{name}`: {DESCRIPTIONS[name]}" for name in systems)
     return (
         f"# Where a request's time goes: {data['model']} ({data['mode']})\n\n"
-        f"Ebird (async runtime; `ebird`: requests decoded on the CPU lane between batches, the default; "
-        f"`ebird-loop`: decoded on the event loop while batches run, as before the lanes) and the plain handler "
-        f"under TorchServe's NO Wait batching (`nowait`: batch_size 32, "
-        f"max_batch_delay 0), one worker each, one TorchServe, open-loop Poisson at fractions of 1/L1 "
-        f"(L1 = {data['l1_ms']:.0f} ms), {data['repeats']} interleaved runs each. Stages are the handlers' own "
-        f"counters (mean ms per answered request); the plain handler's are those of the batch a request was in. "
-        f"'Frontend and the rest' = client mean minus the stages.\n\n{table}\n\n![breakdown]({stem}.png)\n\n"
+        f"{described}\n\n"
+        f"One worker each, one TorchServe, open-loop Poisson at fractions of 1/L1 "
+        f"(L1 = {data['l1_ms']:.0f} ms), {data['repeats']} interleaved runs each, every system on the same arrivals "
+        f"in a repeat. Stages are the handlers' own counters (mean ms per answered request); the plain handler's "
+        f"are those of the batch a request was in. 'Frontend and the rest' = client mean minus the stages.\n\n"
+        f"{table}\n\n{before_after}"
+        f"CPU per answered request (ms, mean over repeats, from /proc; in TorchServe's worker the main thread "
+        f"runs the handler (sync) or the event loop (async); the other threads are the batch's OpenMP team, "
+        f"the CPU lane and, in async mode, TorchServe's socket threads):\n\n{cpu_table}\n\n"
+        f"![breakdown]({stem}.png)\n\n"
         f"{provenance_block(data['provenance'])}"
     )
 
@@ -181,6 +249,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--warmup-seconds", type=float, default=5.0)
     parser.add_argument("--calibrate-seconds", type=float, default=5.0)
+    parser.add_argument(
+        "--systems", default=DEFAULT_SYSTEMS, help=f"comma-separated, from {', '.join(ALL_SYSTEMS)} (nowait required)"
+    )
     add_output_arguments(parser)
     args = parser.parse_args(argv)
     return run_benchmark("bench.runtime_breakdown", args, measure, summary, stem_of, render, plot)

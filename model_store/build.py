@@ -71,6 +71,9 @@ class ServingOptions:
     # Async handlers: where requests are decoded (``handlers/runtime/decode.py``):
     # N threads, 0 inline, "lane"; None leaves it to the runtime's default.
     decode_threads: int | str | None = None
+    # How often the handler hands its metrics to TorchServe, in seconds
+    # (``handlers/runtime/metrics.py``; 0: at every event); None: the default.
+    metrics_flush_interval_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.handler not in HANDLERS:
@@ -83,6 +86,10 @@ class ServingOptions:
             from handlers.runtime.decode import parse_decode_threads
 
             parse_decode_threads(self.decode_threads)
+        if self.metrics_flush_interval_s is not None:
+            from handlers.runtime.metrics import parse_flush_interval
+
+            parse_flush_interval(self.metrics_flush_interval_s)
         if self.handler == "ebird":
             from handlers.ebird.config import EbirdConfig
 
@@ -131,6 +138,8 @@ def model_config(spec: ModelSpec, options: ServingOptions) -> dict:
         config["handler"][options.handler] = dict(options.handler_settings)
         if options.decode_threads is not None:
             config["handler"]["decode_threads"] = options.decode_threads
+    if options.metrics_flush_interval_s is not None:
+        config["handler"]["metrics_flush_interval_s"] = options.metrics_flush_interval_s
     return config
 
 
@@ -280,6 +289,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="async handlers: where requests are decoded: N threads, 0 inline on the event loop, or 'lane' "
         "(between batches on the CPU lanes) (default: 4 threads on CUDA, lane on CPU)",
     )
+    parser.add_argument(
+        "--metrics-flush-interval",
+        type=float,
+        help="seconds between the handler's hand-overs of its metrics to TorchServe; 0: at every event (default: 1)",
+    )
     parser.add_argument("--force", action="store_true", help="rebuild archives that already exist")
 
 
@@ -295,9 +309,12 @@ def run(args: argparse.Namespace) -> int:
             handler=args.handler,
             handler_settings=tuple(sorted(args.handler_config.items())),
             decode_threads=args.decode_threads,
+            metrics_flush_interval_s=args.metrics_flush_interval,
         )
     except (ValueError, AttributeError) as exc:
-        print(f"error: bad --handler/--handler-config/--decode-threads: {exc}", file=sys.stderr)
+        print(
+            f"error: bad --handler/--handler-config/--decode-threads/--metrics-flush-interval: {exc}", file=sys.stderr
+        )
         return 2
     for path in build_many(specs, args.out, options, args.force):
         print(path)

@@ -8,6 +8,8 @@ import time
 import pytest
 
 from handlers.runtime.metrics import HandlerMetrics
+from model_store.build import ServingOptions, model_config
+from model_store.catalog import get_spec
 
 
 class RecordingCache:
@@ -90,5 +92,29 @@ def test_without_a_cache_nothing_is_emitted_and_no_thread_starts():
     metrics.flush()
     metrics.close()
     assert metrics.snapshot()["batches"] == {3: 1, 2: 1}
-    with pytest.raises(ValueError, match="flush_interval_s"):
-        HandlerMetrics(None, "m", flush_interval_s=0)
+
+
+def test_an_interval_of_zero_emits_at_every_event_as_before():
+    cache = RecordingCache()
+    flushers = sum(t.name == "metrics-flush" for t in threading.enumerate())
+    metrics = HandlerMetrics(cache, "m", flush_interval_s=0)
+    assert sum(t.name == "metrics-flush" for t in threading.enumerate()) == flushers  # nothing to wait for
+    metrics.stages({"decode": 0.001})
+    assert cache.values("HandlerStageCount", Stage="decode") == [1]  # no flush asked for, none waited for
+    metrics.request_admitted()
+    assert cache.values("HandlerInflight") == [1]
+
+
+@pytest.mark.parametrize("bad", [-1, "1", True, float("nan")])
+def test_a_bad_flush_interval_is_refused_at_build_and_in_the_worker(bad):
+    with pytest.raises(ValueError, match="metrics_flush_interval_s"):
+        HandlerMetrics(None, "m", flush_interval_s=bad)  # the worker, reading model-config.yaml
+    with pytest.raises(ValueError, match="metrics_flush_interval_s"):
+        ServingOptions(handler="ebird", metrics_flush_interval_s=bad)  # `packrat archive`
+
+
+def test_the_archive_carries_the_interval():
+    spec = get_spec("resnet50", "eager")
+    config = model_config(spec, ServingOptions(handler="ebird", metrics_flush_interval_s=0.25))
+    assert config["handler"]["metrics_flush_interval_s"] == 0.25
+    assert "metrics_flush_interval_s" not in model_config(spec, ServingOptions(handler="ebird"))["handler"]

@@ -40,7 +40,10 @@ changed every ``flush_interval_s``: counters as their summed increments,
 gauges as their latest value, histogram observations as they came.  The
 endpoint therefore lags the handler by up to one interval, which
 Prometheus scraping (seconds apart) never notices; readers that need the
-value at once call ``flush()`` (in-process) or poll the endpoint.
+value at once call ``flush()`` (in-process) or poll the endpoint.  An
+interval of 0 (``metrics_flush_interval_s: 0`` in the archive's handler
+section) emits at every event, as before: kept so the cost can be measured
+side by side (``bench/runtime_breakdown.py``) and for debugging.
 """
 
 from __future__ import annotations
@@ -54,6 +57,14 @@ logger = logging.getLogger(__name__)
 
 RECENT_SAMPLES = 10_000
 DEFAULT_FLUSH_INTERVAL_S = 1.0
+
+
+def parse_flush_interval(value: Any) -> float:
+    """``metrics_flush_interval_s`` from model-config.yaml: seconds ≥ 0 (0: emit at every event)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+        raise ValueError(f"metrics_flush_interval_s must be a number of seconds ≥ 0, got {value!r}")
+    return float(value)
+
 
 # (name, unit, labels) identifies one series of TorchServe's cache.
 SeriesKey = tuple[str, str, tuple[tuple[str, str], ...]]
@@ -97,16 +108,14 @@ class _PendingEmission:
 
 class HandlerMetrics:
     def __init__(self, cache: Any | None, model_name: str, flush_interval_s: float = DEFAULT_FLUSH_INTERVAL_S) -> None:
-        if flush_interval_s <= 0:
-            raise ValueError(f"flush_interval_s must be > 0, got {flush_interval_s}")
+        self._flush_interval_s = parse_flush_interval(flush_interval_s)
         self._cache = cache
         self._model = model_name
         self._lock = threading.Lock()
         self._pending = _PendingEmission()
-        self._flush_interval_s = flush_interval_s
         self._closed = threading.Event()
         self._flusher: threading.Thread | None = None
-        if cache is not None:
+        if cache is not None and self._flush_interval_s > 0:
             self._flusher = threading.Thread(target=self._flush_periodically, name="metrics-flush", daemon=True)
             self._flusher.start()
         self.batches: collections.Counter[int] = collections.Counter()
@@ -127,16 +136,19 @@ class HandlerMetrics:
         with self._lock:
             self.inflight += 1
             self._pending.set(series("HandlerInflight", "count"), self.inflight)
+        self._emit_now_if_unbatched()
 
     def request_answered(self) -> None:
         with self._lock:
             self.inflight -= 1
             self._pending.set(series("HandlerInflight", "count"), self.inflight)
+        self._emit_now_if_unbatched()
 
     def admission_waited(self) -> None:
         with self._lock:
             self.admission_waits += 1
             self._pending.count(series("HandlerAdmissionWaits", "count"), 1)
+        self._emit_now_if_unbatched()
 
     def batch_started(self, size: int, queue_seconds: list[float]) -> None:
         with self._lock:
@@ -149,12 +161,14 @@ class HandlerMetrics:
             self._pending.count(series("HandlerBatches", "count", BatchSize=str(size)), 1)
             for seconds in queue_seconds:
                 self._pending.observe(series("HandlerQueueSeconds", "s"), seconds)
+        self._emit_now_if_unbatched()
 
     def batch_finished(self, seconds: float) -> None:
         with self._lock:
             self._concurrent_batches -= 1
             self.batch_seconds.append(seconds)
             self._pending.observe(series("HandlerBatchSeconds", "s"), seconds)
+        self._emit_now_if_unbatched()
 
     def stages(self, seconds: dict[str, float], requests: int = 1) -> None:
         """Time in each named stage, as ``requests`` requests each spent it
@@ -165,12 +179,14 @@ class HandlerMetrics:
                 self.stage_counts[stage] += requests
                 self._pending.count(series("HandlerStageSeconds", "s", Stage=stage), value * requests)
                 self._pending.count(series("HandlerStageCount", "count", Stage=stage), requests)
+        self._emit_now_if_unbatched()
 
     def operation(self, name: str) -> None:
         """A scheduler did ``name`` once (see ``HandlerOperations``)."""
         with self._lock:
             self.operations[name] += 1
             self._pending.count(series("HandlerOperations", "count", Operation=name), 1)
+        self._emit_now_if_unbatched()
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
@@ -187,6 +203,10 @@ class HandlerMetrics:
             }
 
     # -- TorchServe ----------------------------------------------------------
+
+    def _emit_now_if_unbatched(self) -> None:
+        if self._flush_interval_s == 0:
+            self.flush()
 
     def flush(self) -> None:
         """Hand TorchServe's cache everything recorded since the last flush.
