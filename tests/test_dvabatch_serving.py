@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import zipfile
 
 import pytest
@@ -84,3 +85,29 @@ def test_bert_with_mixed_lengths_and_bad_inputs_in_one_burst(served, torchserve)
     assert statuses == [200] * 3 + [400] * 3 + [200] * 3, answers
     bodies = [json.loads(body) for status, body in answers if status == 200]
     assert_matches_reference(spec, rows, bodies)
+
+
+def test_all_stages_on_one_lane_inside_torchserve(torchserve, model_store_dir, tmp_path):
+    """``cpu_lanes: 1`` (every stage on one thread, in turn) under TorchServe's real async worker."""
+    spec = get_spec("resnet50", "eager")
+    settings = {**DVABATCH_TEST_SETTINGS, "cpu_lanes": 1}
+    built = build_archive(spec, tmp_path, ServingOptions(handler="dvabatch", handler_settings=tuple(settings.items())))
+    target = model_store_dir / "resnet50_eager-dvabatch-one-lane.mar"  # apart from the session's DVABatch archive
+    shutil.copy(built, target)
+    with zipfile.ZipFile(target) as mar:
+        assert yaml.safe_load(mar.read("model-config.yaml"))["handler"]["dvabatch"]["cpu_lanes"] == 1
+    model = "dvabatch-one-lane"
+    torchserve.management().register(target.name, model_name=model, initial_workers=1)
+    try:
+        rows = [
+            {"body": jpeg_bytes(seed=300 + i) if i % 2 else image_tensor_json(spec, seed=300 + i)} for i in range(8)
+        ]
+        answers = post_all(f"{torchserve.inference_url}/predictions/{model}", [r["body"] for r in rows] + [b"{bad"])
+        assert [status for status, _ in answers] == [200] * len(rows) + [400], answers
+        assert_matches_reference(spec, rows, [json.loads(body) for _, body in answers[: len(rows)]])
+        samples = handler_metric(torchserve, "HandlerBatches", model, until=lambda s: sum(n for _, n in s) > 0)
+        assert sum(int(labels["BatchSize"]) * n for labels, n in samples) >= len(rows)
+        log = (torchserve.log_dir / "model_log.log").read_text()
+        assert any(model in line and "CpuLanes(1 ×" in line for line in log.splitlines()), "not on one lane"
+    finally:
+        torchserve.management().unregister(model)
