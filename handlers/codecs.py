@@ -213,11 +213,27 @@ def encode_logits(row: torch.Tensor, max_full: int = 1000) -> dict[str, Any]:
     return result
 
 
+def answer_bytes(answer: Any) -> bytes:
+    """An answer as compact UTF-8 JSON, ready for TorchServe to send as is.
+
+    Handed a dict, TorchServe's worker would ``json.dumps(indent=2)`` it on
+    its own thread (the async worker's event loop, beside the running
+    batch): a slower dump, and 25 KB for ResNet-50's 1000 logits against
+    20 KB compact, which the socket, the frontend and the client each
+    handle again.  The response's content type stays application/json.
+    """
+    return json.dumps(answer, separators=(",", ":"), allow_nan=False).encode()
+
+
 def top_k(logits: torch.Tensor, k: int = 5) -> list[dict[str, float]]:
     values, indices = torch.topk(logits, min(k, logits.numel()))
-    return [{"index": int(i), "logit": float(v)} for v, i in zip(values, indices, strict=True)]
+    return [{"index": int(i), "logit": finite_or_none(float(v))} for v, i in zip(values, indices, strict=True)]
 
 
 def finite_list(tensor: torch.Tensor) -> list[float]:
     """JSON-safe floats (JSON has no NaN)."""
     return [x if math.isfinite(x) else None for x in tensor.tolist()]
+
+
+def finite_or_none(x: float) -> float | None:
+    return x if math.isfinite(x) else None

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from handlers.codecs import DEFAULT_MAX_PAYLOAD_BYTES, InputCodec, ModelInput, collate, encode_logits
+from handlers.codecs import DEFAULT_MAX_PAYLOAD_BYTES, InputCodec, ModelInput, answer_bytes, collate, encode_logits
 from handlers.errors import RequestError
 from handlers.runtime.device import ExecutionDevice
 from handlers.runtime.metrics import DEFAULT_FLUSH_INTERVAL_S, HandlerMetrics, parse_flush_interval
@@ -141,8 +141,9 @@ class CPUModelHandler(PackratWorkerMixin):
         with torch.inference_mode():
             return self.model(*(t.to(device, non_blocking=True) for t in batch)).to("cpu")
 
-    def postprocess(self, logits: torch.Tensor) -> list[dict[str, Any]]:
-        return [encode_logits(row) for row in logits]
+    def postprocess(self, logits: torch.Tensor) -> list[bytes]:
+        """Each request's answer, as JSON bytes (see ``answer_bytes``)."""
+        return [answer_bytes(encode_logits(row)) for row in logits]
 
     # -- entry point ---------------------------------------------------------
 

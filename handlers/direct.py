@@ -9,6 +9,7 @@ called exactly as ``ts.model_loader`` and ``ts.service`` /
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 from typing import Any
 
@@ -57,16 +58,21 @@ def request_context(load: Context, n_requests: int) -> Context:
     return ctx
 
 
+def as_client_sees(answer: Any) -> Any:
+    """An answer as a client would parse it: handlers hand TorchServe JSON bytes, sent as they are."""
+    return json.loads(answer) if isinstance(answer, bytes | bytearray) else answer
+
+
 async def call(handler: Any, load: Context, row: dict) -> tuple[int, Any]:
     """One request through an async handler's ``handle``: (status, answer)."""
     ctx = request_context(load, 1)
     [answer] = await handler.handle([row], ctx)
     status, _ = ctx.get_response_status(0)
-    return status, answer
+    return status, as_client_sees(answer)
 
 
 def call_batch(handler: Any, load: Context, rows: list[dict]) -> list[tuple[int, Any]]:
     """One batch through a sync handler's ``handle``, as the frontend's batch arrives: (status, answer) each."""
     ctx = request_context(load, len(rows))
     answers = handler.handle(rows, ctx)
-    return [(ctx.get_response_status(i)[0], answer) for i, answer in enumerate(answers)]
+    return [(ctx.get_response_status(i)[0], as_client_sees(answer)) for i, answer in enumerate(answers)]

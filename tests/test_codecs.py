@@ -1,12 +1,13 @@
 """Request decoding and validation, without a server."""
 
 import json
+import math
 import re
 
 import pytest
 import torch
 
-from handlers.codecs import InputCodec, collate
+from handlers.codecs import InputCodec, answer_bytes, collate, encode_logits
 from handlers.errors import RequestError
 from model_store.catalog import get_spec
 from tests.payloads import image_tensor_json, jpeg_bytes, png_bytes, token_ids_json
@@ -91,3 +92,12 @@ def test_nan_is_refused():
     data = image_tensor_json(RESNET)
     data["data"][0][0][0] = float("nan")
     assert "NaN" in refused(InputCodec(RESNET), {"body": data}).reason
+
+
+def test_an_answer_is_compact_json_bytes_even_with_non_finite_logits():
+    row = torch.tensor([0.5, float("nan"), float("inf"), -1.25, 2.0, 0.0])
+    body = answer_bytes(encode_logits(row))
+    assert isinstance(body, bytes) and b" " not in body and b"\n" not in body
+    answer = json.loads(body)  # strict JSON: no NaN or Infinity
+    assert answer["logits"] == [0.5, None, None, -1.25, 2.0, 0.0]
+    assert all(entry["logit"] is None or math.isfinite(entry["logit"]) for entry in answer["top5"])
