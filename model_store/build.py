@@ -16,6 +16,7 @@ random floats, which deflate does not shrink, only slow down.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import shutil
 import subprocess
@@ -46,12 +47,23 @@ class HandlerKind:
     # Async handlers schedule requests themselves: TorchServe must hand them
     # each request as it arrives (asyncCommunication, batch 1, no delay).
     asynchronous: bool = False
+    # "module:Class" whose ``from_dict`` validates the handler's own section of
+    # model-config.yaml; imported only when an archive is built with it.
+    settings_class: str | None = None
+
+    def check_settings(self, name: str, settings: dict[str, Any]) -> None:
+        if self.settings_class is None:
+            if settings:
+                raise ValueError(f"the {name} handler takes no handler settings")
+            return
+        module, _, cls = self.settings_class.partition(":")
+        getattr(importlib.import_module(module), cls).from_dict(settings)
 
 
 HANDLERS = {
     "packrat": HandlerKind(HANDLER_ENTRY),
-    "ebird": HandlerKind(ENTRY_DIR / "ebird_handler.py", asynchronous=True),
-    "dvabatch": HandlerKind(ENTRY_DIR / "dvabatch_handler.py", asynchronous=True),
+    "ebird": HandlerKind(ENTRY_DIR / "ebird_handler.py", True, "handlers.ebird.config:EbirdConfig"),
+    "dvabatch": HandlerKind(ENTRY_DIR / "dvabatch_handler.py", True, "handlers.dvabatch.policy:DvaBatchConfig"),
 }
 ARCHIVE_VERSION = "1.0"
 
@@ -78,8 +90,7 @@ class ServingOptions:
     def __post_init__(self) -> None:
         if self.handler not in HANDLERS:
             raise ValueError(f"unknown handler {self.handler!r}; choose from {', '.join(HANDLERS)}")
-        if self.handler_settings and self.handler == "packrat":
-            raise ValueError("the packrat handler takes no handler settings")
+        HANDLERS[self.handler].check_settings(self.handler, dict(self.handler_settings))
         if self.decode_threads is not None:
             if not HANDLERS[self.handler].asynchronous:
                 raise ValueError(f"decode_threads applies to async handlers; {self.handler!r} decodes in its batch")
@@ -90,14 +101,6 @@ class ServingOptions:
             from handlers.runtime.metrics import parse_flush_interval
 
             parse_flush_interval(self.metrics_flush_interval_s)
-        if self.handler == "ebird":
-            from handlers.ebird.config import EbirdConfig
-
-            EbirdConfig.from_dict(dict(self.handler_settings))
-        if self.handler == "dvabatch":
-            from handlers.dvabatch.policy import DvaBatchConfig
-
-            DvaBatchConfig.from_dict(dict(self.handler_settings))
 
 
 def archive_name(model: str, mode: str, handler: str = "packrat") -> str:
@@ -165,22 +168,24 @@ def _check_trace_batch_invariant(eager: torch.nn.Module, scripted, spec: ModelSp
         raise RuntimeError(f"{spec.name}: traced model disagrees with eager at batch 3")
 
 
-def _check_segments(spec: ModelSpec, options: ServingOptions) -> None:
-    """DVABatch runs the eager model cut into stages: refuse an archive whose cut would not reproduce it."""
+def _check_segments(spec: ModelSpec, options: ServingOptions, model: torch.nn.Module) -> None:
+    """DVABatch runs the eager model cut into stages: refuse an archive whose cut would not reproduce it.
+
+    ``model`` is the one the archive saves (tracing and slicing leave its weights as they are).
+    """
     from handlers.dvabatch.policy import DvaBatchConfig
     from handlers.runtime.segments import slice_model
 
-    if spec.mode != "eager":
-        raise ValueError(f"the dvabatch handler slices the eager model; build {spec.name} in mode 'eager'")
     config = DvaBatchConfig.from_dict(dict(options.handler_settings))
     slice_model(
-        build_model(spec), example_inputs(spec, batch=2), config.segments, repeats=1,
+        model, example_inputs(spec, batch=2), config.segments, repeats=1,
         check=lambda got, expected: outputs_close(got, expected, tol=1e-4),
     )  # fmt: skip
 
 
-def write_artefact(spec: ModelSpec, workdir: Path) -> Path:
-    model = build_model(spec)
+def write_artefact(spec: ModelSpec, workdir: Path, model: torch.nn.Module | None = None) -> Path:
+    """The archive's serialized model in ``workdir``: ``model`` (built from the catalog when None)."""
+    model = build_model(spec) if model is None else model
     if spec.mode == "script":
         scripted = script_model(model, example_inputs(spec, batch=1))
         _check_trace_batch_invariant(model, scripted, spec)
@@ -206,11 +211,14 @@ def build_archive(
     target = out_dir / f"{name}.mar"
     if target.exists() and not force:
         return target
+    if options.handler == "dvabatch" and spec.mode != "eager":
+        raise ValueError(f"the dvabatch handler slices the eager model; build {spec.name} in mode 'eager'")
+    model = build_model(spec)
     if options.handler == "dvabatch":
-        _check_segments(spec, options)
+        _check_segments(spec, options, model)
     with tempfile.TemporaryDirectory(prefix=f"mar-{name}-") as tmp:
         workdir = Path(tmp)
-        artefact = write_artefact(spec, workdir)
+        artefact = write_artefact(spec, workdir, model)
         config_path = workdir / "model-config.yaml"
         config_path.write_text(yaml.safe_dump(model_config(spec, options), sort_keys=False))
         cmd = [

@@ -1,7 +1,9 @@
+import re
 from pathlib import Path
 
 import pytest
 
+from model_store.build import ServingOptions
 from model_store.catalog import EXECUTION_MODES, CatalogError, ModelSpec, get_spec, load_catalog
 
 REQUIRED = {"resnet50", "inception_v3", "vgg19", "densenet201", "resnet152", "bert-base", "distilbert", "gpt2"}
@@ -67,3 +69,18 @@ def test_archive_names_map_back_to_catalog_names():
                 assert catalog_name(f"/store/{archive_name(name, mode, handler)}.mar") == name
     assert archive_name("bert-base", "eager", "ebird") == "bert-base_eager-ebird"
     assert catalog_name("custom.mar") == "custom"
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(handler="triton"), "unknown handler 'triton'"),
+        (dict(handler="packrat", handler_settings=(("segments", 2),)), "packrat handler takes no handler settings"),
+        (dict(handler="ebird", handler_settings=(("worker_batches", []),)), "worker_batches"),
+        (dict(handler="dvabatch", handler_settings=(("segments", 0),)), "segments"),
+        (dict(handler="packrat", decode_threads=2), "decode_threads applies to async handlers"),
+    ],
+)
+def test_bad_serving_options_are_refused_before_anything_is_built(options, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ServingOptions(**options)
