@@ -89,6 +89,7 @@ def test_without_a_cache_nothing_is_emitted_and_no_thread_starts():
     metrics = HandlerMetrics(None, "m")
     assert sum(t.name == "metrics-flush" for t in threading.enumerate()) == flushers
     serve_five_requests(metrics)
+    assert not metrics._pending  # nothing piles up for a cache that is not there (a handler driven directly)
     metrics.flush()
     metrics.close()
     assert metrics.snapshot()["batches"] == {3: 1, 2: 1}

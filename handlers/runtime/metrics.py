@@ -32,9 +32,10 @@ Names (Prometheus, per ModelName):
 Reaching TorchServe is batched.  Each metric TorchServe's cache takes is a
 log line the worker formats and writes and the frontend parses, on the
 cores the model runs on; emitted per request, as this module first did,
-the async runtime wrote about 17 lines per request and the lines cost
-about a third of the event-loop thread's CPU per request (py-spy, issue
-9's breakdown in ``docs/benchmarks/README.md``).  So events only update
+the async runtime wrote about 17 lines per request, ~40 % of the
+event-loop thread's busy samples under py-spy; batched, the event loop
+spends 0.5-0.7 ms and the frontend 0.8-0.9 ms less CPU per request
+(``docs/benchmarks/README.md``, the runtime breakdown).  So events only update
 in-process state, and one ``metrics-flush`` thread hands TorchServe what
 changed every ``flush_interval_s``: counters as their summed increments,
 gauges as their latest value, histogram observations as they came.  The
@@ -106,13 +107,26 @@ class _PendingEmission:
         )
 
 
+class _NoEmission(_PendingEmission):
+    """Without a TorchServe cache (a handler driven directly) nothing is kept for it."""
+
+    def count(self, key: SeriesKey, increment: float) -> None:
+        pass
+
+    def set(self, key: SeriesKey, value: float) -> None:
+        pass
+
+    def observe(self, key: SeriesKey, value: float) -> None:
+        pass
+
+
 class HandlerMetrics:
     def __init__(self, cache: Any | None, model_name: str, flush_interval_s: float = DEFAULT_FLUSH_INTERVAL_S) -> None:
         self._flush_interval_s = parse_flush_interval(flush_interval_s)
         self._cache = cache
         self._model = model_name
         self._lock = threading.Lock()
-        self._pending = _PendingEmission()
+        self._pending = _PendingEmission() if cache is not None else _NoEmission()
         self._closed = threading.Event()
         self._flusher: threading.Thread | None = None
         if cache is not None and self._flush_interval_s > 0:
