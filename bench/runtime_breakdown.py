@@ -82,7 +82,7 @@ def stage_totals(server: TorchServeProcess, model: str) -> dict[str, tuple[float
 
 def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     spec = get_spec(args.model, args.mode)
-    systems = parse_systems(args.systems)
+    systems = args.systems
     store = workdir / "model_store"
     settings = tuple(sorted(EBIRD_SETTINGS.items()))
     options = {
@@ -145,7 +145,7 @@ def parse_systems(text: str) -> tuple[str, ...]:
     systems = tuple(dict.fromkeys(s.strip() for s in text.split(",") if s.strip()))
     unknown = [s for s in systems if s not in ALL_SYSTEMS]
     if unknown or "nowait" not in systems:
-        raise ValueError(f"--systems: choose from {', '.join(ALL_SYSTEMS)}, nowait included; got {text!r}")
+        raise argparse.ArgumentTypeError(f"choose from {', '.join(ALL_SYSTEMS)}, nowait included; got {text!r}")
     return systems
 
 
@@ -250,7 +250,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup-seconds", type=float, default=5.0)
     parser.add_argument("--calibrate-seconds", type=float, default=5.0)
     parser.add_argument(
-        "--systems", default=DEFAULT_SYSTEMS, help=f"comma-separated, from {', '.join(ALL_SYSTEMS)} (nowait required)"
+        "--systems",
+        type=parse_systems,
+        default=DEFAULT_SYSTEMS,
+        help=f"comma-separated, from {', '.join(ALL_SYSTEMS)} (nowait required)",
     )
     add_output_arguments(parser)
     args = parser.parse_args(argv)
