@@ -28,8 +28,9 @@ a one-thread lane, and every stage at once, one per lane.  That says what a
 pipeline across cores can give on this CPU before any scheduling.
 
 Payloads are what a client sends: JPEGs for vision models; for token models,
-JSON token ids whose lengths follow ``TOKEN_LENGTH_MIX`` (read its comment:
-every system pads them to the archive's sequence length today).
+JSON token ids whose lengths follow ``TOKEN_LENGTH_MIX`` (read its comment).
+The baselines pad every request to the archive's sequence length; DVABatch
+pads it to its length class (``--token-lengths``, the input-diversity policy).
 """
 
 from __future__ import annotations
@@ -97,9 +98,19 @@ CLAIM_LOADS = ("medium", "high")  # the issue's bar: DVABatch's mean below the b
 # uniformly inside each bucket.  A synthetic long-tailed mix of short and a
 # few long sentences, chosen for this benchmark; it is NOT taken from a
 # published GLUE histogram.  Today it changes no system's work: the codec
-# pads every request to seq_len, for DVABatch and the baselines alike, so
-# lengths matter only once input-diversity batching exists.
+# pads every request to seq_len for the baselines; DVABatch pads it to its
+# length class (``--token-lengths``, the input-diversity policy), by default
+# the mix's bucket edges.
 TOKEN_LENGTH_MIX = ((0.125, 0.30), (0.25, 0.35), (0.5, 0.25), (1.0, 0.10))
+
+
+def dvabatch_token_lengths(spec: ModelSpec, text: str) -> tuple[int, ...]:
+    """``--token-lengths``: 'auto' (the mix's bucket edges below seq_len), 'none', or a comma-separated list."""
+    if spec.input_kind != "tokens" or text == "none":
+        return ()
+    if text == "auto":
+        return tuple(max(1, round(edge * spec.seq_len)) for edge, _ in TOKEN_LENGTH_MIX[:-1])
+    return tuple(int(x) for x in text.split(",") if x.strip())
 
 
 def token_lengths(seq_len: int, count: int, seed: int) -> list[int]:
@@ -190,9 +201,10 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "max_inflight": args.max_inflight,
     }
     archives = {}
+    classes = dvabatch_token_lengths(spec, args.token_lengths)
     for variant, lanes in (("dvabatch", None), ("dvabatch1", 1)):
         variant_settings = tuple(sorted({**settings, "cpu_lanes": lanes}.items()))
-        options = ServingOptions(handler="dvabatch", handler_settings=variant_settings)
+        options = ServingOptions(handler="dvabatch", handler_settings=variant_settings, token_lengths=classes)
         # Both archives get the same file name: each is built in a store of its own, then copied.
         built = build_archive(spec, workdir / variant, options)
         archives[variant] = f"{built.stem}-{variant}.mar"
@@ -292,7 +304,13 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         },
         "token_lengths": None
         if lengths is None
-        else {"mix": TOKEN_LENGTH_MIX, "min": min(lengths), "max": max(lengths), "mean": sum(lengths) / len(lengths)},
+        else {
+            "mix": TOKEN_LENGTH_MIX,
+            "min": min(lengths),
+            "max": max(lengths),
+            "mean": sum(lengths) / len(lengths),
+            "dvabatch_classes": list(classes),
+        },  # fmt: skip
         "dvabatch_settings": settings,
         "delaybatch_delay_ms": best_delay,
         "sweep": sweep,
@@ -362,7 +380,14 @@ def render(data: dict[str, Any], stem: str) -> str:
         ""
         if lengths is None
         else f" Token requests carry {lengths['min']}-{lengths['max']} ids (mean {lengths['mean']:.0f}) from the "
-        "synthetic mix in `bench/dvabatch.py` (`TOKEN_LENGTH_MIX`); every system pads them to the archive's length."
+        "synthetic mix in `bench/dvabatch.py` (`TOKEN_LENGTH_MIX`). The baselines pad every request to the archive's "
+        "length; "
+        + (
+            f"DVABatch pads each to its length class ({', '.join(map(str, lengths['dvabatch_classes']))} or the "
+            "archive's length; the input-diversity policy), which TorchServe's own batching cannot do."
+            if lengths.get("dvabatch_classes")
+            else "so does DVABatch (`--token-lengths none`)."
+        )
     )
     return (
         f"# DVABatch vs TorchServe batching: {data['model']} ({data['mode']})\n\n"
@@ -384,6 +409,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seconds", type=float, default=30.0, help="length of each load's run")
     parser.add_argument("--segments", type=int, default=2, help="DVABatch stages")
     parser.add_argument("--max-batch", type=int, default=16)
+    parser.add_argument(
+        "--token-lengths",
+        default="auto",
+        help="token models: DVABatch's length classes, comma-separated, 'auto' (the mix's bucket edges) or 'none'",
+    )
     parser.add_argument("--t-comp-wait-ms", type=float, default=20.0, help="how long a batch may be stretched")
     parser.add_argument("--max-inflight", type=int, default=64)
     parser.add_argument("--capacity-clients", type=int, default=8, help="closed-loop clients that measure the peak")

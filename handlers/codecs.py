@@ -11,6 +11,7 @@ here may raise anything else for bad client input.
 
 from __future__ import annotations
 
+import bisect
 import io
 import json
 import math
@@ -71,6 +72,12 @@ class InputCodec:
     ``image_shapes`` its archive declares (a handler that preallocates input
     memory per shape needs to know them up front); JPEG/PNG images are
     resized to the spec's shape.
+
+    A token model pads ids to its sequence length, or, where the archive
+    declares ``token_lengths`` (DVABatch's input-diversity policy), to the
+    shortest declared length that holds them: requests of one length class
+    batch together at that length, and a short sentence is not computed at
+    the full length.  The sequence length is always one of the classes.
     """
 
     def __init__(
@@ -78,6 +85,7 @@ class InputCodec:
         spec: ModelSpec,
         max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
         image_shapes: Sequence[Sequence[int]] = (),
+        token_lengths: Sequence[int] = (),
     ) -> None:
         self.spec = spec
         self.max_payload_bytes = max_payload_bytes
@@ -90,6 +98,11 @@ class InputCodec:
             self.image_shapes = tuple(dict.fromkeys(declared))
         elif image_shapes:
             raise ValueError(f"{spec.name} takes tokens; image_shapes do not apply")
+        self.token_lengths: tuple[int, ...] = ()
+        if spec.input_kind == "tokens":
+            self.token_lengths = parse_token_lengths(token_lengths, spec.seq_len)
+        elif token_lengths:
+            raise ValueError(f"{spec.name} takes images; token_lengths do not apply")
         if spec.input_kind == "tokens":
             from model_store.factory import vocab_size
 
@@ -173,11 +186,24 @@ class InputCodec:
         bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise bad_request(f"token id {bad} outside the vocabulary [0, {self.vocab_size})")
-        padded = torch.zeros(seq_len, dtype=torch.long)
+        length = self.token_lengths[bisect.bisect_left(self.token_lengths, len(ids))]
+        padded = torch.zeros(length, dtype=torch.long)
         padded[: len(ids)] = torch.tensor(ids, dtype=torch.long)
-        mask = torch.zeros(seq_len, dtype=torch.long)
+        mask = torch.zeros(length, dtype=torch.long)
         mask[: len(ids)] = 1
         return padded, mask
+
+
+def parse_token_lengths(lengths: Any, seq_len: int) -> tuple[int, ...]:
+    """``token_lengths`` from model-config.yaml: ascending, distinct, in [1, seq_len], with ``seq_len`` added."""
+    if lengths is None:
+        lengths = ()
+    if isinstance(lengths, str | bytes) or not isinstance(lengths, Sequence):
+        raise ValueError(f"token_lengths must be a list of integers, got {lengths!r}")
+    for n in lengths:
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= seq_len:
+            raise ValueError(f"token_lengths must be integers in [1, {seq_len}] (the sequence length), got {n!r}")
+    return tuple(sorted({*lengths, seq_len}))
 
 
 def _float_tensor(data: Any) -> torch.Tensor:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -86,6 +87,10 @@ class ServingOptions:
     # How often the handler hands its metrics to TorchServe, in seconds
     # (``handlers/runtime/metrics.py``; 0: at every event); None: the default.
     metrics_flush_interval_s: float | None = None
+    # Async handlers, token models: the padded lengths requests are sorted
+    # into (``handler.token_lengths``, DVABatch's input-diversity policy);
+    # empty: every request padded to the sequence length.
+    token_lengths: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.handler not in HANDLERS:
@@ -97,6 +102,8 @@ class ServingOptions:
             from handlers.runtime.decode import parse_decode_threads
 
             parse_decode_threads(self.decode_threads)
+        if self.token_lengths and not HANDLERS[self.handler].asynchronous:
+            raise ValueError(f"token_lengths applies to async handlers; {self.handler!r} pads a batch to one length")
         if self.metrics_flush_interval_s is not None:
             from handlers.runtime.metrics import parse_flush_interval
 
@@ -143,6 +150,12 @@ def model_config(spec: ModelSpec, options: ServingOptions) -> dict:
             config["handler"]["decode_threads"] = options.decode_threads
     if options.metrics_flush_interval_s is not None:
         config["handler"]["metrics_flush_interval_s"] = options.metrics_flush_interval_s
+    if options.token_lengths:
+        if spec.input_kind != "tokens":
+            raise ValueError(f"{spec.name} takes images; token_lengths apply to token models")
+        from handlers.codecs import parse_token_lengths
+
+        config["handler"]["token_lengths"] = list(parse_token_lengths(list(options.token_lengths), spec.seq_len))
     return config
 
 
@@ -213,6 +226,7 @@ def build_archive(
         return target
     if options.handler == "dvabatch" and spec.mode != "eager":
         raise ValueError(f"the dvabatch handler slices the eager model; build {spec.name} in mode 'eager'")
+    config = model_config(spec, options)  # refuses options that do not fit this model before any work
     model = build_model(spec)
     if options.handler == "dvabatch":
         _check_segments(spec, options, model)
@@ -220,7 +234,7 @@ def build_archive(
         workdir = Path(tmp)
         artefact = write_artefact(spec, workdir, model)
         config_path = workdir / "model-config.yaml"
-        config_path.write_text(yaml.safe_dump(model_config(spec, options), sort_keys=False))
+        config_path.write_text(yaml.safe_dump(config, sort_keys=False))
         cmd = [
             str(Path(sys.executable).with_name("torch-model-archiver")),
             "--model-name", name,
@@ -232,7 +246,10 @@ def build_archive(
             "--archive-format", "zip-store",
             "--force",
         ]  # fmt: skip
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        # The archiver stages files in $TMPDIR/<model name>: two builds of one
+        # name at once (two test sessions, a benchmark beside a test) would
+        # share that folder, so each build stages inside its own directory.
+        proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TMPDIR": str(workdir)})
         if proc.returncode != 0:
             raise RuntimeError(f"torch-model-archiver failed for {name}:\n{proc.stderr.strip()}")
         # Write-then-rename: a concurrent TorchServe never sees half an archive.
@@ -298,6 +315,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(between batches on the CPU lanes) (default: 4 threads on CUDA, lane on CPU)",
     )
     parser.add_argument(
+        "--token-lengths",
+        type=lambda text: tuple(int(x) for x in text.split(",") if x.strip()),
+        default=(),
+        help="async handlers, token models: comma-separated padded lengths that requests are sorted into, "
+        "e.g. 32,64 (the sequence length is always one); default: every request padded to the sequence length",
+    )
+    parser.add_argument(
         "--metrics-flush-interval",
         type=float,
         help="seconds between the handler's hand-overs of its metrics to TorchServe; 0: at every event (default: 1)",
@@ -318,14 +342,20 @@ def run(args: argparse.Namespace) -> int:
             handler_settings=tuple(sorted(args.handler_config.items())),
             decode_threads=args.decode_threads,
             metrics_flush_interval_s=args.metrics_flush_interval,
+            token_lengths=args.token_lengths,
         )
     except (ValueError, AttributeError) as exc:
         print(
-            f"error: bad --handler/--handler-config/--decode-threads/--metrics-flush-interval: {exc}", file=sys.stderr
+            f"error: bad --handler/--handler-config/--decode-threads/--metrics-flush-interval/--token-lengths: {exc}",
+            file=sys.stderr,
         )
         return 2
-    for path in build_many(specs, args.out, options, args.force):
-        print(path)
+    try:
+        for path in build_many(specs, args.out, options, args.force):
+            print(path)
+    except ValueError as exc:  # an option that does not fit a model (token_lengths for an image model, ...)
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

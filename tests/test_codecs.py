@@ -9,6 +9,7 @@ import torch
 
 from handlers.codecs import InputCodec, answer_bytes, collate, encode_logits
 from handlers.errors import RequestError
+from model_store.build import ServingOptions, model_config
 from model_store.catalog import get_spec
 from tests.payloads import image_tensor_json, jpeg_bytes, png_bytes, token_ids_json
 
@@ -47,6 +48,32 @@ def test_tokens_are_padded_with_a_mask():
     assert ids.shape == mask.shape == (BERT.seq_len,)
     assert ids[:3].tolist() == [5, 6, 7] and ids[3:].sum() == 0
     assert mask.sum() == 3
+
+
+def test_declared_token_lengths_pad_each_request_to_its_length_class():
+    codec = InputCodec(BERT, token_lengths=[64, 16])
+    assert codec.token_lengths == (16, 64, BERT.seq_len)  # sorted, the sequence length added
+    for n, padded in [(1, 16), (16, 16), (17, 64), (64, 64), (65, BERT.seq_len), (BERT.seq_len, BERT.seq_len)]:
+        ids, mask = codec.decode({"body": {"input_ids": list(range(1, n + 1))}}).tensors
+        assert ids.shape == mask.shape == (padded,), n
+        assert ids[:n].tolist() == list(range(1, n + 1)) and int(mask.sum()) == n
+
+
+@pytest.mark.parametrize("lengths", [[0], [BERT.seq_len + 1], ["16"], [True], "16,64", [2.5]])
+def test_bad_token_lengths_are_refused(lengths):
+    with pytest.raises(ValueError, match="token_lengths"):
+        InputCodec(BERT, token_lengths=lengths)
+
+
+def test_token_lengths_do_not_apply_to_images():
+    with pytest.raises(ValueError, match="token_lengths"):
+        InputCodec(get_spec("resnet50"), token_lengths=[16])
+    with pytest.raises(ValueError, match="token_lengths apply to token models"):
+        model_config(get_spec("resnet50"), ServingOptions(handler="dvabatch", token_lengths=(16,)))
+    with pytest.raises(ValueError, match="token_lengths applies to async handlers"):
+        ServingOptions(token_lengths=(16,))
+    config = model_config(BERT, ServingOptions(handler="dvabatch", token_lengths=(64, 16)))
+    assert config["handler"]["token_lengths"] == [16, 64, BERT.seq_len]
 
 
 def test_collate_stacks_each_position():

@@ -111,3 +111,25 @@ def test_all_stages_on_one_lane_inside_torchserve(torchserve, model_store_dir, t
         assert any(model in line and "CpuLanes(1 ×" in line for line in log.splitlines()), "not on one lane"
     finally:
         torchserve.management().unregister(model)
+
+
+def test_bert_in_length_classes_answers_every_length_as_the_model_does(torchserve, model_store_dir, tmp_path):
+    """``token_lengths`` (the input-diversity policy): requests padded to their length class, one engine per class."""
+    spec = get_spec("bert-base", "eager")
+    options = ServingOptions(
+        handler="dvabatch", handler_settings=tuple(DVABATCH_TEST_SETTINGS.items()), token_lengths=(16, 64)
+    )
+    built = build_archive(spec, tmp_path, options)
+    target = model_store_dir / "bert-base_eager-dvabatch-lengths.mar"  # apart from the session's DVABatch archive
+    shutil.copy(built, target)
+    model = "dvabatch-lengths"
+    torchserve.management().register(target.name, model_name=model, initial_workers=1)
+    try:
+        rows = [{"body": token_ids_json(spec, n, seed=n)} for n in (3, 17, 64, spec.seq_len, 40, 9, 65, 16)]
+        answers = post_all(f"{torchserve.inference_url}/predictions/{model}", [r["body"] for r in rows] + [b""])
+        assert [status for status, _ in answers] == [200] * len(rows) + [400], answers
+        assert_matches_reference(spec, rows, [json.loads(body) for _, body in answers[: len(rows)]])
+        log = (torchserve.log_dir / "model_log.log").read_text()
+        assert any(model in line and "3 input layout(s)" in line for line in log.splitlines()), "not 3 length classes"
+    finally:
+        torchserve.management().unregister(model)

@@ -12,7 +12,7 @@ from handlers.dvabatch.engine import DvaBatchEngine
 from handlers.dvabatch.policy import DvaBatchConfig
 from handlers.runtime.async_handler import AsyncModelHandler
 from handlers.runtime.segment_profile import SegmentProfile, measure_segments
-from handlers.runtime.segments import slice_model
+from handlers.runtime.segments import SegmentedModel, SegmentError, slice_model
 from model_store.factory import outputs_close
 
 logger = logging.getLogger(__name__)
@@ -22,6 +22,7 @@ class DvaBatchHandler(AsyncModelHandler):
     def __init__(self) -> None:
         super().__init__()
         self.config = DvaBatchConfig()
+        self._sliced: SegmentedModel | None = None  # a token model's stages, shared by its length classes
 
     def configure(self, handler_config: dict[str, Any]) -> None:
         self.config = DvaBatchConfig.from_dict(handler_config.get("dvabatch"))
@@ -36,6 +37,31 @@ class DvaBatchHandler(AsyncModelHandler):
         """
         return self.config.cpu_lanes or self.config.segments
 
+    def _segments_for(self, example: tuple[torch.Tensor, ...]) -> SegmentedModel:
+        """The model in stages, checked on ``example`` (the worker checks what the builder checked).
+
+        A token model is sliced once, its sequence dimension left dynamic, and
+        the same stages serve every declared length class (``token_lengths``,
+        the input-diversity policy), each checked before its engine serves.
+        Other models are sliced per input layout.
+        """
+
+        def check(got: torch.Tensor, expected: torch.Tensor) -> bool:
+            return outputs_close(got, expected, 1e-4)
+
+        if self.spec.input_kind != "tokens" or self._sliced is None:
+            dims = (0, 1) if self.spec.input_kind == "tokens" else (0,)
+            sliced = slice_model(self.model, example, self.config.segments, dims, repeats=1, check=check)
+            if self.spec.input_kind == "tokens":
+                self._sliced = sliced
+            return sliced
+        with torch.no_grad():
+            expected, got = self.model(*example), self._sliced(*example)
+        if not check(got, expected):
+            length = example[0].shape[1]
+            raise SegmentError(f"the stages of {self.spec.name} do not reproduce the model at {length} tokens")
+        return self._sliced
+
     def create_engine(self, layout_example: ModelInput) -> DvaBatchEngine:
         if self.spec.mode != "eager":
             raise RuntimeError(f"DVABatch slices the eager model; this archive is {self.spec.mode!r}: rebuild it eager")
@@ -45,10 +71,7 @@ class DvaBatchHandler(AsyncModelHandler):
                 t.unsqueeze(0).expand(batch, *t.shape).clone().to(self.device.device) for t in layout_example.tensors
             )
 
-        # The worker checks what the builder checked: the segments reproduce the model.
-        sliced = slice_model(
-            self.model, rows(2), self.config.segments, repeats=1, check=lambda g, e: outputs_close(g, e, 1e-4)
-        )
+        sliced = self._segments_for(rows(2))
         profile = None
         if self.config.split:
             # Split decisions need this machine's segment times at the lanes' thread count:

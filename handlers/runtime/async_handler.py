@@ -58,8 +58,9 @@ def declared_inputs(codec: InputCodec) -> list[ModelInput]:
     spec = codec.spec
     if spec.input_kind == "image":
         return [ModelInput((torch.zeros(shape),)) for shape in codec.image_shapes]
-    ids = torch.zeros(spec.seq_len, dtype=torch.long)
-    return [ModelInput((ids, torch.ones_like(ids)))]
+    return [
+        ModelInput((torch.zeros(n, dtype=torch.long), torch.ones(n, dtype=torch.long))) for n in codec.token_lengths
+    ]
 
 
 def stage_breakdown(
@@ -178,6 +179,7 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
             self.spec,
             int(handler_config.get("max_payload_bytes", DEFAULT_MAX_PAYLOAD_BYTES)),
             image_shapes=handler_config.get("input_shapes") or (),
+            token_lengths=handler_config.get("token_lengths") or (),
         )
         self.response_timeout_s = float(model_config.get("responseTimeout", DEFAULT_RESPONSE_TIMEOUT_S))
         decode_placement = parse_decode_threads(handler_config.get("decode_threads"))
