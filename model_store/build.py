@@ -190,8 +190,10 @@ def _check_segments(spec: ModelSpec, options: ServingOptions, model: torch.nn.Mo
     from handlers.runtime.segments import slice_model
 
     config = DvaBatchConfig.from_dict(dict(options.handler_settings))
+    # As the worker slices it (``DvaBatchHandler._segments_for``): a token model's sequence dimension is dynamic.
+    dims = (0, 1) if spec.input_kind == "tokens" else (0,)
     slice_model(
-        model, example_inputs(spec, batch=2), config.segments, repeats=1,
+        model, example_inputs(spec, batch=2), config.segments, dims, repeats=1,
         check=lambda got, expected: outputs_close(got, expected, tol=1e-4),
     )  # fmt: skip
 
