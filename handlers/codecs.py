@@ -100,13 +100,12 @@ class InputCodec:
             raise ValueError(f"{spec.name} takes tokens; image_shapes do not apply")
         self.token_lengths: tuple[int, ...] = ()
         if spec.input_kind == "tokens":
-            self.token_lengths = parse_token_lengths(token_lengths, spec.seq_len)
-        elif token_lengths:
-            raise ValueError(f"{spec.name} takes images; token_lengths do not apply")
-        if spec.input_kind == "tokens":
             from model_store.factory import vocab_size
 
+            self.token_lengths = parse_token_lengths(token_lengths, spec.seq_len)
             self.vocab_size = vocab_size(spec)
+        elif token_lengths:
+            raise ValueError(f"{spec.name} takes images; token_lengths do not apply")
 
     def decode(self, row: dict[str, Any]) -> ModelInput:
         value = request_payload(row)

@@ -23,7 +23,7 @@ import torch
 from handlers.codecs import DEFAULT_MAX_PAYLOAD_BYTES, InputCodec, ModelInput, answer_bytes, collate, encode_logits
 from handlers.errors import RequestError
 from handlers.runtime.device import ExecutionDevice
-from handlers.runtime.metrics import DEFAULT_FLUSH_INTERVAL_S, HandlerMetrics, parse_flush_interval
+from handlers.runtime.metrics import HandlerMetrics
 from model_store.catalog import ModelSpec
 from packrat_plugin.worker import PackratWorkerMixin, process_age_s, startup_priority
 
@@ -94,11 +94,7 @@ class CPUModelHandler(PackratWorkerMixin):
             loaded = time.perf_counter()
             self.warm_up(self.slot_batch or int(context.system_properties.get("batch_size") or 1))
             warmed = time.perf_counter()
-        self.metrics = HandlerMetrics(
-            getattr(context, "metrics", None),
-            context.model_name,
-            parse_flush_interval(handler_cfg.get("metrics_flush_interval_s", DEFAULT_FLUSH_INTERVAL_S)),
-        )
+        self.metrics = HandlerMetrics.for_worker(context, handler_cfg)
         self.record_startup({"spawn_s": spawn_s, "load_s": loaded - started, "warmup_s": warmed - loaded})
         self.initialized = True
         logger.info(

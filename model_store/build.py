@@ -187,13 +187,11 @@ def _check_segments(spec: ModelSpec, options: ServingOptions, model: torch.nn.Mo
     ``model`` is the one the archive saves (tracing and slicing leave its weights as they are).
     """
     from handlers.dvabatch.policy import DvaBatchConfig
-    from handlers.runtime.segments import slice_model
+    from handlers.runtime.segments import dynamic_dims_for, slice_model
 
     config = DvaBatchConfig.from_dict(dict(options.handler_settings))
-    # As the worker slices it (``DvaBatchHandler._segments_for``): a token model's sequence dimension is dynamic.
-    dims = (0, 1) if spec.input_kind == "tokens" else (0,)
     slice_model(
-        model, example_inputs(spec, batch=2), config.segments, dims, repeats=1,
+        model, example_inputs(spec, batch=2), config.segments, dynamic_dims_for(spec.input_kind), repeats=1,
         check=lambda got, expected: outputs_close(got, expected, tol=1e-4),
     )  # fmt: skip
 
@@ -287,6 +285,13 @@ def build_many(
     return paths
 
 
+def token_lengths_argument(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, e.g. 16,32,64; got {text!r}") from None
+
+
 def decode_threads_argument(text: str) -> int | str:
     """``--decode-threads``: a thread count, or a named placement (validated with the archive's options)."""
     try:
@@ -318,7 +323,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--token-lengths",
-        type=lambda text: tuple(int(x) for x in text.split(",") if x.strip()),
+        type=token_lengths_argument,
         default=(),
         help="async handlers, token models: comma-separated padded lengths that requests are sorted into, "
         "e.g. 32,64 (the sequence length is always one); default: every request padded to the sequence length",

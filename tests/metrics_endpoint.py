@@ -6,6 +6,11 @@ import time
 from collections.abc import Callable
 
 
+def requests_batched(samples: list[tuple[dict[str, str], float]]) -> float:
+    """Requests run in batches, from ``HandlerBatches`` samples (batch size × batches)."""
+    return sum(int(labels["BatchSize"]) * n for labels, n in samples)
+
+
 def handler_metric(
     torchserve, name: str, model: str, until: Callable[[list], bool] | None = None, timeout_s: float = 10.0
 ) -> list[tuple[dict[str, str], float]]:

@@ -13,7 +13,7 @@ from model_store.build import ServingOptions, build_archive
 from model_store.catalog import get_spec
 from model_store.samples import image_tensor_json, jpeg_bytes, token_ids_json
 from tests.conftest import DVABATCH_TEST_SETTINGS
-from tests.metrics_endpoint import handler_metric
+from tests.metrics_endpoint import handler_metric, requests_batched
 from tests.test_ebird_serving import burst, post_all
 from tests.test_serving import assert_matches_reference
 
@@ -42,10 +42,7 @@ def test_a_burst_through_the_stages_equals_the_models_output(served, torchserve)
     assert [status for status, _ in answers] == [200] * len(rows), answers
     assert_matches_reference(spec, rows, [json.loads(body) for _, body in answers])
 
-    def batched(samples) -> float:
-        return sum(int(labels["BatchSize"]) * n for labels, n in samples)
-
-    samples = handler_metric(torchserve, "HandlerBatches", model, until=lambda s: batched(s) >= len(rows))
+    samples = handler_metric(torchserve, "HandlerBatches", model, until=lambda s: requests_batched(s) >= len(rows))
     batches = {int(labels["BatchSize"]): n for labels, n in samples}
     assert max(batches) > 1, batches  # requests shared batches, none waited for a window
     samples = handler_metric(torchserve, "HandlerOperations", model, until=lambda s: sum(n for _, n in s) >= 2)
@@ -105,8 +102,8 @@ def test_all_stages_on_one_lane_inside_torchserve(torchserve, model_store_dir, t
         answers = post_all(f"{torchserve.inference_url}/predictions/{model}", [r["body"] for r in rows] + [b"{bad"])
         assert [status for status, _ in answers] == [200] * len(rows) + [400], answers
         assert_matches_reference(spec, rows, [json.loads(body) for _, body in answers[: len(rows)]])
-        samples = handler_metric(torchserve, "HandlerBatches", model, until=lambda s: sum(n for _, n in s) > 0)
-        assert sum(int(labels["BatchSize"]) * n for labels, n in samples) >= len(rows)
+        samples = handler_metric(torchserve, "HandlerBatches", model, until=lambda s: requests_batched(s) >= len(rows))
+        assert requests_batched(samples) >= len(rows)
         log = (torchserve.log_dir / "model_log.log").read_text()
         assert any(model in line and "CpuLanes(1 ×" in line for line in log.splitlines()), "not on one lane"
     finally:

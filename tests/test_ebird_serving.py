@@ -20,7 +20,7 @@ from model_store.catalog import get_spec
 from model_store.samples import image_tensor_json, jpeg_bytes
 from packrat_plugin.loadgen import open_loop, run
 from tests.conftest import EBIRD_TEST_SETTINGS
-from tests.metrics_endpoint import handler_metric
+from tests.metrics_endpoint import handler_metric, requests_batched
 from tests.test_serving import assert_matches_reference
 
 pytestmark = pytest.mark.torchserve
@@ -72,13 +72,10 @@ def test_burst_is_split_across_workers_and_every_result_equals_direct_output(ser
     assert_matches_reference(spec, rows, [bodies[i] for i in range(len(rows))])
     assert client.predict(model, rows[0]["body"]).status == 200  # still serving
 
-    def batched(samples) -> float:
-        return sum(int(labels["BatchSize"]) * n for labels, n in samples)
-
     answered = len(rows) + 1
-    samples = handler_metric(torchserve, "HandlerBatches", model, until=lambda s: batched(s) >= answered)
+    samples = handler_metric(torchserve, "HandlerBatches", model, until=lambda s: requests_batched(s) >= answered)
     batches = {int(labels["BatchSize"]): value for labels, value in samples}
-    assert batched(samples) >= answered
+    assert requests_batched(samples) >= answered
     assert len(batches) >= 2, batches  # the burst was not run as one batch, nor one request at a time
     [(_, peak)] = handler_metric(torchserve, "HandlerPeakConcurrentBatches", model, until=bool)
     assert peak >= 2  # two workers' batches ran at the same time

@@ -12,7 +12,7 @@ from handlers.dvabatch.engine import DvaBatchEngine
 from handlers.dvabatch.policy import DvaBatchConfig
 from handlers.runtime.async_handler import AsyncModelHandler
 from handlers.runtime.segment_profile import SegmentProfile, measure_segments
-from handlers.runtime.segments import SegmentedModel, SegmentError, slice_model
+from handlers.runtime.segments import SegmentedModel, SegmentError, dynamic_dims_for, slice_model
 from model_store.factory import outputs_close
 
 logger = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ class DvaBatchHandler(AsyncModelHandler):
             return outputs_close(got, expected, 1e-4)
 
         if self.spec.input_kind != "tokens" or self._sliced is None:
-            dims = (0, 1) if self.spec.input_kind == "tokens" else (0,)
+            dims = dynamic_dims_for(self.spec.input_kind)
             sliced = slice_model(self.model, example, self.config.segments, dims, repeats=1, check=check)
             if self.spec.input_kind == "tokens":
                 self._sliced = sliced

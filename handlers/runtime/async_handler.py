@@ -44,7 +44,7 @@ from handlers.runtime.decode import LANE, RequestDecoder, default_decode_placeme
 from handlers.runtime.device import ExecutionDevice
 from handlers.runtime.engine import Engine, StageTimes, input_key
 from handlers.runtime.lanes import CpuLanes
-from handlers.runtime.metrics import DEFAULT_FLUSH_INTERVAL_S, HandlerMetrics, parse_flush_interval
+from handlers.runtime.metrics import HandlerMetrics
 from model_store.catalog import ModelSpec
 from packrat_plugin.worker import PackratWorkerMixin
 
@@ -200,11 +200,7 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
         self.decoder = self._make_decoder(decode_placement)
         if self.decoder.on_lanes:
             self.arrivals = Arrivals()
-        self.metrics = HandlerMetrics(
-            getattr(context, "metrics", None),
-            context.model_name,
-            parse_flush_interval(handler_config.get("metrics_flush_interval_s", DEFAULT_FLUSH_INTERVAL_S)),
-        )
+        self.metrics = HandlerMetrics.for_worker(context, handler_config)
         for example in declared_inputs(self.codec):
             engine = self.create_engine(example)
             engine.warm_up()

@@ -144,6 +144,15 @@ class HandlerMetrics:
         self.stage_counts: collections.Counter[str] = collections.Counter()
         self.operations: collections.Counter[str] = collections.Counter()
 
+    @classmethod
+    def for_worker(cls, context: Any, handler_config: dict[str, Any]) -> HandlerMetrics:
+        """A worker's metrics: TorchServe's cache, and the archive's ``metrics_flush_interval_s``."""
+        return cls(
+            getattr(context, "metrics", None),
+            context.model_name,
+            handler_config.get("metrics_flush_interval_s", DEFAULT_FLUSH_INTERVAL_S),
+        )
+
     # -- events ------------------------------------------------------------
 
     def request_admitted(self) -> None:

@@ -51,6 +51,13 @@ class SegmentError(ValueError):
 # -- tracing ------------------------------------------------------------------------
 
 
+def dynamic_dims_for(input_kind: str) -> tuple[int, ...]:
+    """The input dimensions a sliced model must accept at any size: the batch,
+    and for token models the sequence (length classes, ``InputCodec``).  The
+    builder's check and the worker slice with the same ones."""
+    return (0, 1) if input_kind == "tokens" else (0,)
+
+
 def trace(
     model: nn.Module, example_inputs: tuple[torch.Tensor, ...], dynamic_dims: Sequence[int] = (0,)
 ) -> fx.GraphModule:
