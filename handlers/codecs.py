@@ -225,13 +225,21 @@ def collate(inputs: list[ModelInput]) -> tuple[torch.Tensor, ...]:
     return tuple(torch.stack(parts) for parts in zip(*(i.tensors for i in inputs), strict=True))
 
 
-def encode_logits(row: torch.Tensor, max_full: int = 1000) -> dict[str, Any]:
-    """One request's answer: top-5, plus all logits when there are at most ``max_full``.
+def encode_output(row: torch.Tensor, max_full: int = 1000) -> dict[str, Any]:
+    """One request's answer from its row of the model's output.
 
-    Above that (GPT-2's 50k next-token logits) the full vector would be a
-    megabyte of JSON per request, so only the top-k travels.
+    A classifier's row is a logit vector: the answer is its top-5, plus all
+    logits when there are at most ``max_full`` (GPT-2's 50k next-token logits
+    would be a megabyte of JSON per request, so only the top-k travels).  A
+    segmentation model's row is ``[classes, H, W]`` per-pixel logits: the
+    answer is the ``[H, W]`` mask of each pixel's most likely class, 16k small
+    integers for the catalog's UNet instead of 2 × 16k floats.
     """
     row = row.float()
+    if row.dim() == 3:
+        return {"classes": int(row.shape[0]), "mask": row.argmax(dim=0).tolist()}
+    if row.dim() != 1:
+        raise ValueError(f"cannot answer with a model output row of shape {list(row.shape)}")
     result: dict[str, Any] = {"top5": top_k(row)}
     if row.numel() <= max_full:
         result["logits"] = finite_list(row)

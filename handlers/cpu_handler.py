@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from handlers.codecs import DEFAULT_MAX_PAYLOAD_BYTES, InputCodec, ModelInput, answer_bytes, collate, encode_logits
+from handlers.codecs import DEFAULT_MAX_PAYLOAD_BYTES, InputCodec, ModelInput, answer_bytes, collate, encode_output
 from handlers.errors import RequestError
 from handlers.runtime.device import ExecutionDevice
 from handlers.runtime.metrics import HandlerMetrics
@@ -139,7 +139,7 @@ class CPUModelHandler(PackratWorkerMixin):
 
     def postprocess(self, logits: torch.Tensor) -> list[bytes]:
         """Each request's answer, as JSON bytes (see ``answer_bytes``)."""
-        return [answer_bytes(encode_logits(row)) for row in logits]
+        return [answer_bytes(encode_output(row)) for row in logits]
 
     # -- entry point ---------------------------------------------------------
 

@@ -17,7 +17,8 @@ import yaml
 
 CATALOG_PATH = Path(__file__).with_name("catalog.yaml")
 
-FAMILIES = ("torchvision", "bert", "distilbert", "gpt2")
+FAMILIES = ("torchvision", "unet", "bert", "distilbert", "gpt2")
+IMAGE_FAMILIES = ("torchvision", "unet")
 INPUT_KINDS = ("image", "tokens")
 EXECUTION_MODES = ("eager", "script", "compile")
 
@@ -92,13 +93,13 @@ def _validate(spec: ModelSpec) -> None:
         shape = spec.image_shape
         if shape is None or len(shape) != 3 or shape[0] != 3 or min(shape) <= 0:
             raise CatalogError(f"{where}: image input needs shape [3, H, W], got {shape}")
-        if spec.family != "torchvision":
-            raise CatalogError(f"{where}: image input is only for torchvision models")
+        if spec.family not in IMAGE_FAMILIES:
+            raise CatalogError(f"{where}: image input is only for {' and '.join(IMAGE_FAMILIES)} models")
     else:
         if spec.seq_len is None or spec.seq_len <= 0:
             raise CatalogError(f"{where}: token input needs a positive seq_len")
-        if spec.family == "torchvision":
-            raise CatalogError(f"{where}: torchvision models take image input")
+        if spec.family in IMAGE_FAMILIES:
+            raise CatalogError(f"{where}: {spec.family} models take image input")
 
 
 def _parse_entry(name: str, entry: dict[str, Any], defaults: dict[str, Any]) -> ModelSpec:

@@ -1,7 +1,8 @@
 """Build catalog models with seeded weights, and prepare them per execution mode.
 
-Every model here has one calling convention, ``model(*inputs) -> Tensor[B, C]``:
-images take ``(pixels,)``, text models take ``(input_ids, attention_mask)``.
+Every model here has one calling convention, ``model(*inputs) -> Tensor[B, ...]``:
+images take ``(pixels,)``, text models take ``(input_ids, attention_mask)``;
+classifiers answer ``[B, C]`` logits, the segmentation model ``[B, C, H, W]``.
 Hugging Face models are wrapped so that they return plain logits; that is what
 makes ``torch.jit.trace`` and ``torch.compile`` treat every family alike, and
 what lets the handler, the profiler and the tests share one code path.
@@ -57,6 +58,11 @@ def _build_architecture(spec: ModelSpec) -> nn.Module:
             kwargs["aux_logits"] = False
             kwargs["init_weights"] = True
         return torchvision.models.get_model(spec.arch, **kwargs)
+
+    if spec.family == "unet":
+        from model_store.unet import UNet
+
+        return UNet(classes=spec.num_labels or 2)
 
     import transformers
 

@@ -6,7 +6,17 @@ import pytest
 from model_store.build import ServingOptions
 from model_store.catalog import EXECUTION_MODES, CatalogError, ModelSpec, get_spec, load_catalog
 
-REQUIRED = {"resnet50", "inception_v3", "vgg19", "densenet201", "resnet152", "bert-base", "distilbert", "gpt2"}
+REQUIRED = {
+    "resnet50",
+    "inception_v3",
+    "vgg19",
+    "densenet201",
+    "resnet152",
+    "unet",
+    "bert-base",
+    "distilbert",
+    "gpt2",
+}
 
 
 def test_catalog_has_the_required_models_with_input_specs():
@@ -43,6 +53,11 @@ def test_unknown_model_and_mode_are_refused():
             r"needs shape \[3, H, W\]",
         ),
         ("models: {m: {family: bert, arch: x, input: {kind: tokens}}}", "positive seq_len"),
+        ("models: {m: {family: unet, arch: unet, input: {kind: tokens, seq_len: 4}}}", "unet models take image input"),
+        (
+            "models: {m: {family: gpt2, arch: x, input: {kind: image, shape: [3, 8, 8]}}}",
+            "only for torchvision and unet",
+        ),
         ("models: {m: {arch: x, input: {kind: tokens, seq_len: 4}}}", "missing key 'family'"),
         ("models: {m: [", "not valid YAML"),
     ],

@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from handlers.codecs import InputCodec, answer_bytes, collate, encode_logits
+from handlers.codecs import InputCodec, answer_bytes, collate, encode_output
 from handlers.errors import RequestError
 from model_store.build import ServingOptions, model_config
 from model_store.catalog import get_spec
@@ -123,8 +123,18 @@ def test_nan_is_refused():
 
 def test_an_answer_is_compact_json_bytes_even_with_non_finite_logits():
     row = torch.tensor([0.5, float("nan"), float("inf"), -1.25, 2.0, 0.0])
-    body = answer_bytes(encode_logits(row))
+    body = answer_bytes(encode_output(row))
     assert isinstance(body, bytes) and b" " not in body and b"\n" not in body
     answer = json.loads(body)  # strict JSON: no NaN or Infinity
     assert answer["logits"] == [0.5, None, None, -1.25, 2.0, 0.0]
     assert all(entry["logit"] is None or math.isfinite(entry["logit"]) for entry in answer["top5"])
+
+
+def test_a_segmentation_answer_is_the_mask_of_each_pixels_likeliest_class():
+    row = torch.zeros(3, 2, 4)
+    row[1, 0, :] = 1.0  # top row: class 1
+    row[2, 1, 3] = 5.0  # one pixel: class 2
+    answer = json.loads(answer_bytes(encode_output(row)))
+    assert answer == {"classes": 3, "mask": [[1, 1, 1, 1], [0, 0, 0, 2]]}
+    with pytest.raises(ValueError, match="shape"):
+        encode_output(torch.zeros(2, 2))

@@ -11,7 +11,7 @@ import yaml
 
 from model_store.build import ServingOptions, build_archive
 from model_store.catalog import get_spec
-from model_store.samples import image_tensor_json, jpeg_bytes, token_ids_json
+from model_store.samples import image_tensor_json, jpeg_bytes, png_bytes, token_ids_json
 from tests.conftest import DVABATCH_TEST_SETTINGS
 from tests.metrics_endpoint import handler_metric, requests_batched
 from tests.test_ebird_serving import burst, post_all
@@ -128,5 +128,26 @@ def test_bert_in_length_classes_answers_every_length_as_the_model_does(torchserv
         assert_matches_reference(spec, rows, [json.loads(body) for _, body in answers[: len(rows)]])
         log = (torchserve.log_dir / "model_log.log").read_text()
         assert any(model in line and "3 input layout(s)" in line for line in log.splitlines()), "not 3 length classes"
+    finally:
+        torchserve.management().unregister(model)
+
+
+def test_unet_masks_through_the_stages_inside_torchserve(torchserve, model_store_dir, tmp_path):
+    """The catalog's UNet: a cut that hands the decoder's skips across, answers that are per-pixel masks."""
+    spec = get_spec("unet", "eager")
+    options = ServingOptions(handler="dvabatch", handler_settings=tuple(DVABATCH_TEST_SETTINGS.items()))
+    target = model_store_dir / "unet_eager-dvabatch.mar"
+    if not target.exists():
+        shutil.copy(build_archive(spec, tmp_path, options), target)
+    model = "dvabatch-unet"
+    torchserve.management().register(target.name, model_name=model, initial_workers=1)
+    try:
+        rows = [{"body": png_bytes(seed=400 + i) if i % 2 else image_tensor_json(spec, seed=400 + i)} for i in range(6)]
+        wrong_shape = image_tensor_json(get_spec("resnet50"), seed=1)  # [3, 224, 224] where UNet takes 128 × 128
+        answers = post_all(f"{torchserve.inference_url}/predictions/{model}", [r["body"] for r in rows] + [wrong_shape])
+        assert [status for status, _ in answers] == [200] * len(rows) + [400], answers
+        bodies = [json.loads(body) for _, body in answers[: len(rows)]]
+        assert all(len(b["mask"]) == spec.image_shape[1] for b in bodies)
+        assert_matches_reference(spec, rows, bodies)
     finally:
         torchserve.management().unregister(model)

@@ -180,6 +180,19 @@ def test_resnet50_in_four_time_balanced_segments():
         assert outputs_close(sliced(*x), model(*x), 1e-4)
 
 
+def test_the_catalog_unet_cut_mid_encoder_hands_its_skips_to_the_next_segment():
+    spec = get_spec("unet")
+    model = build_model(spec)
+    sliced = slice_model(model, example_inputs(spec, 2), 2, repeats=1, check=lambda g, e: outputs_close(g, e, 1e-4))
+    with torch.no_grad():
+        x = example_inputs(spec, 3, seed=1)
+        state = sliced[0](sliced.start(*x))
+        assert len(state) > 1 and state_rows(state) == 3  # the decoder's skips cross the cut
+        out = sliced.finish(sliced[1](state))
+        assert out.shape == (3, spec.num_labels, *spec.image_shape[1:])
+        assert outputs_close(out, model(*x), 1e-4)
+
+
 def test_bert_sliced_through_export_runs_other_batch_sizes_and_lengths():
     spec = get_spec("bert-base")
     model = build_model(spec)

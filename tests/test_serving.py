@@ -24,9 +24,22 @@ MODES = ("eager", "script", "compile")
 TOLERANCE = {"eager": 1e-4, "script": 1e-4, "compile": 1e-3}
 
 
+def assert_mask_matches(body: dict, expected: torch.Tensor, tol: float) -> None:
+    """A segmentation answer: each pixel's class is the reference's, except where its top two logits tie (``tol``)."""
+    mask = torch.tensor(body["mask"])
+    assert body["classes"] == expected.shape[0] and mask.shape == expected.shape[1:]
+    top2 = expected.topk(2, dim=0).values
+    margin = top2[0] - top2[1]
+    differ = mask != expected.argmax(dim=0)
+    assert (margin[differ] <= tol * max(1.0, float(expected.abs().max()))).all(), int(differ.sum())
+
+
 def assert_matches_reference(spec: ModelSpec, rows: list[dict], bodies: list[dict]) -> None:
     expected = reference_logits(spec, rows)
     for row_expected, body in zip(expected, bodies, strict=True):
+        if "mask" in body:
+            assert_mask_matches(body, row_expected, TOLERANCE[spec.mode])
+            continue
         served = torch.tensor(body["logits"])
         assert outputs_close(served, row_expected, TOLERANCE[spec.mode]), (served - row_expected).abs().max()
         assert body["top5"][0]["index"] == int(row_expected.argmax())

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from handlers.codecs import DEFAULT_MAX_PAYLOAD_BYTES, InputCodec, ModelInput, answer_bytes, encode_logits
+from handlers.codecs import DEFAULT_MAX_PAYLOAD_BYTES, InputCodec, ModelInput, answer_bytes, encode_output
 from handlers.cpu_handler import load_model
 from handlers.errors import ResponseError, ServiceUnavailable, bad_request
 from handlers.runtime.arrivals import Arrivals
@@ -165,7 +165,7 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
 
     def postprocess(self, output: torch.Tensor) -> Any:
         """One request's answer from its output row (JSON bytes: see ``answer_bytes``)."""
-        return answer_bytes(encode_logits(output))
+        return answer_bytes(encode_output(output))
 
     # -- template methods ----------------------------------------------------
 

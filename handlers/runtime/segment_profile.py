@@ -176,7 +176,7 @@ def add_arguments(parser: Any) -> None:
 
 def run(args: Any) -> int:
     """Slice a catalog model into time-balanced segments, check it, time each segment, save."""
-    from handlers.runtime.segments import slice_model
+    from handlers.runtime.segments import dynamic_dims_for, slice_model
     from model_store.catalog import get_spec
     from model_store.factory import build_model, example_inputs, outputs_close
 
@@ -187,7 +187,7 @@ def run(args: Any) -> int:
         raise ProfileError(f"--batches needs positive sizes, got {args.batches!r}")
     spec = get_spec(args.model)
     model = build_model(spec)
-    dims = (0, 1) if spec.input_kind == "tokens" else (0,)
+    dims = dynamic_dims_for(spec.input_kind)
     sliced = slice_model(
         model, example_inputs(spec, 2), args.segments, dims, check=lambda g, e: outputs_close(g, e, 1e-4)
     )
