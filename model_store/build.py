@@ -51,6 +51,8 @@ class HandlerKind:
     # "module:Class" whose ``from_dict`` validates the handler's own section of
     # model-config.yaml; imported only when an archive is built with it.
     settings_class: str | None = None
+    # Serves several models from one archive (``build_group_archive``) instead of one archive per model.
+    group: bool = False
 
     def check_settings(self, name: str, settings: dict[str, Any]) -> None:
         if self.settings_class is None:
@@ -65,7 +67,10 @@ HANDLERS = {
     "packrat": HandlerKind(HANDLER_ENTRY),
     "ebird": HandlerKind(ENTRY_DIR / "ebird_handler.py", True, "handlers.ebird.config:EbirdConfig"),
     "dvabatch": HandlerKind(ENTRY_DIR / "dvabatch_handler.py", True, "handlers.dvabatch.policy:DvaBatchConfig"),
+    # One archive for a group of models served by one worker (``build_group_archive``).
+    "reef": HandlerKind(ENTRY_DIR / "reef_handler.py", True, "handlers.reef.config:ReefConfig", group=True),
 }
+SLICING_HANDLERS = ("dvabatch", "reef")  # handlers that cut the eager model into segments
 ARCHIVE_VERSION = "1.0"
 
 
@@ -104,6 +109,12 @@ class ServingOptions:
             parse_decode_threads(self.decode_threads)
         if self.token_lengths and not HANDLERS[self.handler].asynchronous:
             raise ValueError(f"token_lengths applies to async handlers; {self.handler!r} pads a batch to one length")
+        if self.token_lengths and HANDLERS[self.handler].group:
+            raise ValueError(
+                f"token_lengths applies to one-model archives; {self.handler!r} pads to each model's length"
+            )
+        if self.decode_threads == "lane" and HANDLERS[self.handler].group:
+            raise ValueError(f"the {self.handler} handler has no CPU lanes to decode on; give decode_threads a count")
         if self.metrics_flush_interval_s is not None:
             from handlers.runtime.metrics import parse_flush_interval
 
@@ -187,11 +198,16 @@ def _check_segments(spec: ModelSpec, options: ServingOptions, model: torch.nn.Mo
     ``model`` is the one the archive saves (tracing and slicing leave its weights as they are).
     """
     from handlers.dvabatch.policy import DvaBatchConfig
+
+    _check_slices(spec, model, DvaBatchConfig.from_dict(dict(options.handler_settings)).segments)
+
+
+def _check_slices(spec: ModelSpec, model: torch.nn.Module, segments: int) -> None:
+    """Refuse a model whose cut into ``segments`` (as the worker makes it) would not reproduce it."""
     from handlers.runtime.segments import dynamic_dims_for, slice_model
 
-    config = DvaBatchConfig.from_dict(dict(options.handler_settings))
     slice_model(
-        model, example_inputs(spec, batch=2), config.segments, dynamic_dims_for(spec.input_kind), repeats=1,
+        model, example_inputs(spec, batch=2), segments, dynamic_dims_for(spec.input_kind), repeats=1,
         check=lambda got, expected: outputs_close(got, expected, tol=1e-4),
     )  # fmt: skip
 
@@ -224,8 +240,10 @@ def build_archive(
     target = out_dir / f"{name}.mar"
     if target.exists() and not force:
         return target
-    if options.handler == "dvabatch" and spec.mode != "eager":
-        raise ValueError(f"the dvabatch handler slices the eager model; build {spec.name} in mode 'eager'")
+    if HANDLERS[options.handler].group:
+        return build_group_archive([spec], out_dir, options, force)
+    if options.handler in SLICING_HANDLERS and spec.mode != "eager":
+        raise ValueError(f"the {options.handler} handler slices the eager model; build {spec.name} in mode 'eager'")
     config = model_config(spec, options)  # refuses options that do not fit this model before any work
     model = build_model(spec)
     if options.handler == "dvabatch":
@@ -233,29 +251,91 @@ def build_archive(
     with tempfile.TemporaryDirectory(prefix=f"mar-{name}-") as tmp:
         workdir = Path(tmp)
         artefact = write_artefact(spec, workdir, model)
-        config_path = workdir / "model-config.yaml"
-        config_path.write_text(yaml.safe_dump(config, sort_keys=False))
-        cmd = [
-            str(Path(sys.executable).with_name("torch-model-archiver")),
-            "--model-name", name,
-            "--version", ARCHIVE_VERSION,
-            "--serialized-file", str(artefact),
-            "--handler", str(HANDLERS[options.handler].entry),
-            "--config-file", str(config_path),
-            "--export-path", str(workdir),
-            "--archive-format", "zip-store",
-            "--force",
-        ]  # fmt: skip
-        # The archiver stages files in $TMPDIR/<model name>: two builds of one
-        # name at once (two test sessions, a benchmark beside a test) would
-        # share that folder, so each build stages inside its own directory.
-        proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TMPDIR": str(workdir)})
-        if proc.returncode != 0:
-            raise RuntimeError(f"torch-model-archiver failed for {name}:\n{proc.stderr.strip()}")
-        # Write-then-rename: a concurrent TorchServe never sees half an archive.
-        partial = out_dir / f".{name}.mar.partial"
-        shutil.move(str(workdir / f"{name}.mar"), partial)
-        partial.replace(target)
+        _archive(name, workdir, [artefact], config, options, out_dir, target)
+    return target
+
+
+def _archive(
+    name: str, workdir: Path, artefacts: list[Path], config: dict, options: ServingOptions, out_dir: Path, target: Path
+) -> None:
+    """torch-model-archiver over ``artefacts`` (the first is the serialized file) and ``config``, into ``target``."""
+    config_path = workdir / "model-config.yaml"
+    config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+    cmd = [
+        str(Path(sys.executable).with_name("torch-model-archiver")),
+        "--model-name", name,
+        "--version", ARCHIVE_VERSION,
+        "--serialized-file", str(artefacts[0]),
+        "--handler", str(HANDLERS[options.handler].entry),
+        "--config-file", str(config_path),
+        "--export-path", str(workdir),
+        "--archive-format", "zip-store",
+        "--force",
+    ]  # fmt: skip
+    if artefacts[1:]:
+        cmd += ["--extra-files", ",".join(str(a) for a in artefacts[1:])]
+    # The archiver stages files in $TMPDIR/<model name>: two builds of one
+    # name at once (two test sessions, a benchmark beside a test) would
+    # share that folder, so each build stages inside its own directory.
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TMPDIR": str(workdir)})
+    if proc.returncode != 0:
+        raise RuntimeError(f"torch-model-archiver failed for {name}:\n{proc.stderr.strip()}")
+    # Write-then-rename: a concurrent TorchServe never sees half an archive.
+    partial = out_dir / f".{name}.mar.partial"
+    shutil.move(str(workdir / f"{name}.mar"), partial)
+    partial.replace(target)
+
+
+def group_archive_name(models: list[str], handler: str) -> str:
+    """TorchServe model name of a group archive: its models, in order, then the handler."""
+    return f"{'-'.join(models)}_eager-{handler}"
+
+
+def group_model_config(specs: list[ModelSpec], options: ServingOptions) -> dict:
+    """A group archive's model-config.yaml: the first model's knobs, every model under ``handler.members``."""
+    config = model_config(specs[0], options)
+    del config["handler"]["spec"]
+    config["handler"]["members"] = [{"spec": s.to_dict(), "artefact": f"weights-{s.name}.pt"} for s in specs]
+    config["startupTimeout"] = 300 + 120 * (len(specs) - 1)  # every model is loaded and segmented at start
+    return config
+
+
+def build_group_archive(
+    specs: list[ModelSpec], out_dir: Path = ARCHIVE_DIR, options: ServingOptions = ServingOptions(), force: bool = False
+) -> Path:
+    """One archive serving every model in ``specs`` from one worker (REEF); returns its path.
+
+    Each model's weights travel as ``weights-<name>.pt``; each is checked to
+    segment into the handler's units and reproduce itself before any is written.
+    """
+    kind = HANDLERS[options.handler]
+    if not kind.group:
+        raise ValueError(f"the {options.handler} handler serves one model per archive")
+    names = [s.name for s in specs]
+    if not specs or len(set(names)) != len(names):
+        raise ValueError(f"a group archive needs distinct models, got {names}")
+    for spec in specs:
+        if spec.mode != "eager":
+            raise ValueError(f"the {options.handler} handler slices eager models; {spec.name} is {spec.mode!r}")
+    settings = dict(options.handler_settings)
+    module, _, cls = (kind.settings_class or "").partition(":")
+    parsed = getattr(importlib.import_module(module), cls).from_dict(settings)
+    parsed.check_members(names)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    name = group_archive_name(names, options.handler)
+    target = out_dir / f"{name}.mar"
+    if target.exists() and not force:
+        return target
+    config = group_model_config(specs, options)
+    with tempfile.TemporaryDirectory(prefix=f"mar-{name}-") as tmp:
+        workdir = Path(tmp)
+        artefacts = []
+        for spec in tqdm(specs, desc=name, unit="model"):
+            model = build_model(spec)
+            _check_slices(spec, model, parsed.segments)
+            artefacts.append(workdir / f"weights-{spec.name}.pt")
+            torch.save(model.state_dict(), artefacts[-1])
+        _archive(name, workdir, artefacts, config, options, out_dir, target)
     return target
 
 
@@ -358,7 +438,12 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     try:
-        for path in build_many(specs, args.out, options, args.force):
+        if HANDLERS[options.handler].group:  # one archive, every model: eager unless modes were named
+            group = specs if args.modes else [s for s in specs if s.mode == "eager"]
+            paths = [build_group_archive(group, args.out, options, args.force)]
+        else:
+            paths = build_many(specs, args.out, options, args.force)
+        for path in paths:
             print(path)
     except ValueError as exc:  # an option that does not fit a model (token_lengths for an image model, ...)
         print(f"error: {exc}", file=sys.stderr)

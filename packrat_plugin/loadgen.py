@@ -68,11 +68,18 @@ def _encode(payload: Payload) -> tuple[bytes, str]:
     return payload, "application/octet-stream"
 
 
-async def _send(session: aiohttp.ClientSession, url: str, payload: Payload, t0: float, out: list[Sample]) -> None:
+async def _send(
+    session: aiohttp.ClientSession,
+    url: str,
+    payload: Payload,
+    t0: float,
+    out: list[Sample],
+    headers: dict[str, str] | None = None,
+) -> None:
     body, content_type = _encode(payload)
     sent = time.perf_counter()
     try:
-        async with session.post(url, data=body, headers={"Content-Type": content_type}) as resp:
+        async with session.post(url, data=body, headers={"Content-Type": content_type, **(headers or {})}) as resp:
             await resp.read()
             status = resp.status
     except (TimeoutError, aiohttp.ClientError):
@@ -87,7 +94,12 @@ def _session(timeout_s: float, limit: int) -> aiohttp.ClientSession:
 
 
 async def closed_loop(
-    url: str, payloads: Callable[[int], Payload], concurrency: int, duration_s: float, timeout_s: float = 300.0
+    url: str,
+    payloads: Callable[[int], Payload],
+    concurrency: int,
+    duration_s: float,
+    timeout_s: float = 300.0,
+    headers: dict[str, str] | None = None,
 ) -> LoadResult:
     samples: list[Sample] = []
     t0 = time.perf_counter()
@@ -97,7 +109,7 @@ async def closed_loop(
 
         async def client() -> None:
             while time.perf_counter() < deadline:
-                await _send(session, url, payloads(next(counter)), t0, samples)
+                await _send(session, url, payloads(next(counter)), t0, samples, headers)
 
         await asyncio.gather(*(client() for _ in range(concurrency)))
     return LoadResult(samples, time.perf_counter() - t0)
@@ -111,8 +123,9 @@ async def open_loop(
     seed: int = 0,
     timeout_s: float = 300.0,
     max_in_flight: int = 2000,
+    headers: dict[str, str] | None = None,
 ) -> LoadResult:
-    """``phases``: [(seconds, requests per second), ...] played in order."""
+    """``phases``: [(seconds, requests per second), ...] played in order; ``headers`` go with every request."""
     samples: list[Sample] = []
     tasks: list[asyncio.Task] = []
     t0 = time.perf_counter()
@@ -121,7 +134,7 @@ async def open_loop(
             delay = t0 + at - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(_send(session, url, payloads(i), t0, samples)))
+            tasks.append(asyncio.create_task(_send(session, url, payloads(i), t0, samples, headers)))
         await asyncio.gather(*tasks)
     return LoadResult(samples, time.perf_counter() - t0)
 

@@ -137,7 +137,7 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
         self.model: torch.nn.Module | None = None
         self.device = ExecutionDevice("cpu")
         self.metrics = HandlerMetrics(None, "")
-        self.engines: dict[tuple[tuple[int, ...], ...], Engine] = {}
+        self.engines: dict[Any, Engine] = {}  # by ``engine_key``
         self.response_timeout_s = DEFAULT_RESPONSE_TIMEOUT_S
         self.cpu_threads = torch.get_num_threads()
         self.lanes: CpuLanes | None = None  # CPU only
@@ -148,7 +148,7 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
         self.closing = False
         # Per event loop: TorchServe runs one for the worker's life, but a
         # handler driven directly (tests) may see several.
-        self._admissions: dict[tuple[int, tuple[tuple[int, ...], ...]], _Admission] = {}
+        self._admissions: dict[tuple[int, Any], _Admission] = {}
 
     # -- hooks ---------------------------------------------------------------
 
@@ -162,6 +162,18 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
     def cpu_lane_count(self) -> int:
         """How many batches may run at once on a CPU, each with an equal share of the cores."""
         return 1
+
+    async def decode_request(self, row: dict[str, Any], context: Any, index: int) -> ModelInput:
+        """One request's input, decoded where the archive says (``decode.py``).
+
+        A handler serving several models (REEF) reads the request's headers
+        here to pick the model whose codec decodes it.
+        """
+        return await self.decoder(row)
+
+    def engine_key(self, item: ModelInput) -> Any:
+        """Which engine takes ``item``: by default the one built for its input layout."""
+        return input_key(item)
 
     def postprocess(self, output: torch.Tensor) -> Any:
         """One request's answer from its output row (JSON bytes: see ``answer_bytes``)."""
@@ -204,7 +216,7 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
         for example in declared_inputs(self.codec):
             engine = self.create_engine(example)
             engine.warm_up()
-            self.engines[input_key(example)] = engine
+            self.engines[self.engine_key(example)] = engine
         self.initialized = True
         logger.info(
             "%s serving %s (%s mode) on %s%s with %d input layout(s), decoding %s",
@@ -239,7 +251,7 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
                 raise ServiceUnavailable("worker is shutting down")
             if self.arrivals is not None:
                 arrival = self.arrivals.enter()
-            item = await self.decoder(row)
+            item = await self.decode_request(row, context, index)
             decoded = time.monotonic()
             output, times, admitted, woken = await self._infer_timed(item, arrival)
             answer = self.postprocess(output)
@@ -269,9 +281,10 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
 
         ``arrival``: the request's ``Arrivals`` token, released once it is admitted.
         """
-        key = input_key(item)
+        key = self.engine_key(item)
         if key not in self.engines:
-            raise bad_request(f"input shape {[list(k) for k in key]} is not one this archive declares")
+            shapes = [list(t.shape) for t in item.tensors]
+            raise bad_request(f"input shape {shapes} is not one this archive declares")
         loop = asyncio.get_running_loop()
         admission = self._admissions.get((id(loop), key))
         if admission is None:

@@ -94,10 +94,14 @@ class RequestDecoder:
             return f"on {self.threads} decode threads"
         return "on the CPU lanes" if self.on_lanes else "on the event loop"
 
-    async def __call__(self, row: dict[str, Any]) -> ModelInput:
+    async def __call__(
+        self, row: dict[str, Any], decode: Callable[[dict[str, Any]], ModelInput] | None = None
+    ) -> ModelInput:
+        """``row`` decoded by the decoder's function, or by ``decode`` (one of several models' codecs)."""
+        decode = decode or self._decode
         if self._submit is None:
-            return self._decode(row)
-        return await asyncio.wrap_future(self._submit(self._decode, row))
+            return decode(row)
+        return await asyncio.wrap_future(self._submit(decode, row))
 
     def close(self) -> None:
         if self._own_pool is not None:

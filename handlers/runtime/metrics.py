@@ -26,8 +26,11 @@ Names (Prometheus, per ModelName):
   Counters rather than a histogram so that the mean of each stage reads
   straight off the endpoint, with no bucket guesswork.
 - ``HandlerOperations`` (counter, ``Operation`` label): a scheduler's own
-  operations, by name (DVABatch: new, join, stretch, split, merge), so a
-  benchmark can say how often each policy acted.
+  operations, by name (DVABatch: new, join, stretch, split, merge; REEF:
+  preempt, resume), so a benchmark can say how often each policy acted.
+- ``HandlerPreemptionSeconds`` (histogram, REEF): from a real-time
+  admission until no best-effort unit was in flight, for each switch that
+  stopped one.
 
 Reaching TorchServe is batched.  Each metric TorchServe's cache takes is a
 log line the worker formats and writes and the frontend parses, on the
@@ -209,6 +212,14 @@ class HandlerMetrics:
         with self._lock:
             self.operations[name] += 1
             self._pending.count(series("HandlerOperations", "count", Operation=name), 1)
+        self._emit_now_if_unbatched()
+
+    def preempted(self, seconds: float) -> None:
+        """Real-time work stopped best-effort work in flight; it waited ``seconds`` for it (REEF)."""
+        with self._lock:
+            self.operations["preempt"] += 1
+            self._pending.count(series("HandlerOperations", "count", Operation="preempt"), 1)
+            self._pending.observe(series("HandlerPreemptionSeconds", "s"), seconds)
         self._emit_now_if_unbatched()
 
     def snapshot(self) -> dict[str, Any]:

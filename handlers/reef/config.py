@@ -1,0 +1,95 @@
+"""REEF's settings (``handler.reef`` in model-config.yaml) and a request's priority.
+
+Which priority a request gets: its ``X-Priority`` header (``realtime`` or
+``best-effort``) when it has one, else its model's default in the archive
+(``realtime: [names]``; every other model is best-effort).  The header wins
+because the client knows the deadline of the request in hand: one
+best-effort model may serve a latency-bound caller too, and a real-time
+model's batch jobs need not preempt anything.  An archive that must not let
+clients choose sets ``priority_header: false``; a value the handler does not
+know is a 400, never a silent best-effort.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from handlers.errors import bad_request
+
+# How real-time and best-effort work share the worker.  "reef" is the
+# handler; the other two are the paper's baselines, kept in the same engine
+# so that a benchmark compares scheduling alone: "seq" runs one batch at a
+# time, real-time first, never interrupting one (SEQ); "concurrent" runs
+# every queue at once with no priority (plain concurrent execution).
+POLICIES = ("reef", "seq", "concurrent")
+REALTIME = "realtime"
+BEST_EFFORT = "best-effort"
+PRIORITIES = (REALTIME, BEST_EFFORT)
+PRIORITY_HEADER = "x-priority"
+MODEL_HEADER = "x-model"
+
+
+class ReefConfigError(ValueError):
+    pass
+
+
+def _positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ReefConfigError(f"{name} must be an integer ≥ 1, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ReefConfig:
+    realtime: tuple[str, ...] = ()  # models whose requests are real-time unless the request says otherwise
+    segments: int = 4  # launch units a best-effort batch is cut into: preemption waits for at most one
+    c: int = 4  # CUDA: units a best-effort stream keeps queued on the device (REEF-N); CPU runs one at a time
+    rt_max_batch: int = 4  # real-time requests of one model run together when they queue
+    be_max_batch: int = 4
+    max_inflight: int = 64  # requests admitted at once (then the runtime waits for room)
+    priority_header: bool = True  # whether X-Priority may override a model's default
+    policy: str = "reef"  # or a baseline: "seq", "concurrent" (POLICIES)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.realtime, str) or not all(isinstance(n, str) for n in self.realtime):
+            raise ReefConfigError(f"realtime must be a list of model names, got {self.realtime!r}")
+        for name in ("segments", "c", "rt_max_batch", "be_max_batch", "max_inflight"):
+            _positive_int(name, getattr(self, name))
+        if not isinstance(self.priority_header, bool):
+            raise ReefConfigError(f"priority_header must be true or false, got {self.priority_header!r}")
+        if self.policy not in POLICIES:
+            raise ReefConfigError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if self.max_inflight < max(self.rt_max_batch, self.be_max_batch):
+            raise ReefConfigError(f"max_inflight ({self.max_inflight}) must hold one full batch")
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any] | None) -> ReefConfig:
+        raw = dict(raw or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ReefConfigError(f"unknown reef settings {unknown}; known: {sorted(known)}")
+        if "realtime" in raw:
+            value = raw["realtime"]
+            raw["realtime"] = tuple(value) if isinstance(value, list | tuple) else value
+        return cls(**raw)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["realtime"] = list(self.realtime)
+        return out
+
+    def check_members(self, names: list[str]) -> None:
+        """The real-time defaults must name models the archive serves."""
+        stray = sorted(set(self.realtime) - set(names))
+        if stray:
+            raise ReefConfigError(f"realtime names {stray}, which this archive does not serve ({', '.join(names)})")
+
+    def priority(self, model: str, header: str | None) -> str:
+        """A request's priority: its header's, else its model's default (module docstring)."""
+        if header is not None and self.priority_header:
+            value = header.strip().lower()
+            if value not in PRIORITIES:
+                raise bad_request(f"unknown X-Priority {header!r}; use one of: {', '.join(PRIORITIES)}")
+            return value
+        return REALTIME if model in self.realtime else BEST_EFFORT

@@ -1,0 +1,332 @@
+"""REEF's engine: real-time requests preempt best-effort batches at segment boundaries.
+
+One engine serves every model of a REEF archive in one worker.  It keeps
+one real-time (RT) queue and one best-effort (BE) queue per model, and one
+executor thread per queue:
+
+- the **RT executor** takes the RT queue in arrival order (consecutive
+  requests for one model run as one batch, up to ``rt_max_batch``), waits
+  until no BE unit is in flight (the preemption, ``PreemptionGate``), and
+  runs the whole model: on CPU with every core's intra-op threads, on CUDA on
+  a high-priority stream;
+- each **BE executor** takes up to ``be_max_batch`` requests of its model
+  and runs them through the model's segments (``SegmentedModel``), asking
+  the gate before each one.  From an RT admission until the RT queue is
+  empty, it stops before its next segment and keeps the state it reached;
+  it restores from there, so a preempted batch neither loses nor repeats a
+  unit.  On CPU the BE executors share the cores (each batch starts with an
+  even share of the intra-op threads among the BE queues busy at that
+  moment) and run concurrently, REEF's normal mode; on CUDA each
+  has a stream and keeps at most ``c`` segments queued on it (REEF-N's host
+  queue), so those are what an RT batch may find in its way.
+
+``policy`` swaps in the paper's baselines over the same executors (the
+same threads, batching and models), so a benchmark compares scheduling
+alone: ``seq`` runs one batch at a time across every queue, real-time first,
+each batch to its end (a best-effort batch is then one unit); ``concurrent``
+runs every executor at once with no gate (no priority at all).
+
+Reset-based preemption proper (killing kernels already on the GPU) needs
+driver support PyTorch does not expose; REEF-N's bounded queue is what
+closed GPUs allow, and on CPU a segment in flight is always allowed to end.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import contextlib
+import logging
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from handlers.codecs import ModelInput, collate
+from handlers.errors import ServiceUnavailable, bad_request
+from handlers.reef.config import BEST_EFFORT, PRIORITIES, REALTIME, ReefConfig
+from handlers.runtime.device import ExecutionDevice
+from handlers.runtime.engine import Engine, Ticket, fail_unanswered, layout_of, wait_for_answers
+from handlers.runtime.metrics import HandlerMetrics
+from handlers.runtime.preemption import Preemption, PreemptionGate
+from handlers.runtime.segments import SegmentedModel
+
+logger = logging.getLogger(__name__)
+
+RECENT_PREEMPTIONS = 4096
+PREEMPTION_LOG = "REEF preemption:"  # one log line per preemption (bench/reef.py reads them back)
+# CUDA stream priorities: lower is more urgent; -1 is the highest on every current GPU.
+RT_STREAM_PRIORITY = -1
+BE_STREAM_PRIORITY = 0
+
+
+@dataclass(frozen=True)
+class RoutedInput(ModelInput):
+    """A decoded request plus where it goes: which of the archive's models, at which priority."""
+
+    model: str = ""
+    priority: str = BEST_EFFORT
+
+
+@dataclass(frozen=True)
+class Member:
+    """One model the engine serves: whole for real-time batches, in segments for best-effort ones."""
+
+    name: str
+    model: nn.Module
+    sliced: SegmentedModel
+    example: ModelInput  # one request's input layout
+
+    @property
+    def layout(self) -> tuple:
+        return layout_of(self.example)
+
+
+_Queued = tuple[Ticket, RoutedInput]
+
+
+class ReefEngine(Engine):
+    def __init__(
+        self,
+        members: Iterable[Member],
+        device: ExecutionDevice,
+        config: ReefConfig,
+        metrics: HandlerMetrics,
+        cpu_threads: int = 1,
+    ) -> None:
+        super().__init__()
+        self.members = {m.name: m for m in members}
+        if not self.members:
+            raise ValueError("a REEF engine needs at least one model")
+        self.device = device
+        self.config = config
+        self.metrics = metrics
+        self.gate = PreemptionGate()
+        # Operations done (preempt: an RT switch that stopped BE units in flight;
+        # resume: a BE unit that waited out real-time mode), also HandlerOperations.
+        self.counts: Counter[str] = Counter()
+        self.preemptions: collections.deque[Preemption] = collections.deque(maxlen=RECENT_PREEMPTIONS)
+        self._rt: deque[_Queued] = deque()
+        self._be: dict[str, deque[_Queued]] = {name: deque() for name in self.members}
+        self._outstanding: set[Ticket] = set()
+        self._cond = threading.Condition()
+        self._closing = False
+        self._stopping = False
+        # CPU: an RT batch runs alone, on every core; BE batches run side by side,
+        # the cores split among the BE queues busy when each batch starts.
+        self._rt_threads = max(1, cpu_threads)
+        self._be_busy = 0
+        self._rt_stream = device.new_stream(RT_STREAM_PRIORITY)
+        self._be_streams = {name: device.new_stream(BE_STREAM_PRIORITY) for name in self.members}
+        self._gated = config.policy != "concurrent"
+        self._serial = threading.Lock() if config.policy == "seq" else contextlib.nullcontext()
+        self._warm: list[concurrent.futures.Future] = []
+        self._threads = [self._start("reef-rt", self._realtime_loop)]
+        self._threads += [self._start(f"reef-be-{name}", self._best_effort_loop, name) for name in self.members]
+
+    def _start(self, name: str, target, *args) -> threading.Thread:  # noqa: ANN001 - a loop method
+        warm: concurrent.futures.Future = concurrent.futures.Future()
+        self._warm.append(warm)
+        thread = threading.Thread(target=target, args=(warm, *args), name=name, daemon=True)
+        thread.start()
+        return thread
+
+    # -- admission (the handler's thread) --------------------------------------------
+
+    def try_submit(self, item: ModelInput) -> concurrent.futures.Future | None:
+        if self._closing:
+            raise ServiceUnavailable("worker is shutting down")
+        if not isinstance(item, RoutedInput) or item.model not in self.members:
+            raise bad_request(f"this worker serves {', '.join(self.members)}; the request names none of them")
+        if item.priority not in PRIORITIES:
+            raise bad_request(f"unknown priority {item.priority!r}")
+        if layout_of(item) != self.members[item.model].layout:
+            raise bad_request(f"input shapes {[list(t.shape) for t in item.tensors]} do not fit {item.model}")
+        with self._cond:
+            if len(self._outstanding) >= self.config.max_inflight:
+                return None
+            ticket = Ticket()
+            self._outstanding.add(ticket)
+            if item.priority == REALTIME:
+                if self._gated:
+                    self.gate.raise_realtime()  # BE stops before its next unit, from now
+                self._rt.append((ticket, item))
+            else:
+                self._be[item.model].append((ticket, item))
+            self._cond.notify_all()
+        return ticket.future
+
+    # -- executors ---------------------------------------------------------------------
+
+    def _next(self, queue: deque[_Queued], limit: int, same_model: bool) -> list[_Queued] | None:
+        """Up to ``limit`` requests from the head of ``queue`` (one model's run, for the RT queue); None: stop."""
+        with self._cond:
+            while not queue and not self._stopping:
+                self._cond.wait()
+            if self._stopping:
+                return None
+            batch = [queue.popleft()]
+            while queue and len(batch) < limit and (not same_model or queue[0][1].model == batch[0][1].model):
+                batch.append(queue.popleft())
+            return batch
+
+    def _realtime_loop(self, warm: concurrent.futures.Future) -> None:
+        torch.set_num_threads(self._rt_threads)
+        if not self._warm_up_here(warm, lambda: self._warm_whole()):
+            return
+        while (batch := self._next(self._rt, self.config.rt_max_batch, same_model=True)) is not None:
+            member = self.members[batch[0][1].model]
+            if not self._gated:
+                self._run(batch, lambda inputs, m=member: m.model(*inputs), self._rt_stream)
+                continue
+            try:
+                preemption = self.gate.quiesce()
+                if preemption is not None and preemption.interrupted:
+                    self.preemptions.append(preemption)
+                    self._count("preempt")
+                    self.metrics.preempted(preemption.latency_s)
+                    logger.info(
+                        "%s %d best-effort unit(s) in flight; real-time waited %.2f ms",
+                        PREEMPTION_LOG,
+                        preemption.interrupted,
+                        1e3 * preemption.latency_s,
+                    )
+                self._run(batch, lambda inputs, m=member: m.model(*inputs), self._rt_stream)
+            finally:
+                self.gate.lower_realtime(len(batch))
+
+    def _best_effort_loop(self, warm: concurrent.futures.Future, name: str) -> None:
+        torch.set_num_threads(max(1, self._rt_threads // len(self.members)))
+        member = self.members[name]
+        if not self._warm_up_here(warm, lambda: self._warm_units(member)):
+            return
+        stream = self._be_streams[name]
+        while (batch := self._next(self._be[name], self.config.be_max_batch, same_model=False)) is not None:
+            with self._cond:
+                self._be_busy += 1
+                share = max(1, self._rt_threads // self._be_busy)
+            if not self.device.is_cuda:
+                torch.set_num_threads(share)  # one BE queue busy: every core; two: half each, ...
+            try:
+                self._run(batch, lambda inputs, m=member, s=stream: self._in_units(m, inputs, s), stream)
+            finally:
+                with self._cond:
+                    self._be_busy -= 1
+
+    def _in_units(self, member: Member, inputs: tuple[torch.Tensor, ...], stream) -> torch.Tensor:  # noqa: ANN001
+        """The model, one segment at a time, each only while the gate allows (the preemption points).
+
+        On CUDA a segment is launched, not finished, inside the gate: at most
+        ``c`` launched segments stay queued on the stream before this thread
+        waits for the oldest, so an RT batch finds at most ``c`` in its way.
+        """
+        if self.config.policy == "concurrent":
+            return member.model(*inputs)
+        if self.config.policy == "seq":  # the whole batch is one unit, and one batch runs at a time
+            with self._serial, self.gate.unit():
+                return member.model(*inputs)
+        state = member.sliced.start(*inputs)
+        launched: deque = deque()
+        for segment in member.sliced:
+            with self.gate.unit() as waited:
+                state = segment(state)
+                event = self.device.record(stream)
+            if waited:
+                self._count("resume")
+            if event is not None:
+                launched.append(event)
+                if len(launched) > self.config.c:
+                    self.device.synchronize(launched.popleft())
+        return member.sliced.finish(state)
+
+    def _run(self, batch: list[_Queued], forward, stream) -> None:  # noqa: ANN001 - callables, a stream
+        """Run one batch and answer each of its requests (a failure fails this batch only)."""
+        tickets = [ticket for ticket, _ in batch]
+        started = time.monotonic()
+        for ticket in tickets:
+            ticket.times.started = started
+        self.metrics.batch_started(len(batch), [started - t.arrived for t in tickets])
+        try:
+            with torch.inference_mode(), self.device.on(stream):
+                inputs = tuple(t.to(self.device.device, non_blocking=True) for t in collate([i for _, i in batch]))
+                output = forward(inputs)
+                if isinstance(output, tuple):
+                    output = output[0]
+                output = output.float().cpu()
+            rows, error = list(output), None
+        except Exception as exc:  # this batch fails, the executor serves on
+            logger.exception("a %d-request batch failed", len(batch))
+            rows, error = [None] * len(batch), ServiceUnavailable(f"inference failed: {type(exc).__name__}: {exc}")
+        finished = time.monotonic()
+        self.metrics.batch_finished(finished - started)
+        for ticket, row in zip(tickets, rows, strict=True):
+            ticket.times.finished = finished
+            ticket.settle(result=row, error=error)
+        with self._cond:
+            self._outstanding.difference_update(tickets)
+            self._cond.notify_all()
+        self._notify_space()
+
+    def _count(self, operation: str) -> None:
+        with self._cond:
+            self.counts[operation] += 1
+        self.metrics.operation(operation)
+
+    # -- warm-up and shutdown --------------------------------------------------------
+
+    def _zeros(self, member: Member, rows: int) -> tuple[torch.Tensor, ...]:
+        return tuple(
+            torch.zeros((rows, *shape), dtype=dtype, device=self.device.device) for shape, dtype in member.layout
+        )
+
+    def _warm_whole(self) -> None:
+        with torch.inference_mode(), self.device.on(self._rt_stream):
+            for member in self.members.values():
+                for rows in sorted({1, self.config.rt_max_batch}):
+                    member.model(*self._zeros(member, rows))
+
+    def _warm_units(self, member: Member) -> None:
+        with torch.inference_mode(), self.device.on(self._be_streams[member.name]):
+            for rows in sorted({1, self.config.be_max_batch}):
+                member.sliced(*self._zeros(member, rows))
+
+    def _warm_up_here(self, warm: concurrent.futures.Future, run) -> bool:  # noqa: ANN001
+        """Warm this executor's own thread (its OpenMP team, its shapes); False: it failed and stops."""
+        try:
+            run()
+            if self.device.is_cuda:
+                torch.cuda.synchronize(self.device.device)
+        except Exception as exc:
+            warm.set_exception(exc)
+            return False
+        warm.set_result(None)
+        return True
+
+    def warm_up(self) -> None:
+        """Wait until every executor has run its shapes once on its own thread (raises what failed)."""
+        for warm in self._warm:
+            warm.result()
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            self._closing = True
+            leftover = wait_for_answers(self._cond, self._outstanding, deadline)
+            self._stopping = True
+            self._outstanding.clear()
+            self._cond.notify_all()
+        self.gate.close()
+        fail_unanswered(leftover)
+        for thread in self._threads:
+            thread.join(timeout=max(deadline - time.monotonic(), 0.1))
+        self._notify_space()
+
+    def __repr__(self) -> str:
+        return (
+            f"ReefEngine({', '.join(self.members)}; RT on {self._rt_threads} thread(s), "
+            "BE on an even share among the busy queues)"
+        )

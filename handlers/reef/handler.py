@@ -1,0 +1,127 @@
+"""The REEF handler: several models in one worker, real-time requests first.
+
+A REEF archive (``packrat archive --handler reef --models a,b``) holds every
+model of a group; TorchServe registers it as one model with one worker,
+which loads them all and runs them through one ``ReefEngine``.  A request
+names its model with the ``X-Model`` header (optional when the archive has
+one model) and may name its priority with ``X-Priority`` (``config.py``
+says which wins).  Bad routing is the request's own 4xx: an unknown model
+404, an unknown priority 400, before its body is decoded.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+
+from handlers.codecs import DEFAULT_MAX_PAYLOAD_BYTES, InputCodec, ModelInput
+from handlers.cpu_handler import load_model
+from handlers.errors import RequestError, bad_request
+from handlers.reef.config import MODEL_HEADER, PRIORITY_HEADER, ReefConfig
+from handlers.reef.engine import Member, ReefEngine, RoutedInput
+from handlers.runtime.async_handler import DEFAULT_RESPONSE_TIMEOUT_S, AsyncModelHandler, declared_inputs
+from handlers.runtime.decode import LANE, RequestDecoder, default_decode_placement, parse_decode_threads
+from handlers.runtime.device import ExecutionDevice
+from handlers.runtime.metrics import HandlerMetrics
+from handlers.runtime.segments import dynamic_dims_for, slice_model
+from model_store.catalog import ModelSpec
+from model_store.factory import outputs_close
+
+logger = logging.getLogger(__name__)
+
+ENGINE_KEY = "reef"
+# CPU: decoding beside the running batch on one thread; REEF has no lanes to queue decodes on.
+CPU_DECODE_THREADS = 1
+
+
+def request_headers(context: Any, index: int) -> dict[str, str]:
+    """A request's headers by lower-case name (HTTP names are case-insensitive; TorchServe keeps the client's)."""
+    try:
+        headers = context.get_all_request_header(index) or {}
+    except (AttributeError, IndexError, TypeError):  # a context without request processors (driven directly)
+        return {}
+    return {str(k).lower(): str(v) for k, v in headers.items()}
+
+
+class ReefHandler(AsyncModelHandler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = ReefConfig()
+        self.codecs: dict[str, InputCodec] = {}
+
+    def create_engine(self, layout_example: ModelInput) -> ReefEngine:
+        raise NotImplementedError("REEF builds one engine for all of its models in initialize")
+
+    def initialize(self, context: Any) -> None:
+        model_config = getattr(context, "model_yaml_config", None) or {}
+        handler_config = model_config.get("handler") or {}
+        entries = handler_config.get("members")
+        if not entries:
+            raise RuntimeError("archive model-config.yaml lacks handler.members; rebuild it with --handler reef")
+        self.config = ReefConfig.from_dict(handler_config.get("reef"))
+        specs = [ModelSpec.from_dict(entry["spec"]) for entry in entries]
+        self.config.check_members([spec.name for spec in specs])
+        self.response_timeout_s = float(model_config.get("responseTimeout", DEFAULT_RESPONSE_TIMEOUT_S))
+        max_payload = int(handler_config.get("max_payload_bytes", DEFAULT_MAX_PAYLOAD_BYTES))
+        self.configure_runtime(context)
+        self.device = ExecutionDevice.from_context(context)
+        self.cpu_threads = torch.get_num_threads()
+        model_dir = context.system_properties["model_dir"]
+        members = []
+        for spec, entry in zip(specs, entries, strict=True):
+            if spec.mode != "eager":
+                raise RuntimeError(f"REEF segments eager models; {spec.name} is {spec.mode!r}: rebuild it eager")
+            codec = self.codecs[spec.name] = InputCodec(spec, max_payload)
+            model = load_model(spec, os.path.join(model_dir, entry["artefact"]), self.device.device)
+            example = declared_inputs(codec)[0]
+            rows = tuple(t.unsqueeze(0).expand(2, *t.shape).clone().to(self.device.device) for t in example.tensors)
+            sliced = slice_model(
+                model, rows, self.config.segments, dynamic_dims_for(spec.input_kind), repeats=1,
+                check=lambda got, expected: outputs_close(got, expected, 1e-4),
+            )  # fmt: skip
+            members.append(Member(spec.name, model, sliced, example))
+            logger.info("REEF: %s in %d segments of %s graph nodes", spec.name, len(sliced), [s.nodes for s in sliced])
+        if not self.device.is_cuda:
+            torch.set_num_threads(1)  # this thread runs the event loop; the executors own the cores
+        self.spec, self.codec = specs[0], self.codecs[specs[0].name]
+        self.decoder = self._reef_decoder(handler_config.get("decode_threads"))
+        self.metrics = HandlerMetrics.for_worker(context, handler_config)
+        engine = ReefEngine(members, self.device, self.config, self.metrics, self.cpu_threads)
+        engine.warm_up()
+        self.engines = {ENGINE_KEY: engine}
+        self.initialized = True
+        logger.info(
+            "ReefHandler serving %s on %s (%s; real-time by default: %s), decoding %s",
+            ", ".join(self.codecs),
+            self.device,
+            engine,
+            ", ".join(self.config.realtime) or "none",
+            self.decoder.where,
+        )
+
+    def _reef_decoder(self, setting: Any) -> RequestDecoder:
+        placement = parse_decode_threads(setting)
+        if placement == LANE:
+            raise RuntimeError("REEF has no CPU lanes to decode on; set decode_threads to a thread count")
+        if placement is None:
+            placement = default_decode_placement(True) if self.device.is_cuda else CPU_DECODE_THREADS
+        return RequestDecoder(self.codec.decode, threads=placement)
+
+    async def decode_request(self, row: dict[str, Any], context: Any, index: int) -> ModelInput:
+        headers = request_headers(context, index)
+        name = headers.get(MODEL_HEADER)
+        if name is None:
+            if len(self.codecs) > 1:
+                raise bad_request(f"name the model with an X-Model header: one of {', '.join(self.codecs)}")
+            name = self.spec.name
+        if name not in self.codecs:
+            raise RequestError(404, f"unknown model {name!r} (X-Model); this archive serves {', '.join(self.codecs)}")
+        priority = self.config.priority(name, headers.get(PRIORITY_HEADER))
+        item = await self.decoder(row, self.codecs[name].decode)
+        return RoutedInput(item.tensors, model=name, priority=priority)
+
+    def engine_key(self, item: ModelInput) -> Any:
+        return ENGINE_KEY
