@@ -306,7 +306,7 @@ def plot(data: dict[str, Any], path: Path) -> None:
     fig, ax = new_figure((6.5, 3.6))
     xs = list(range(len(POLICIES)))
     means = [data["systems"][p]["rt_mean_ms"] for p in POLICIES]
-    ax.bar(xs, means, color=["#999999", "#d62728", "#ff7f0e", "#1f77b4"])
+    ax.bar(xs, means, color=["#999999", "#d62728", "#ff7f0e", "#1f77b4"], label="RT mean latency")
     for x, p in zip(xs, POLICIES, strict=True):
         ax.annotate(f"{data['systems'][p]['throughput']:.2f}/s", (x, means[x]), ha="center", va="bottom")
     ax.set_xticks(xs, [LABELS[p] for p in POLICIES])
@@ -321,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=30.0)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--rt-load", type=float, default=0.3, help="RT arrivals per L1 (the RT model alone)")
-    parser.add_argument("--segments", type=int, default=4, help="units a BE batch is cut into")
+    parser.add_argument("--segments", type=int, default=8, help="units a BE batch is cut into (preemption points)")
     parser.add_argument("--rt-max-batch", type=int, default=4)
     parser.add_argument("--be-max-batch", type=int, default=1)
     parser.add_argument("--warmup-seconds", type=float, default=3.0)
