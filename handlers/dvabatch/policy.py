@@ -13,9 +13,10 @@ Pure decisions on plain state; the engine (``engine.py``) carries them out.
   the whole, and the first half's requests finish earlier.  Without a
   profile nothing is split.
 
-Input diversity (clustering token inputs by length) needs unpadded inputs;
-the codec pads every sequence to the archive's length today, so it is not
-built.
+Input diversity (clustering token inputs by length) is not a decision over
+the batch table: the codec pads each request to its length class
+(``handler.token_lengths``) and the runtime gives each class its own engine
+and table (``DvaBatchHandler``), so requests of one class batch together.
 """
 
 from __future__ import annotations
