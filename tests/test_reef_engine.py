@@ -27,10 +27,18 @@ HOLD.set()
 INSIDE = threading.Event()
 
 
+HELD_NOW = [0]  # BE batches inside hold_here right now
+HELD_LOCK = threading.Lock()
+
+
 @fx.wrap
 def hold_here(x: torch.Tensor) -> torch.Tensor:
+    with HELD_LOCK:
+        HELD_NOW[0] += 1
     INSIDE.set()
     HOLD.wait(WAIT_S)
+    with HELD_LOCK:
+        HELD_NOW[0] -= 1
     return x
 
 
@@ -154,6 +162,27 @@ def test_bad_routing_is_the_requests_own_400_and_a_full_engine_asks_to_wait(engi
     HOLD.set()
     for future in futures:
         future.result(WAIT_S)
+
+
+def test_on_cpu_reef_runs_at_most_one_best_effort_batch_per_core():
+    names = ("h1", "h2", "h3")
+    eng = ReefEngine([member(n, Held(), (3, 8, 8)) for n in names], ExecutionDevice("cpu"), ReefConfig(),
+                     HandlerMetrics(None, "test"), cpu_threads=2)  # fmt: skip
+    eng.warm_up()
+    HOLD.clear()
+    try:
+        futures = [request(eng, n, BEST_EFFORT, seed=i)[1] for i, n in enumerate(names)]
+        deadline = time.monotonic() + WAIT_S
+        while HELD_NOW[0] < 2 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        time.sleep(0.2)  # room for a third batch to start, were it allowed to
+        assert HELD_NOW[0] == 2  # two cores: the third BE queue waits for a slot
+        HOLD.set()
+        for future in futures:
+            future.result(WAIT_S)
+    finally:
+        HOLD.set()
+        eng.close(5.0)
 
 
 def test_close_fails_what_it_could_not_finish_with_503():
