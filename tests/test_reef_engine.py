@@ -133,6 +133,7 @@ def test_a_real_time_request_preempts_a_best_effort_batch_which_restores_with_th
     assert outputs_close(be_row, expected(engine, "held", be_x), 1e-5)  # nothing lost or run twice in between
     assert rt_future.times.settled < be_future.times.settled  # the BE batch finished after the RT one
     assert engine.counts["preempt"] == 1 and engine.counts["resume"] == 1
+    assert engine.metrics.snapshot()["operations"] == {"preempt": 1, "resume": 1}  # what TorchServe is told
     [preemption] = engine.preemptions
     assert preemption.interrupted == 1 and preemption.latency_s > 0
     assert not engine.gate.realtime_mode  # normal mode once the RT queue is empty

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import zipfile
 
 import aiohttp
@@ -107,9 +108,15 @@ def test_a_real_time_burst_during_best_effort_load_preempts_it_and_nothing_is_lo
     assert_matches_reference(unet, be_rows, bodies[: len(be_rows)])  # every BE result right after preemptions
     assert_matches_reference(resnet, rt_rows, bodies[len(be_rows) :])
 
-    def both(samples) -> bool:
-        return {labels["Operation"] for labels, _ in samples} >= {"preempt", "resume"}
+    def counted() -> tuple[dict[str, float], list[float]]:
+        operations = {labels["Operation"]: n for labels, n in handler_metric(torchserve, "HandlerOperations", MODEL)}
+        waits = [n for _, n in handler_metric(torchserve, "HandlerPreemptionSeconds_count", MODEL)]
+        return operations, waits
 
-    samples = handler_metric(torchserve, "HandlerOperations", MODEL, until=both)
-    operations = {labels["Operation"]: n for labels, n in samples}
+    deadline = time.monotonic() + 10.0  # the handler's metrics reach TorchServe once a second
+    operations, waits = counted()
+    while (waits != [operations.get("preempt")] or "resume" not in operations) and time.monotonic() < deadline:
+        time.sleep(0.2)
+        operations, waits = counted()
     assert operations.get("preempt", 0) >= 1 and operations.get("resume", 0) >= 1, operations
+    assert waits == [operations["preempt"]]  # one preemption latency observed per preemption

@@ -196,8 +196,9 @@ class ReefEngine(Engine):
                 preemption = self.gate.quiesce()
                 if preemption is not None and preemption.interrupted:
                     self.preemptions.append(preemption)
-                    self._count("preempt")
-                    self.metrics.preempted(preemption.latency_s)
+                    with self._cond:
+                        self.counts["preempt"] += 1
+                    self.metrics.preempted(preemption.latency_s)  # counts HandlerOperations{preempt} too
                     logger.info(
                         "%s %d best-effort unit(s) in flight; real-time waited %.2f ms",
                         PREEMPTION_LOG,
