@@ -7,12 +7,16 @@ Workloads (REEF's DISB, with the paper's models):
 - **A**: real-time (RT) VGG-19 at uniform arrivals, plus one closed-loop
   best-effort (BE) client on ResNet-152;
 - **C**: the same RT client, plus five closed-loop BE clients: ResNet-152,
-  DenseNet-201, VGG-19, Inception-v3, DistilBERT.
+  DenseNet-201, VGG-19, Inception-v3, DistilBERT;
+- **D**: five RT clients at uniform arrivals, one on each of those five
+  models, plus the five BE clients;
+- **E**: D with Poisson arrivals.
 
-The RT rate is ``--rt-load`` ÷ L1, where L1 is the RT model's mean latency
-alone on this worker (measured first, in the same run): that is the scaling
-factor to this hardware, stated in the results.  DISB's D and E (five RT
-clients) are not run yet.
+Each RT client's rate is ``--rt-load`` ÷ (RT clients × L1), where L1 is its
+model's mean latency alone on this worker (measured first, in the same
+run): together the RT clients would keep the worker busy ``--rt-load`` of
+the time.  That is the scaling factor to this hardware, stated in the
+results.
 
 Systems, one worker each, every one from the same group archive (the same
 models, segments, threads and batching), differing only in ``policy``
@@ -61,16 +65,19 @@ from model_store.samples import client_payload
 from packrat_plugin.loadgen import LoadResult, closed_loop, open_loop
 from packrat_plugin.torchserve import TorchServeProcess
 
+FIVE = ["resnet152", "densenet201", "vgg19", "inception_v3", "distilbert"]
 WORKLOADS: dict[str, dict[str, Any]] = {
-    "A": {"rt": "vgg19", "be": ["resnet152"]},
-    "C": {"rt": "vgg19", "be": ["resnet152", "densenet201", "vgg19", "inception_v3", "distilbert"]},
+    "A": {"rt": ["vgg19"], "be": ["resnet152"], "poisson": False},
+    "C": {"rt": ["vgg19"], "be": FIVE, "poisson": False},
+    "D": {"rt": FIVE, "be": FIVE, "poisson": False},
+    "E": {"rt": FIVE, "be": FIVE, "poisson": True},
 }
 POLICIES = ("rt-only", "seq", "concurrent", "reef")
 LABELS = {"rt-only": "RT only", "seq": "SEQ", "concurrent": "concurrent", "reef": "REEF"}
 
 
 def members_of(workload: dict[str, Any]) -> list[str]:
-    return list(dict.fromkeys([workload["rt"], *workload["be"]]))
+    return list(dict.fromkeys([*workload["rt"], *workload["be"]]))
 
 
 def longest_segment_ms(names: list[str], segments: int, batch: int) -> dict[str, float]:
@@ -96,13 +103,26 @@ def longest_segment_ms(names: list[str], segments: int, batch: int) -> dict[str,
 
 
 async def one_run(
-    url: str, rt: str, rt_rate: float, be: list[str], seconds: float, seed: int, specs: dict[str, ModelSpec]
+    url: str,
+    rt_rates: dict[str, float],
+    poisson: bool,
+    be: list[str],
+    seconds: float,
+    seed: int,
+    specs: dict[str, ModelSpec],
 ) -> tuple[LoadResult, list[LoadResult]]:
-    """The RT schedule and every BE client, together."""
-    rt_load = open_loop(
-        url, lambda i: client_payload(specs[rt], seed * 1000 + i), [(seconds, rt_rate)], poisson=False,
-        headers={"X-Model": rt, "X-Priority": "realtime"},
-    )  # fmt: skip
+    """Every RT client's schedule and every BE client, together; the RT clients' answers as one result."""
+    rt_loads = [
+        open_loop(
+            url,
+            lambda i, n=name: client_payload(specs[n], seed * 1000 + i),
+            [(seconds, rate)],
+            poisson=poisson,
+            seed=seed * 100 + k,
+            headers={"X-Model": name, "X-Priority": "realtime"},
+        )  # fmt: skip
+        for k, (name, rate) in enumerate(rt_rates.items())
+    ]
     be_loads = [
         closed_loop(
             url,
@@ -113,8 +133,10 @@ async def one_run(
         )  # fmt: skip
         for name in be
     ]
-    results = await asyncio.gather(rt_load, *be_loads)
-    return results[0], list(results[1:])
+    results = await asyncio.gather(*rt_loads, *be_loads)
+    rt = results[: len(rt_loads)]
+    merged = LoadResult([x for r in rt for x in r.samples], max(r.wall_s for r in rt))
+    return merged, list(results[len(rt_loads) :])
 
 
 def preemptions_since(log: Path, offset: int) -> tuple[list[float], int]:
@@ -136,7 +158,7 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     names = members_of(workload)
     specs = {n: get_spec(n) for n in names}
     settings = {
-        "realtime": [workload["rt"]],
+        "realtime": list(workload["rt"]),
         "segments": args.segments,
         "rt_max_batch": args.rt_max_batch,
         "be_max_batch": args.be_max_batch,
@@ -157,19 +179,21 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         for policy in ("seq", "concurrent", "reef"):
             mgmt.register(archives[policy], model_name=f"reef-{policy}", initial_workers=1)
         url["rt-only"] = url["reef"]
-        rt_headers = {"X-Model": workload["rt"], "X-Priority": "realtime"}
         for policy in ("seq", "concurrent", "reef"):  # warm every worker with every model
             for name in names:
                 asyncio.run(
                     closed_loop(url[policy], lambda i, n=name: client_payload(specs[n], i), 1, args.warmup_seconds,
                                 headers={"X-Model": name})
                 )  # fmt: skip
-        single = asyncio.run(
-            closed_loop(url["reef"], lambda i: client_payload(specs[workload["rt"]], i), 1, args.calibrate_seconds,
-                        headers=rt_headers)
-        )  # fmt: skip
-        l1_ms = single.mean_latency_ms()
-        rt_rate = args.rt_load / (l1_ms / 1e3)
+        l1_ms = {}
+        for name in workload["rt"]:  # each RT model alone: the scale of this machine
+            single = asyncio.run(
+                closed_loop(url["reef"], lambda i, n=name: client_payload(specs[n], i), 1, args.calibrate_seconds,
+                            headers={"X-Model": name, "X-Priority": "realtime"})
+            )  # fmt: skip
+            l1_ms[name] = single.mean_latency_ms()
+        # RT clients share --rt-load: each keeps the worker busy rt_load / (number of RT clients) of the time.
+        rt_rates = {n: args.rt_load / len(l1_ms) / (ms / 1e3) for n, ms in l1_ms.items()}
         log = server.log_dir / "model_log.log"
         offset = log.stat().st_size if log.exists() else 0
         order = list(POLICIES)
@@ -178,7 +202,7 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                 be = [] if policy == "rt-only" else workload["be"]
                 started = time.monotonic()
                 rt, be_results = asyncio.run(
-                    one_run(url[policy], workload["rt"], rt_rate, be, args.seconds, repeat, specs)
+                    one_run(url[policy], rt_rates, workload["poisson"], be, args.seconds, repeat, specs)
                 )
                 wall = time.monotonic() - started
                 time.sleep(0.5)  # the worker's log line of the last preemption
@@ -195,7 +219,7 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                     }
                 )
                 print(f"repeat {repeat + 1}/{args.repeats} {policy}: {summary_line(rows[policy][-1])}", flush=True)
-    return summarise(args, workload, names, settings, rows, l1_ms, rt_rate, bound_ms)
+    return summarise(args, workload, names, settings, rows, l1_ms, rt_rates, bound_ms)
 
 
 def summary_line(row: dict[str, Any]) -> str:
@@ -206,7 +230,7 @@ def summary_line(row: dict[str, Any]) -> str:
     )
 
 
-def summarise(args, workload, names, settings, rows, l1_ms, rt_rate, bound_ms) -> dict[str, Any]:  # noqa: ANN001
+def summarise(args, workload, names, settings, rows, l1_ms, rt_rates, bound_ms) -> dict[str, Any]:  # noqa: ANN001
     def throughput(row: dict[str, Any]) -> float:
         return (row["rt_answered"] + row["be_answered"]) / row["wall_s"]
 
@@ -241,7 +265,7 @@ def summarise(args, workload, names, settings, rows, l1_ms, rt_rate, bound_ms) -
         "workload": {"name": args.workload, **workload, "members": names},
         "settings": settings,
         "l1_ms": l1_ms,
-        "rt_rate_rps": rt_rate,
+        "rt_rate_rps": rt_rates,
         "rt_load": args.rt_load,
         "seconds": args.seconds,
         "repeats": args.repeats,
@@ -285,11 +309,14 @@ def render(data: dict[str, Any], stem: str) -> str:
         )
     bound = ", ".join(f"{n} {ms:.0f} ms" for n, ms in data["longest_be_segment_ms"].items())
     claims = {k: "yes" if v else "no" for k, v in data["claims"].items()}
+    rates = ", ".join(f"{n} {r:.2f} req/s" for n, r in data["rt_rate_rps"].items())
+    l1 = ", ".join(f"{n} {ms:.0f} ms" for n, ms in data["l1_ms"].items())
     return (
         f"# REEF on workload {w['name']} (one TorchServe worker, CPU)\n\n"
-        f"RT: {w['rt']} at uniform arrivals; BE: one closed-loop client each on {', '.join(w['be'])}. "
-        f"RT rate {data['rt_rate_rps']:.2f} req/s = {data['rt_load']} ÷ L1, L1 = {data['l1_ms']:.0f} ms "
-        f"(the RT model alone on this worker, measured in this run): the scaling to this machine. "
+        f"RT: one client each on {', '.join(w['rt'])} at {'Poisson' if w['poisson'] else 'uniform'} arrivals; "
+        f"BE: one closed-loop client each on {', '.join(w['be'])}. RT rates: {rates}, together {data['rt_load']} of "
+        f"the worker's time by each RT model's L1 ({l1}; the model alone on this worker, measured in this run): "
+        "the scaling to this machine. "
         f"{data['seconds']:.0f} s per run, {data['repeats']} interleaved repeat(s); a ratio is the system's over "
         f"RT-only's in the same repeat, median (min-max). Settings: `{data['settings']}`.\n\n"
         + markdown_table(header, body)

@@ -317,9 +317,9 @@ def build_group_archive(
     for spec in specs:
         if spec.mode != "eager":
             raise ValueError(f"the {options.handler} handler slices eager models; {spec.name} is {spec.mode!r}")
-    settings = dict(options.handler_settings)
-    module, _, cls = (kind.settings_class or "").partition(":")
-    parsed = getattr(importlib.import_module(module), cls).from_dict(settings)
+    from handlers.reef.config import ReefConfig  # REEF's are the group archives
+
+    parsed = ReefConfig.from_dict(dict(options.handler_settings))
     parsed.check_members(names)
     out_dir.mkdir(parents=True, exist_ok=True)
     name = group_archive_name(names, options.handler)
