@@ -38,7 +38,7 @@ from handlers.dvabatch.batch_table import BatchEntry, BatchTable
 from handlers.dvabatch.policy import DvaBatchConfig, DvaPolicy
 from handlers.errors import ServiceUnavailable, bad_request
 from handlers.runtime.device import ExecutionDevice
-from handlers.runtime.engine import Engine, Ticket, fail_unanswered, layout_of, wait_for_answers, warm_up_sizes
+from handlers.runtime.engine import Engine, Ticket, drain_then_stop, layout_of, warm_up_sizes
 from handlers.runtime.lanes import CpuLanes
 from handlers.runtime.metrics import HandlerMetrics
 from handlers.runtime.segment_profile import SegmentProfile
@@ -244,15 +244,13 @@ class DvaBatchEngine(Engine):
 
         warm_up_sizes([1, self.config.max_batch], through_all, self._lanes, self.device)
 
+    def _stop(self) -> None:
+        self._stopping = True
+
     def close(self, timeout_s: float = 30.0) -> None:
         deadline = time.monotonic() + timeout_s
-        with self._cond:
-            self._closing = True
-            leftover = wait_for_answers(self._cond, self._outstanding, deadline)
-            self._stopping = True
-            self._outstanding.clear()
-            self._cond.notify_all()
-        fail_unanswered(leftover)
+        self._closing = True
+        drain_then_stop(self._cond, self._outstanding, deadline, self._stop)
         self._scheduler.join(timeout=max(deadline - time.monotonic(), 0.1))
         for pool in self._stage_threads:
             pool.shutdown(wait=False)

@@ -30,7 +30,7 @@ from handlers.ebird.scheduler import ElasticScheduler, SchedulerState, WorkerSpe
 from handlers.errors import ServiceUnavailable, bad_request
 from handlers.runtime.arrivals import Arrivals
 from handlers.runtime.device import ExecutionDevice
-from handlers.runtime.engine import Engine, Ticket, fail_unanswered, layout_of, wait_for_answers, warm_up_sizes
+from handlers.runtime.engine import Engine, Ticket, drain_then_stop, layout_of, warm_up_sizes
 from handlers.runtime.lanes import CpuLanes
 from handlers.runtime.metrics import HandlerMetrics
 
@@ -231,14 +231,13 @@ class EbirdEngine(Engine):
 
     # -- shutdown ------------------------------------------------------------
 
+    def _stop(self) -> None:
+        self._stopping = True
+
     def close(self, timeout_s: float = 30.0) -> None:
         deadline = time.monotonic() + timeout_s
-        with self._cond:
-            self._closing = True
-            leftover = wait_for_answers(self._cond, self._outstanding, deadline)
-            self._stopping = True
-            self._cond.notify_all()
-        fail_unanswered(leftover)
+        self._closing = True
+        drain_then_stop(self._cond, self._outstanding, deadline, self._stop)
         for worker in self.workers:
             worker.jobs.put(None)
         for thread in [self._scheduler, *(w.thread for w in self.workers)]:

@@ -51,7 +51,7 @@ from handlers.codecs import ModelInput, collate
 from handlers.errors import ServiceUnavailable, bad_request
 from handlers.reef.config import BEST_EFFORT, PRIORITIES, REALTIME, ReefConfig
 from handlers.runtime.device import ExecutionDevice
-from handlers.runtime.engine import Engine, Ticket, fail_unanswered, layout_of, wait_for_answers
+from handlers.runtime.engine import Engine, Ticket, drain_then_stop, layout_of
 from handlers.runtime.metrics import HandlerMetrics
 from handlers.runtime.preemption import Preemption, PreemptionGate
 from handlers.runtime.segments import SegmentedModel
@@ -322,16 +322,14 @@ class ReefEngine(Engine):
         for warm in self._warm:
             warm.result()
 
+    def _stop(self) -> None:
+        self._stopping = True
+
     def close(self, timeout_s: float = 30.0) -> None:
         deadline = time.monotonic() + timeout_s
-        with self._cond:
-            self._closing = True
-            leftover = wait_for_answers(self._cond, self._outstanding, deadline)
-            self._stopping = True
-            self._outstanding.clear()
-            self._cond.notify_all()
+        self._closing = True
+        drain_then_stop(self._cond, self._outstanding, deadline, self._stop)
         self.gate.close()
-        fail_unanswered(leftover)
         for thread in self._threads:
             thread.join(timeout=max(deadline - time.monotonic(), 0.1))
         self._notify_space()

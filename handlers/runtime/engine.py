@@ -120,6 +120,19 @@ def fail_unanswered(tickets: list[Ticket]) -> None:
         ticket.settle(error=ServiceUnavailable("worker shut down before this request finished"))
 
 
+def drain_then_stop(
+    cond: threading.Condition, outstanding: set[Ticket], deadline: float, stop: Callable[[], None]
+) -> None:
+    """An engine's close: wait for its admitted tickets until ``deadline``, then, with ``cond``
+    held, ``stop()`` its loops and wake them; what is still unanswered gets 503."""
+    with cond:
+        leftover = wait_for_answers(cond, outstanding, deadline)
+        stop()
+        outstanding.clear()
+        cond.notify_all()
+    fail_unanswered(leftover)
+
+
 def warm_up_sizes(sizes: list[int], run: Callable[[int], Any], lanes: Any | None, device: Any) -> None:
     """``run(size)`` for every batch size: on every CPU lane (each lane's OpenMP team, each shape's
     kernels), or once on CUDA, before TorchServe marks the worker READY."""
