@@ -56,11 +56,10 @@ import torch
 from bench.batching_compare import run_and_publish
 from bench.report import markdown_table, new_figure, provenance_block, save_figure
 from handlers.reef.engine import PREEMPTION_LOG
-from handlers.runtime.segment_profile import measure_segments
-from handlers.runtime.segments import dynamic_dims_for, slice_model
+from handlers.runtime.segment_profile import measure_segments, slice_catalog_model
 from model_store.build import ServingOptions, build_group_archive
 from model_store.catalog import ModelSpec, get_spec
-from model_store.factory import build_model, example_inputs, outputs_close
+from model_store.factory import build_model, example_inputs
 from model_store.samples import client_payload
 from packrat_plugin.loadgen import LoadResult, closed_loop, open_loop
 from packrat_plugin.torchserve import TorchServeProcess
@@ -89,10 +88,7 @@ def longest_segment_ms(names: list[str], segments: int, batch: int) -> dict[str,
         for name in names:
             spec = get_spec(name)
             model = build_model(spec)
-            sliced = slice_model(
-                model, example_inputs(spec, 2), segments, dynamic_dims_for(spec.input_kind), repeats=1,
-                check=lambda g, e: outputs_close(g, e, 1e-4),
-            )  # fmt: skip
+            sliced = slice_catalog_model(spec, model, segments)
             prof = measure_segments(
                 sliced, lambda b, s=spec: example_inputs(s, b), [batch], name, warmup=1, iters=3, progress=False
             )

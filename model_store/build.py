@@ -204,12 +204,9 @@ def _check_segments(spec: ModelSpec, options: ServingOptions, model: torch.nn.Mo
 
 def _check_slices(spec: ModelSpec, model: torch.nn.Module, segments: int) -> None:
     """Refuse a model whose cut into ``segments`` (as the worker makes it) would not reproduce it."""
-    from handlers.runtime.segments import dynamic_dims_for, slice_model
+    from handlers.runtime.segment_profile import slice_catalog_model
 
-    slice_model(
-        model, example_inputs(spec, batch=2), segments, dynamic_dims_for(spec.input_kind), repeats=1,
-        check=lambda got, expected: outputs_close(got, expected, tol=1e-4),
-    )  # fmt: skip
+    slice_catalog_model(spec, model, segments)
 
 
 def write_artefact(spec: ModelSpec, workdir: Path, model: torch.nn.Module | None = None) -> Path:

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from handlers.runtime.segments import SegmentedModel, State
+from handlers.runtime.segments import SegmentedModel, State, dynamic_dims_for, slice_model
 from packrat_plugin.profile import ProfileError, check_hardware, hardware_fingerprint
 
 
@@ -155,6 +155,17 @@ def measure_segments(
     )
 
 
+def slice_catalog_model(spec: Any, model: torch.nn.Module, segments: int, repeats: int = 1) -> SegmentedModel:
+    """A catalog model cut as the builder checks it and the tools time it: on its example batch of 2,
+    with its dynamic dimensions, refused unless the pieces reproduce the model (``outputs_close``, 1e-4)."""
+    from model_store.factory import example_inputs, outputs_close
+
+    return slice_model(
+        model, example_inputs(spec, 2), segments, dynamic_dims_for(spec.input_kind), repeats=repeats,
+        check=lambda got, expected: outputs_close(got, expected, 1e-4),
+    )  # fmt: skip
+
+
 # -- `packrat segments` ---------------------------------------------------------------
 
 DEFAULT_DIR = Path(__file__).resolve().parents[2] / "profiles" / "segments"
@@ -176,9 +187,8 @@ def add_arguments(parser: Any) -> None:
 
 def run(args: Any) -> int:
     """Slice a catalog model into time-balanced segments, check it, time each segment, save."""
-    from handlers.runtime.segments import dynamic_dims_for, slice_model
     from model_store.catalog import get_spec
-    from model_store.factory import build_model, example_inputs, outputs_close
+    from model_store.factory import build_model, example_inputs
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -186,11 +196,7 @@ def run(args: Any) -> int:
     if not batches or batches[0] < 1:
         raise ProfileError(f"--batches needs positive sizes, got {args.batches!r}")
     spec = get_spec(args.model)
-    model = build_model(spec)
-    dims = dynamic_dims_for(spec.input_kind)
-    sliced = slice_model(
-        model, example_inputs(spec, 2), args.segments, dims, check=lambda g, e: outputs_close(g, e, 1e-4)
-    )
+    sliced = slice_catalog_model(spec, build_model(spec), args.segments, repeats=3)
     command = (
         f"packrat segments {spec.name} --segments {args.segments} --batches {','.join(map(str, batches))} "
         f"--threads {torch.get_num_threads()} --warmup {args.warmup} --iters {args.iters}"
