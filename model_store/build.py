@@ -69,8 +69,11 @@ HANDLERS = {
     "dvabatch": HandlerKind(ENTRY_DIR / "dvabatch_handler.py", True, "handlers.dvabatch.policy:DvaBatchConfig"),
     # One archive for a group of models served by one worker (``build_group_archive``).
     "reef": HandlerKind(ENTRY_DIR / "reef_handler.py", True, "handlers.reef.config:ReefConfig", group=True),
+    # Synchronous: TorchServe's own batching, Nimble's ahead-of-time programs per batch-size bucket.
+    "nimble": HandlerKind(ENTRY_DIR / "nimble_handler.py", False, "handlers.nimble.config:NimbleConfig"),
 }
 SLICING_HANDLERS = ("dvabatch", "reef")  # handlers that cut the eager model into segments
+TRACING_HANDLERS = ("nimble",)  # handlers that trace the eager model to an fx graph in the worker
 ARCHIVE_VERSION = "1.0"
 
 
@@ -156,6 +159,7 @@ def model_config(spec: ModelSpec, options: ServingOptions) -> dict:
     }
     if HANDLERS[options.handler].asynchronous:
         config.update(asyncCommunication=True, batchSize=1, maxBatchDelay=0)
+    if HANDLERS[options.handler].settings_class is not None:
         config["handler"][options.handler] = dict(options.handler_settings)
         if options.decode_threads is not None:
             config["handler"]["decode_threads"] = options.decode_threads
@@ -202,6 +206,17 @@ def _check_segments(spec: ModelSpec, options: ServingOptions, model: torch.nn.Mo
     _check_slices(spec, model, DvaBatchConfig.from_dict(dict(options.handler_settings)).segments)
 
 
+def _check_nimble(spec: ModelSpec, model: torch.nn.Module) -> None:
+    """Refuse a model the worker could not trace and freeze to the graph Nimble's programs run."""
+    from handlers.nimble.program import freeze, reproduces
+
+    example = example_inputs(spec, batch=2, seed=1)
+    with torch.inference_mode():
+        frozen = freeze(model, example)
+        if not reproduces(frozen(*example), model(*example)):
+            raise RuntimeError(f"{spec.name}: the frozen fx graph disagrees with the eager model")
+
+
 def _check_slices(spec: ModelSpec, model: torch.nn.Module, segments: int) -> None:
     """Refuse a model whose cut into ``segments`` (as the worker makes it) would not reproduce it."""
     from handlers.runtime.segment_profile import slice_catalog_model
@@ -241,10 +256,17 @@ def build_archive(
         return build_group_archive([spec], out_dir, options, force)
     if options.handler in SLICING_HANDLERS and spec.mode != "eager":
         raise ValueError(f"the {options.handler} handler slices the eager model; build {spec.name} in mode 'eager'")
+    if options.handler in TRACING_HANDLERS:
+        if spec.mode != "eager":
+            raise ValueError(f"the {options.handler} handler traces the eager model; build {spec.name} in mode 'eager'")
+        if spec.input_kind != "image":
+            raise ValueError(f"the {options.handler} handler serves image models; {spec.name} takes {spec.input_kind}")
     config = model_config(spec, options)  # refuses options that do not fit this model before any work
     model = build_model(spec)
     if options.handler == "dvabatch":
         _check_segments(spec, options, model)
+    if options.handler == "nimble":
+        _check_nimble(spec, model)
     with tempfile.TemporaryDirectory(prefix=f"mar-{name}-") as tmp:
         workdir = Path(tmp)
         artefact = write_artefact(spec, workdir, model)

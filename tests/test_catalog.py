@@ -11,6 +11,7 @@ REQUIRED = {
     "inception_v3",
     "vgg19",
     "densenet201",
+    "efficientnet_b0",
     "resnet152",
     "unet",
     "bert-base",

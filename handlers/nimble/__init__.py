@@ -1,0 +1,1 @@
+"""Nimble (NeurIPS'20): ahead-of-time scheduled execution and automatic multi-stream assignment."""

@@ -1,0 +1,64 @@
+"""Nimble's settings (``handler.nimble`` in model-config.yaml)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+# How the worker picks a program for each bucket: "auto" times every
+# candidate at the bucket's size when the worker starts and keeps the
+# fastest (eager included, so never slower than eager as measured);
+# "multi" / "single" force the multi-stream (CPU: chains on threads) or the
+# one-stream ahead-of-time program; "eager" turns Nimble off, for comparison.
+STREAMS = ("auto", "multi", "single", "eager")
+# The candidates ``auto`` chooses among, by name (docs, logs, benchmarks).
+EAGER, SINGLE, MULTI = "eager", "single", "multi"
+
+
+class NimbleConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class NimbleConfig:
+    # Batch sizes prepared ahead of time.  On CUDA each is a captured graph and
+    # a batch of n is padded to the smallest bucket ≥ n; on CPU the program is
+    # shape-generic and n runs unpadded with its bucket's choice.  A batch
+    # above the largest bucket runs eager (logged).  Every bucket costs
+    # start-up time (each candidate is timed), so the default stops at 8.
+    buckets: tuple[int, ...] = (1, 2, 4, 8)
+    streams: str = "auto"
+    timing_runs: int = 3  # timed runs per candidate and bucket (after one warm-up), median kept
+    # CPU: intra-op threads for each side chain's thread (chain 0 keeps the worker's).
+    side_threads: int = 1
+
+    def __post_init__(self) -> None:
+        if isinstance(self.buckets, str | bytes) or not self.buckets:
+            raise NimbleConfigError(f"buckets must be a non-empty list of batch sizes, got {self.buckets!r}")
+        for b in self.buckets:
+            if isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= 1024:
+                raise NimbleConfigError(f"every bucket must be an integer in 1..1024, got {b!r}")
+        if list(self.buckets) != sorted(set(self.buckets)):
+            raise NimbleConfigError(f"buckets must be increasing and distinct, got {list(self.buckets)}")
+        if self.streams not in STREAMS:
+            raise NimbleConfigError(f"streams must be one of {', '.join(STREAMS)}, got {self.streams!r}")
+        for name in ("timing_runs", "side_threads"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise NimbleConfigError(f"{name} must be an integer ≥ 1, got {value!r}")
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any] | None) -> NimbleConfig:
+        raw = dict(raw or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise NimbleConfigError(f"unknown nimble settings {unknown}; known: {sorted(known)}")
+        if isinstance(raw.get("buckets"), list | tuple):
+            raw["buckets"] = tuple(raw["buckets"])
+        return cls(**raw)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["buckets"] = list(self.buckets)
+        return out

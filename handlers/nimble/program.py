@@ -1,0 +1,222 @@
+"""A model prepared ahead of time, Nimble's way, and the choice of program per bucket.
+
+Preparation, once per worker:
+
+1. trace the eager model to an fx graph and fold batch norms into the
+   convolutions before them (``torch.fx.experimental.optimization.fuse``):
+   the frozen graph every candidate below runs;
+2. assign its operators to streams (``handlers/runtime/stream_assignment``);
+3. build the candidates: ``eager`` (the model as loaded), ``single`` (the
+   frozen graph on one stream; on CUDA captured into one CUDA graph per
+   bucket) and ``multi`` (the same graph on its assigned streams; on CPU its
+   chains on threads; on CUDA captured with its streams and events), when
+   the graph has more than one stream;
+4. for each bucket, check every candidate's output against eager's and time
+   it (median of a few runs), and keep the fastest.  Eager is a candidate,
+   so a bucket is never served by something measured slower than eager:
+   the issue's "never default to something slower", made a mechanism.
+
+The choice is per machine and per bucket on purpose: on a 2-core VM the
+threads of ``multi`` lose to one thread team (OpenMP teams of concurrent
+chains spin against each other), while on a GPU concurrent streams fill
+SMs a small batch leaves idle; neither is assumed.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx, nn
+from torch.fx.experimental.optimization import fuse
+
+from handlers.nimble.config import EAGER, MULTI, SINGLE, NimbleConfig
+from handlers.runtime.multistream import ChainRunner, assign_graph, rewrite_for_streams
+from handlers.runtime.segments import trace
+from handlers.runtime.stream_assignment import StreamAssignment
+
+logger = logging.getLogger(__name__)
+
+# Candidates must reproduce eager's output to this fraction of its largest
+# value (batch-norm folding and thread counts change float summation order).
+TOLERANCE = 1e-3
+FALLBACK = "eager (above the largest bucket)"
+
+
+def reproduces(got: torch.Tensor, expected: torch.Tensor, tol: float = TOLERANCE) -> bool:
+    """Equal up to ``tol`` of the expected output's largest magnitude, however small that is.
+
+    Relative to the output's own scale with no floor: an untrained
+    EfficientNet answers logits near 1e-14, where an absolute floor would
+    accept anything.
+    """
+    if got.shape != expected.shape:
+        return False
+    if expected.numel() == 0:
+        return True
+    got, expected = got.float(), expected.float()
+    scale = float(expected.abs().max())
+    return bool(torch.isfinite(got).all()) and float((got - expected).abs().max()) <= tol * scale
+
+
+class NimbleError(RuntimeError):
+    """The model cannot be prepared (untraceable, or no candidate reproduces it)."""
+
+
+@dataclass(frozen=True)
+class BucketChoice:
+    """What runs a bucket, and the timings it was chosen from (milliseconds, median)."""
+
+    batch: int
+    chosen: str
+    ms: dict[str, float]
+    refused: tuple[str, ...] = ()  # candidates whose output differed from eager's
+
+    def describe(self) -> str:
+        timings = ", ".join(f"{name} {ms:.1f} ms" for name, ms in self.ms.items())
+        refused = f"; refused (output differs): {', '.join(self.refused)}" if self.refused else ""
+        return f"batch {self.batch}: {self.chosen} ({timings}{refused})"
+
+
+def _rows(example: Sequence[torch.Tensor], rows: int) -> tuple[torch.Tensor, ...]:
+    return tuple(x[torch.arange(rows, device=x.device) % x.shape[0]].contiguous() for x in example)
+
+
+def _timed(program: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...], runs: int) -> float:
+    """Median milliseconds of ``runs`` calls, after one untimed call."""
+    cuda = inputs[0].device.type == "cuda"
+    times = []
+    for i in range(runs + 1):
+        if cuda:
+            torch.cuda.synchronize(inputs[0].device)
+        started = time.perf_counter()
+        program(*inputs)
+        if cuda:
+            torch.cuda.synchronize(inputs[0].device)
+        if i:
+            times.append((time.perf_counter() - started) * 1e3)
+    return statistics.median(times)
+
+
+@dataclass
+class NimbleProgram:
+    """Runs a batch with its bucket's chosen program; eager above the largest bucket."""
+
+    eager: nn.Module
+    candidates: dict[str, Callable[..., torch.Tensor]]
+    choices: list[BucketChoice]
+    assignment: StreamAssignment
+    device: torch.device
+    _closers: list[Callable[[], None]] = field(default_factory=list)
+
+    @property
+    def sizes(self) -> list[int]:
+        return [c.batch for c in self.choices]
+
+    def choice_for(self, rows: int) -> BucketChoice | None:
+        return next((c for c in self.choices if c.batch >= rows), None)
+
+    def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, str]:
+        """The model's output for ``inputs`` and the name of the program that made it."""
+        choice = self.choice_for(inputs[0].shape[0])
+        if choice is None:
+            return self.eager(*inputs), FALLBACK
+        return self.candidates[choice.chosen](*inputs), choice.chosen
+
+    def describe(self) -> str:
+        a = self.assignment
+        head = (
+            f"{a.streams} stream(s), {len(a.syncs)} synchronisation(s) "
+            f"(|E'| {a.reduced_edges} − |M| {a.matching_size}) over {len(a.stream_of)} operators on {self.device}"
+        )
+        return "; ".join([head, *(c.describe() for c in self.choices)])
+
+    def close(self) -> None:
+        for close in self._closers:
+            close()
+        self._closers.clear()
+
+
+def freeze(model: nn.Module, example: Sequence[torch.Tensor]) -> fx.GraphModule:
+    """The model as an fx graph with batch norms folded into their convolutions."""
+    try:
+        gm = trace(model, tuple(example))
+    except Exception as exc:
+        raise NimbleError(f"cannot trace {type(model).__name__} to an fx graph: {exc}") from exc
+    return fuse(gm, no_trace=True)
+
+
+def _candidates(
+    model: nn.Module, frozen: fx.GraphModule, assignment: StreamAssignment, example: Sequence[torch.Tensor],
+    config: NimbleConfig, closers: dict[str, Callable[[], None]],
+) -> dict[str, Callable[..., torch.Tensor]]:  # fmt: skip
+    wanted = {"auto": (EAGER, SINGLE, MULTI), "multi": (MULTI,), "single": (SINGLE,), "eager": (EAGER,)}[config.streams]
+    if MULTI in wanted and assignment.streams == 1:
+        logger.info("Nimble: the graph is one chain (one stream); multi-stream is the same as single")
+        wanted = tuple(w for w in wanted if w != MULTI) or (SINGLE,)
+    cuda = example[0].device.type == "cuda"
+    out: dict[str, Callable[..., torch.Tensor]] = {}
+    if EAGER in wanted:
+        out[EAGER] = model
+    if SINGLE in wanted:
+        out[SINGLE] = _captured(frozen, example, config) if cuda else frozen
+    if MULTI in wanted:
+        if cuda:
+            # A second graph over the same submodules (no copy of the weights), rewritten for its streams.
+            streamed = rewrite_for_streams(fx.GraphModule(frozen, _copy_graph(frozen)), assignment, example[0].device)
+            out[MULTI] = _captured(streamed, example, config)
+        else:
+            runner = ChainRunner(frozen, assignment, side_threads=config.side_threads)
+            closers[MULTI] = runner.close
+            out[MULTI] = runner
+    return out
+
+
+def _copy_graph(gm: fx.GraphModule) -> fx.Graph:
+    graph = fx.Graph()
+    output = graph.graph_copy(gm.graph, {})
+    graph.output(output)
+    return graph
+
+
+def _captured(program: fx.GraphModule, example: Sequence[torch.Tensor], config: NimbleConfig) -> Callable:
+    from handlers.runtime.cuda_graphs import GraphBuckets
+
+    return GraphBuckets(program, example, config.buckets)
+
+
+def prepare(model: nn.Module, example: Sequence[torch.Tensor], config: NimbleConfig) -> NimbleProgram:
+    """Prepare ``model`` (eval mode, on the example's device) for the config's buckets; see the module doc."""
+    device = example[0].device
+    with torch.inference_mode():
+        frozen = freeze(model, example)
+        assignment = assign_graph(frozen)
+        closers: dict[str, Callable[[], None]] = {}
+        candidates = _candidates(model, frozen, assignment, example, config, closers)
+        choices = []
+        for batch in config.buckets:
+            inputs = _rows(example, batch)
+            expected = model(*inputs)
+            ms: dict[str, float] = {}
+            refused = []
+            for name, program in candidates.items():
+                got = program(*inputs)
+                if name != EAGER and not reproduces(got, expected):
+                    refused.append(name)
+                    continue
+                ms[name] = _timed(program, inputs, config.timing_runs)
+            if not ms:  # only possible when eager was not a candidate
+                raise NimbleError(f"no Nimble program reproduces the model at batch {batch}: {', '.join(refused)}")
+            chosen = min(ms, key=ms.__getitem__)
+            choices.append(BucketChoice(batch, chosen, ms, tuple(refused)))
+    used = {c.chosen for c in choices}
+    for name, close in closers.items():
+        if name not in used:
+            close()  # a chain runner no bucket chose: its threads go now
+    program = NimbleProgram(model, {k: v for k, v in candidates.items() if k in used}, choices, assignment, device)
+    program._closers.extend(close for name, close in closers.items() if name in used)
+    return program

@@ -1,0 +1,96 @@
+"""Nimble's prepared programs on real catalog models (CPU here; the CUDA test skips without a GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from handlers.nimble.config import EAGER, MULTI, SINGLE, NimbleConfig, NimbleConfigError
+from handlers.nimble.program import FALLBACK, prepare, reproduces
+from model_store.catalog import get_spec
+from model_store.factory import build_model, example_inputs
+
+
+def test_settings_are_validated_with_a_clear_message():
+    assert NimbleConfig.from_dict({"buckets": [1, 4, 16]}).buckets == (1, 4, 16)
+    for raw, message in [
+        ({"buckets": []}, "non-empty"),
+        ({"buckets": [4, 2]}, "increasing"),
+        ({"buckets": [0]}, "1..1024"),
+        ({"buckets": "1,2"}, "list"),
+        ({"streams": "many"}, "streams"),
+        ({"timing_runs": 0}, "timing_runs"),
+        ({"bucket": [1]}, "unknown nimble settings"),
+    ]:
+        with pytest.raises(NimbleConfigError, match=message):
+            NimbleConfig.from_dict(raw)
+
+
+def test_reproduces_is_relative_to_the_outputs_own_scale():
+    tiny = torch.tensor([[1e-14, -2e-14]])
+    assert reproduces(tiny * (1 + 1e-5), tiny)
+    assert not reproduces(tiny * 2, tiny)  # an absolute floor would have passed this
+    assert not reproduces(torch.tensor([[float("nan"), 0.0]]), tiny)
+    assert not reproduces(tiny[:, :1], tiny)
+
+
+@pytest.fixture(scope="module")
+def inception():
+    spec = get_spec("inception_v3")
+    return spec, build_model(spec)
+
+
+def test_a_branchy_model_runs_multi_stream_within_its_buckets_and_eager_above(inception):
+    spec, model = inception
+    program = prepare(model, example_inputs(spec, 1), NimbleConfig(buckets=(1, 2), streams="multi", timing_runs=1))
+    try:
+        assert program.assignment.streams > 10  # Inception's blocks: branches on their own streams
+        assert len(program.assignment.syncs) == program.assignment.reduced_edges - program.assignment.matching_size
+        assert [c.chosen for c in program.choices] == [MULTI, MULTI]
+        with torch.inference_mode():
+            for rows, path in [(1, MULTI), (2, MULTI), (3, FALLBACK)]:
+                x = example_inputs(spec, rows, seed=rows)
+                got, used = program(*x)
+                assert used == path
+                assert reproduces(got, model(*x))
+    finally:
+        program.close()
+
+
+def test_auto_keeps_the_fastest_candidate_it_measured_eager_included(inception):
+    spec, model = inception
+    program = prepare(model, example_inputs(spec, 1), NimbleConfig(buckets=(1,), timing_runs=1))
+    try:
+        (choice,) = program.choices
+        assert set(choice.ms) == {EAGER, SINGLE, MULTI} and choice.refused == ()
+        assert choice.chosen == min(choice.ms, key=choice.ms.__getitem__)
+        assert "batch 1:" in program.describe() and "synchronisation" in program.describe()
+    finally:
+        program.close()
+
+
+def test_a_model_that_is_one_chain_has_no_multi_stream_candidate():
+    spec = get_spec("efficientnet_b0")  # squeeze-excitation and residuals only: every branch rejoins at once
+    model = build_model(spec)
+    program = prepare(model, example_inputs(spec, 1), NimbleConfig(buckets=(1,), streams="multi", timing_runs=1))
+    assert program.assignment.streams == 1
+    assert [c.chosen for c in program.choices] == [SINGLE]
+    with torch.inference_mode():
+        x = example_inputs(spec, 1, seed=3)
+        assert reproduces(program(*x)[0], model(*x))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_every_bucket_is_a_captured_graph_that_reproduces_eager(inception):
+    spec, model = inception
+    model = model.cuda()
+    try:
+        program = prepare(model, tuple(x.cuda() for x in example_inputs(spec, 1)), NimbleConfig(buckets=(1, 2, 4)))
+        with torch.inference_mode():
+            for rows in (1, 2, 3, 4, 5):
+                x = tuple(t.cuda() for t in example_inputs(spec, rows, seed=rows))
+                got, used = program(*x)
+                assert reproduces(got, model(*x)), (rows, used)
+                assert (used == FALLBACK) == (rows > 4)
+    finally:
+        model.cpu()
