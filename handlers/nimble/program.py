@@ -86,7 +86,7 @@ def _rows(example: Sequence[torch.Tensor], rows: int) -> tuple[torch.Tensor, ...
     return tuple(x[torch.arange(rows, device=x.device) % x.shape[0]].contiguous() for x in example)
 
 
-def _timed(program: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...], runs: int) -> float:
+def time_ms(program: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...], runs: int) -> float:
     """Median milliseconds of ``runs`` calls, after one untimed call."""
     cuda = inputs[0].device.type == "cuda"
     times = []
@@ -150,29 +150,44 @@ def freeze(model: nn.Module, example: Sequence[torch.Tensor]) -> fx.GraphModule:
     return fuse(gm, no_trace=True)
 
 
-def _candidates(
-    model: nn.Module, frozen: fx.GraphModule, assignment: StreamAssignment, example: Sequence[torch.Tensor],
-    config: NimbleConfig, closers: dict[str, Callable[[], None]],
-) -> dict[str, Callable[..., torch.Tensor]]:  # fmt: skip
+@dataclass
+class Candidates:
+    """The programs a bucket may be served by, built once per worker (see the module doc)."""
+
+    programs: dict[str, Callable[..., torch.Tensor]]
+    assignment: StreamAssignment
+    closers: dict[str, Callable[[], None]] = field(default_factory=dict)
+
+    def close(self, keep: Sequence[str] = ()) -> None:
+        """Release what the programs hold (a chain runner's threads), except ``keep``'s."""
+        for name in [n for n in self.closers if n not in keep]:
+            self.closers.pop(name)()
+
+
+def build_candidates(model: nn.Module, example: Sequence[torch.Tensor], config: NimbleConfig) -> Candidates:
+    """Freeze the model, assign its streams and build the config's candidates on the example's device."""
+    with torch.inference_mode():
+        frozen = freeze(model, example)
+    assignment = assign_graph(frozen)
     wanted = {"auto": (EAGER, SINGLE, MULTI), "multi": (MULTI,), "single": (SINGLE,), "eager": (EAGER,)}[config.streams]
     if MULTI in wanted and assignment.streams == 1:
         logger.info("Nimble: the graph is one chain (one stream); multi-stream is the same as single")
         wanted = tuple(w for w in wanted if w != MULTI) or (SINGLE,)
     cuda = example[0].device.type == "cuda"
-    out: dict[str, Callable[..., torch.Tensor]] = {}
+    out = Candidates({}, assignment)
     if EAGER in wanted:
-        out[EAGER] = model
+        out.programs[EAGER] = model
     if SINGLE in wanted:
-        out[SINGLE] = _captured(frozen, example, config) if cuda else frozen
+        out.programs[SINGLE] = _captured(frozen, example, config) if cuda else frozen
     if MULTI in wanted:
         if cuda:
             # A second graph over the same submodules (no copy of the weights), rewritten for its streams.
             streamed = rewrite_for_streams(fx.GraphModule(frozen, _copy_graph(frozen)), assignment, example[0].device)
-            out[MULTI] = _captured(streamed, example, config)
+            out.programs[MULTI] = _captured(streamed, example, config)
         else:
             runner = ChainRunner(frozen, assignment, side_threads=config.side_threads)
-            closers[MULTI] = runner.close
-            out[MULTI] = runner
+            out.closers[MULTI] = runner.close
+            out.programs[MULTI] = runner
     return out
 
 
@@ -189,34 +204,37 @@ def _captured(program: fx.GraphModule, example: Sequence[torch.Tensor], config: 
     return GraphBuckets(program, example, config.buckets)
 
 
-def prepare(model: nn.Module, example: Sequence[torch.Tensor], config: NimbleConfig) -> NimbleProgram:
-    """Prepare ``model`` (eval mode, on the example's device) for the config's buckets; see the module doc."""
-    device = example[0].device
+def choose(
+    model: nn.Module, candidates: Candidates, example: Sequence[torch.Tensor], config: NimbleConfig
+) -> list[BucketChoice]:
+    """Per bucket: every candidate checked against eager and timed; the fastest that reproduces it."""
+    choices = []
     with torch.inference_mode():
-        frozen = freeze(model, example)
-        assignment = assign_graph(frozen)
-        closers: dict[str, Callable[[], None]] = {}
-        candidates = _candidates(model, frozen, assignment, example, config, closers)
-        choices = []
         for batch in config.buckets:
             inputs = _rows(example, batch)
             expected = model(*inputs)
             ms: dict[str, float] = {}
             refused = []
-            for name, program in candidates.items():
+            for name, program in candidates.programs.items():
                 got = program(*inputs)
                 if name != EAGER and not reproduces(got, expected):
                     refused.append(name)
                     continue
-                ms[name] = _timed(program, inputs, config.timing_runs)
+                ms[name] = time_ms(program, inputs, config.timing_runs)
             if not ms:  # only possible when eager was not a candidate
                 raise NimbleError(f"no Nimble program reproduces the model at batch {batch}: {', '.join(refused)}")
             chosen = min(ms, key=ms.__getitem__)
             choices.append(BucketChoice(batch, chosen, ms, tuple(refused)))
+    return choices
+
+
+def prepare(model: nn.Module, example: Sequence[torch.Tensor], config: NimbleConfig) -> NimbleProgram:
+    """Prepare ``model`` (eval mode, on the example's device) for the config's buckets; see the module doc."""
+    candidates = build_candidates(model, example, config)
+    choices = choose(model, candidates, example, config)
     used = {c.chosen for c in choices}
-    for name, close in closers.items():
-        if name not in used:
-            close()  # a chain runner no bucket chose: its threads go now
-    program = NimbleProgram(model, {k: v for k, v in candidates.items() if k in used}, choices, assignment, device)
-    program._closers.extend(close for name, close in closers.items() if name in used)
+    candidates.close(keep=used)  # e.g. a chain runner no bucket chose: its threads go now
+    programs = {k: v for k, v in candidates.programs.items() if k in used}
+    program = NimbleProgram(model, programs, choices, candidates.assignment, example[0].device)
+    program._closers.extend(candidates.closers.values())
     return program
