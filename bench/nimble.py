@@ -13,6 +13,8 @@ What runs, per model, in one process on one device:
   on CUDA replayed from a CUDA graph captured per batch size;
 - ``multi``: the same graph on Nimble's assigned streams (CPU: its chains
   on threads), likewise captured on CUDA;
+- ``compiled`` (CPU only): the frozen graph under torch.compile, Nimble's
+  CPU stand-in for a captured graph;
 - ``Nimble``: what the Nimble handler serves at that batch size: the
   candidate (eager, single or multi) its start-up timing chose, exactly as
   ``handlers/nimble/program.py`` chooses in a worker.  The choice is made
@@ -42,7 +44,10 @@ if __package__ in (None, ""):  # `python bench/NAME.py` from the repository root
 
 from bench.report import add_output_arguments, markdown_table, provenance_block, run_benchmark
 
-SYSTEMS = ("eager", "compile", "single", "multi")
+# "compile" is the baseline (torch.compile of the eager model); "compiled" is
+# Nimble's CPU candidate (its frozen graph under torch.compile).
+SYSTEMS = ("eager", "compile", "single", "multi", "compiled")
+LABELS = {"compile": "torch.compile", "compiled": "frozen+compile"}
 DEFAULT_MODELS = "resnet50,inception_v3,efficientnet_b0"
 
 
@@ -82,6 +87,7 @@ def measure_model(name: str, args: argparse.Namespace, bar: tqdm) -> dict[str, A
     programs: dict[str, Any] = {"eager": model, "compile": _compiled(model, args.device) if args.compile else None}
     programs["single"] = candidates.programs.get("single")
     programs["multi"] = candidates.programs.get("multi")  # absent when the graph is one chain
+    programs["compiled"] = candidates.programs.get("compiled")  # CPU only
     notes: list[str] = []
     rows = []
     try:
@@ -170,6 +176,7 @@ def summary(data: dict[str, Any]) -> list[dict[str, Any]]:
                 "batch": batch,
                 "chosen": rows[0]["chosen"],
                 "ms": {s: statistics.median(r["ms"][s] for r in rows) for s in systems},
+                "over_eager": {s: _ratio(rows, "eager", s) for s in systems if s != "eager"},
                 "nimble_vs_eager": _ratio(rows, "eager", "nimble"),
                 "nimble_vs_compile": _ratio(rows, "compile", "nimble"),
                 "multi_vs_single": _ratio(rows, "single", "multi"),
@@ -188,7 +195,8 @@ def render(data: dict[str, Any], stem: str) -> str:
         "Speedup = the other system's time ÷ Nimble's, per round (> 1: Nimble faster); median (min-max) over "
         f"{data['repeats']} rounds, each a median of {data['runs']} calls; the systems' order reversed every other "
         "round. *Nimble* is the candidate its start-up timing chose for that batch (column *chosen*); "
-        "*multi ÷ single* is the gain of Nimble's stream assignment over the same graph on one stream.\n",
+        "*multi ÷ single* is the gain of Nimble's stream assignment over the same graph on one stream; "
+        "*frozen+compile* (CPU) is Nimble's frozen graph under torch.compile, *torch.compile* the eager model's.\n",
     ]
     for m in data["models"]:
         lines.append(
@@ -196,8 +204,8 @@ def render(data: dict[str, Any], stem: str) -> str:
             f"**{m['streams']} stream(s), {m['syncs']} synchronisation(s)** "
             f"(|E'| {m['reduced_edges']} − |M| {m['matching']}); preparing every bucket took {m['prepare_s']:.1f} s.\n"
         )
-        header = ["batch", "eager ms", "compile ms", "single ms", "multi ms", "chosen", "Nimble ÷ eager",
-                  "Nimble ÷ compile", "multi ÷ single"]  # fmt: skip
+        header = ["batch", *(f"{LABELS.get(k, k)} ms" for k in SYSTEMS), "chosen", "Nimble ÷ eager",
+                  "Nimble ÷ torch.compile", "multi ÷ single"]  # fmt: skip
         table = []
         for s in (s for s in data["summary"] if s["model"] == m["model"]):
             ms = s["ms"]
@@ -225,15 +233,19 @@ def plot(data: dict[str, Any], path: Path) -> None:
     for ax, m in zip(axes[0], models, strict=True):
         rows = [s for s in data["summary"] if s["model"] == m["model"]]
         batches = [s["batch"] for s in rows]
-        for system, style in (("compile", "s--"), ("single", "^:"), ("multi", "v:"), ("nimble", "o-")):
-            ys = [s["ms"]["eager"] / s["ms"][system] if system in s["ms"] else float("nan") for s in rows]
-            ax.plot(batches, ys, style, label=system if system != "nimble" else "Nimble (chosen)")
+        styles = (("compile", "s--"), ("single", "^:"), ("multi", "v:"), ("compiled", "d:"), ("nimble", "o-"))
+        for system, style in styles:
+            ratios = [s["over_eager"].get(system) for s in rows]  # per-round ratios' medians, as in the table
+            ys = [r["median"] if r else float("nan") for r in ratios]
+            label = "Nimble (chosen)" if system == "nimble" else LABELS.get(system, system)
+            if any(y == y for y in ys):  # a system never timed (e.g. no multi) gets no legend entry
+                ax.plot(batches, ys, style, label=label)
         ax.axhline(1.0, color="grey", lw=0.8)
         ax.set_xscale("log", base=2)
         ax.set_xticks(batches, [str(b) for b in batches])
-        ax.set_title(f"{m['model']} ({m['streams']} streams)")
+        ax.set_title(f"{m['model']} ({m['streams']} stream{'s' if m['streams'] > 1 else ''})")
         ax.set_xlabel("batch size")
-        ax.set_ylabel("speedup over eager")
+        ax.set_ylabel("speedup over eager (median of rounds)")
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -142,7 +142,8 @@ def model_config(spec: ModelSpec, options: ServingOptions) -> dict:
     # torch.compile compiles inside initialize(); on a 2-core machine that
     # alone takes about a minute per model, past TorchServe's default 120 s
     # startup timeout once two workers start at once.
-    startup_timeout = 900 if spec.mode == "compile" else 300
+    # Nimble times every candidate at every bucket and may compile one.
+    startup_timeout = 900 if spec.mode == "compile" or options.handler == "nimble" else 300
     # No minWorkers/maxWorkers: in an archive they override the register
     # API's initial_workers (TorchServe's ApiUtils.registerModel), which
     # would stop Packrat and users from choosing the worker count at

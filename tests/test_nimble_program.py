@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
-from handlers.nimble.config import EAGER, MULTI, SINGLE, NimbleConfig, NimbleConfigError
-from handlers.nimble.program import FALLBACK, prepare, reproduces
+from handlers.nimble.config import COMPILED, EAGER, MULTI, SINGLE, NimbleConfig, NimbleConfigError
+from handlers.nimble.program import FALLBACK, fastest, prepare, reproduces
 from model_store.catalog import get_spec
 from model_store.factory import build_model, example_inputs
 
@@ -20,10 +21,18 @@ def test_settings_are_validated_with_a_clear_message():
         ({"buckets": "1,2"}, "list"),
         ({"streams": "many"}, "streams"),
         ({"timing_runs": 0}, "timing_runs"),
+        ({"min_gain": 1.0}, "min_gain"),
         ({"bucket": [1]}, "unknown nimble settings"),
     ]:
         with pytest.raises(NimbleConfigError, match=message):
             NimbleConfig.from_dict(raw)
+
+
+def test_a_prepared_program_replaces_eager_only_when_clearly_faster():
+    assert fastest({EAGER: 100.0, SINGLE: 98.0}, min_gain=0.03) == EAGER  # within timing noise
+    assert fastest({EAGER: 100.0, SINGLE: 90.0, MULTI: 95.0}, min_gain=0.03) == SINGLE
+    assert fastest({EAGER: 80.0, SINGLE: 90.0}, min_gain=0.0) == EAGER
+    assert fastest({SINGLE: 90.0, MULTI: 85.0}, min_gain=0.03) == MULTI  # streams forced: no eager to keep
 
 
 def test_reproduces_is_relative_to_the_outputs_own_scale():
@@ -59,11 +68,12 @@ def test_a_branchy_model_runs_multi_stream_within_its_buckets_and_eager_above(in
 
 def test_auto_keeps_the_fastest_candidate_it_measured_eager_included(inception):
     spec, model = inception
-    program = prepare(model, example_inputs(spec, 1), NimbleConfig(buckets=(1,), timing_runs=1))
+    config = NimbleConfig(buckets=(1,), timing_runs=1, cpu_compile=False)  # compiling Inception: a minute
+    program = prepare(model, example_inputs(spec, 1), config)
     try:
         (choice,) = program.choices
         assert set(choice.ms) == {EAGER, SINGLE, MULTI} and choice.refused == ()
-        assert choice.chosen == min(choice.ms, key=choice.ms.__getitem__)
+        assert choice.chosen == fastest(choice.ms, NimbleConfig().min_gain)
         assert "batch 1:" in program.describe() and "synchronisation" in program.describe()
     finally:
         program.close()
@@ -78,6 +88,34 @@ def test_a_model_that_is_one_chain_has_no_multi_stream_candidate():
     with torch.inference_mode():
         x = example_inputs(spec, 1, seed=3)
         assert reproduces(program(*x)[0], model(*x))
+
+
+class SmallBranchy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+        self.left = nn.Conv2d(8, 8, 3, padding=1)
+        self.right = nn.Conv2d(8, 8, 1)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        return self.head((self.left(x) + self.right(x)).mean(dim=(2, 3)))
+
+
+def test_on_cpu_the_compiled_frozen_graph_is_a_candidate_too():
+    model = SmallBranchy().eval()
+    example = (torch.randn(1, 3, 16, 16),)
+    program = prepare(model, example, NimbleConfig(buckets=(1, 2), timing_runs=1))
+    try:
+        for choice in program.choices:
+            assert set(choice.ms) == {EAGER, SINGLE, MULTI, COMPILED} and choice.refused == ()
+        with torch.inference_mode():
+            x = torch.randn(2, 3, 16, 16)
+            assert reproduces(program(x)[0], model(x))
+    finally:
+        program.close()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

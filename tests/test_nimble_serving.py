@@ -18,7 +18,9 @@ from tests.test_serving import assert_matches_reference
 pytestmark = pytest.mark.torchserve
 
 # Buckets up to 2 while TorchServe batches up to 4: a full batch takes the eager fallback.
-NIMBLE_TEST_SETTINGS = {"buckets": [1, 2], "timing_runs": 1}
+# No compiled candidate: compiling ResNet-50 in the worker would add a minute
+# on 2 cores (tests/test_nimble_program.py covers that candidate).
+NIMBLE_TEST_SETTINGS = {"buckets": [1, 2], "timing_runs": 1, "cpu_compile": False}
 MODEL = "resnet50-nimble"
 
 

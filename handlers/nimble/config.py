@@ -12,7 +12,10 @@ from typing import Any
 # one-stream ahead-of-time program; "eager" turns Nimble off, for comparison.
 STREAMS = ("auto", "multi", "single", "eager")
 # The candidates ``auto`` chooses among, by name (docs, logs, benchmarks).
-EAGER, SINGLE, MULTI = "eager", "single", "multi"
+# COMPILED exists on CPU only: the frozen graph compiled by inductor, the CPU's
+# nearest thing to a captured CUDA graph (generated code, no per-operator
+# dispatch from Python).
+EAGER, SINGLE, MULTI, COMPILED = "eager", "single", "multi", "compiled"
 
 
 class NimbleConfigError(ValueError):
@@ -29,8 +32,16 @@ class NimbleConfig:
     buckets: tuple[int, ...] = (1, 2, 4, 8)
     streams: str = "auto"
     timing_runs: int = 3  # timed runs per candidate and bucket (after one warm-up), median kept
+    # A prepared program replaces eager only when its start-up time is at least
+    # this fraction below eager's: three timed runs on a busy machine differ
+    # by a few per cent, and a coin toss should not pick the unproven path.
+    min_gain: float = 0.03
     # CPU: intra-op threads for each side chain's thread (chain 0 keeps the worker's).
     side_threads: int = 1
+    # CPU, streams "auto": also try the frozen graph under torch.compile.  It
+    # compiles at start-up (about half a minute per model on 2 cores, once
+    # more for a second batch size), which is why it can be turned off.
+    cpu_compile: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.buckets, str | bytes) or not self.buckets:
@@ -42,6 +53,10 @@ class NimbleConfig:
             raise NimbleConfigError(f"buckets must be increasing and distinct, got {list(self.buckets)}")
         if self.streams not in STREAMS:
             raise NimbleConfigError(f"streams must be one of {', '.join(STREAMS)}, got {self.streams!r}")
+        if isinstance(self.min_gain, bool) or not isinstance(self.min_gain, int | float) or not 0 <= self.min_gain < 1:
+            raise NimbleConfigError(f"min_gain must be a number in [0, 1), got {self.min_gain!r}")
+        if not isinstance(self.cpu_compile, bool):
+            raise NimbleConfigError(f"cpu_compile must be true or false, got {self.cpu_compile!r}")
         for name in ("timing_runs", "side_threads"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -8,9 +8,11 @@ Preparation, once per worker:
 2. assign its operators to streams (``handlers/runtime/stream_assignment``);
 3. build the candidates: ``eager`` (the model as loaded), ``single`` (the
    frozen graph on one stream; on CUDA captured into one CUDA graph per
-   bucket) and ``multi`` (the same graph on its assigned streams; on CPU its
+   bucket), ``multi`` (the same graph on its assigned streams; on CPU its
    chains on threads; on CUDA captured with its streams and events), when
-   the graph has more than one stream;
+   the graph has more than one stream, and on CPU ``compiled`` (the frozen
+   graph under torch.compile: generated code, the CPU's analogue of a
+   captured graph);
 4. for each bucket, check every candidate's output against eager's and time
    it (median of a few runs), and keep the fastest.  Eager is a candidate,
    so a bucket is never served by something measured slower than eager:
@@ -34,7 +36,7 @@ import torch
 from torch import fx, nn
 from torch.fx.experimental.optimization import fuse
 
-from handlers.nimble.config import EAGER, MULTI, SINGLE, NimbleConfig
+from handlers.nimble.config import COMPILED, EAGER, MULTI, SINGLE, NimbleConfig
 from handlers.runtime.multistream import ChainRunner, assign_graph, rewrite_for_streams
 from handlers.runtime.segments import trace
 from handlers.runtime.stream_assignment import StreamAssignment
@@ -74,11 +76,11 @@ class BucketChoice:
     batch: int
     chosen: str
     ms: dict[str, float]
-    refused: tuple[str, ...] = ()  # candidates whose output differed from eager's
+    refused: tuple[str, ...] = ()  # candidates that failed or whose output differed from eager's
 
     def describe(self) -> str:
         timings = ", ".join(f"{name} {ms:.1f} ms" for name, ms in self.ms.items())
-        refused = f"; refused (output differs): {', '.join(self.refused)}" if self.refused else ""
+        refused = f"; refused (failed, or output differs): {', '.join(self.refused)}" if self.refused else ""
         return f"batch {self.batch}: {self.chosen} ({timings}{refused})"
 
 
@@ -158,6 +160,12 @@ class Candidates:
     assignment: StreamAssignment
     closers: dict[str, Callable[[], None]] = field(default_factory=dict)
 
+    def drop(self, name: str) -> None:
+        self.programs.pop(name, None)
+        close = self.closers.pop(name, None)
+        if close is not None:
+            close()
+
     def close(self, keep: Sequence[str] = ()) -> None:
         """Release what the programs hold (a chain runner's threads), except ``keep``'s."""
         for name in [n for n in self.closers if n not in keep]:
@@ -188,6 +196,8 @@ def build_candidates(model: nn.Module, example: Sequence[torch.Tensor], config: 
             runner = ChainRunner(frozen, assignment, side_threads=config.side_threads)
             out.closers[MULTI] = runner.close
             out.programs[MULTI] = runner
+    if config.streams == "auto" and config.cpu_compile and not cuda:
+        out.programs[COMPILED] = torch.compile(frozen)  # compiled lazily, at its first call in ``choose``
     return out
 
 
@@ -215,17 +225,33 @@ def choose(
             expected = model(*inputs)
             ms: dict[str, float] = {}
             refused = []
-            for name, program in candidates.programs.items():
-                got = program(*inputs)
+            for name, program in list(candidates.programs.items()):
+                try:
+                    got = program(*inputs)
+                except Exception as exc:
+                    if name == EAGER:
+                        raise
+                    # e.g. inductor without a C compiler: that candidate is out, the worker still starts
+                    logger.warning("Nimble: %s failed at batch %d and is dropped: %s", name, batch, exc)
+                    candidates.drop(name)
+                    refused.append(name)
+                    continue
                 if name != EAGER and not reproduces(got, expected):
                     refused.append(name)
                     continue
                 ms[name] = time_ms(program, inputs, config.timing_runs)
             if not ms:  # only possible when eager was not a candidate
                 raise NimbleError(f"no Nimble program reproduces the model at batch {batch}: {', '.join(refused)}")
-            chosen = min(ms, key=ms.__getitem__)
-            choices.append(BucketChoice(batch, chosen, ms, tuple(refused)))
+            choices.append(BucketChoice(batch, fastest(ms, config.min_gain), ms, tuple(refused)))
     return choices
+
+
+def fastest(ms: dict[str, float], min_gain: float) -> str:
+    """The fastest candidate; eager unless the fastest beats it by ``min_gain`` (config)."""
+    chosen = min(ms, key=ms.__getitem__)
+    if EAGER in ms and chosen != EAGER and ms[chosen] > (1 - min_gain) * ms[EAGER]:
+        return EAGER
+    return chosen
 
 
 def prepare(model: nn.Module, example: Sequence[torch.Tensor], config: NimbleConfig) -> NimbleProgram:
