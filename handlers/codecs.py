@@ -48,7 +48,7 @@ def request_payload(row: dict[str, Any]) -> Any:
     return value
 
 
-def _parse_json(raw: bytes | bytearray | str) -> Any:
+def parse_json(raw: bytes | bytearray | str) -> Any:
     try:
         text = raw.decode("utf-8") if isinstance(raw, (bytes, bytearray)) else raw
         return json.loads(text)
@@ -116,9 +116,9 @@ class InputCodec:
                 )
             if self.spec.input_kind == "image" and (value.startswith(JPEG_MAGIC) or value.startswith(PNG_MAGIC)):
                 return ModelInput((self._decode_image(bytes(value)),))
-            value = _parse_json(value)
+            value = parse_json(value)
         elif isinstance(value, str):
-            value = _parse_json(value)
+            value = parse_json(value)
         if self.spec.input_kind == "image":
             return ModelInput((self._image_from_json(value),))
         return ModelInput(self._tokens_from_json(value))

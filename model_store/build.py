@@ -71,6 +71,8 @@ HANDLERS = {
     "reef": HandlerKind(ENTRY_DIR / "reef_handler.py", True, "handlers.reef.config:ReefConfig", group=True),
     # Synchronous: TorchServe's own batching, Nimble's ahead-of-time programs per batch-size bucket.
     "nimble": HandlerKind(ENTRY_DIR / "nimble_handler.py", False, "handlers.nimble.config:NimbleConfig"),
+    # Async: every request joins the generation pool as it arrives; tokens streamed back.
+    "orca": HandlerKind(ENTRY_DIR / "orca_handler.py", True, "handlers.orca.config:OrcaConfig"),
 }
 SLICING_HANDLERS = ("dvabatch", "reef")  # handlers that cut the eager model into segments
 TRACING_HANDLERS = ("nimble",)  # handlers that trace the eager model to an fx graph in the worker
@@ -116,6 +118,9 @@ class ServingOptions:
             raise ValueError(
                 f"token_lengths applies to one-model archives; {self.handler!r} pads to each model's length"
             )
+        if self.handler == "orca" and (self.decode_threads is not None or self.token_lengths):
+            raise ValueError("the orca handler parses requests on its event loop and does not pad: "
+                             "decode_threads and token_lengths do not apply")  # fmt: skip
         if self.decode_threads == "lane" and HANDLERS[self.handler].group:
             raise ValueError(f"the {self.handler} handler has no CPU lanes to decode on; give decode_threads a count")
         if self.metrics_flush_interval_s is not None:
@@ -257,6 +262,8 @@ def build_archive(
         return build_group_archive([spec], out_dir, options, force)
     if options.handler in SLICING_HANDLERS and spec.mode != "eager":
         raise ValueError(f"the {options.handler} handler slices the eager model; build {spec.name} in mode 'eager'")
+    if options.handler == "orca" and (spec.family != "gpt2" or spec.mode != "eager"):
+        raise ValueError(f"the orca handler serves GPT-2 in eager mode; {spec.name} is {spec.family}, {spec.mode!r}")
     if options.handler in TRACING_HANDLERS:
         if spec.mode != "eager":
             raise ValueError(f"the {options.handler} handler traces the eager model; build {spec.name} in mode 'eager'")

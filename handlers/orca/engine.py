@@ -1,0 +1,158 @@
+"""Orca's engine: one thread that runs iteration after iteration over the request pool.
+
+Mechanism only: before each iteration it asks the scheduler (policy,
+``scheduler.py``) for a batch, runs that batch's new tokens through the
+model in one selective-batching pass (``gpt2.py``), appends each request's
+greedy next token, reports it (``on_token``, for streaming) and completes
+the requests that are done, at once, while the others continue.  New
+requests are added to the pool under the lock at any time and are seen by
+the next selection; the model runs outside the lock, so arrivals never wait
+for an iteration to finish.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import torch
+
+from handlers.orca.gpt2 import SelectiveGPT2, Step
+from handlers.orca.kv_cache import KVCache
+from handlers.orca.scheduler import GenerationRequest, IterationScheduler
+
+logger = logging.getLogger(__name__)
+
+TokenCallback = Callable[[int, int, bool], None]  # (token, index in the answer, last?)
+
+
+class GenerationError(ValueError):
+    """A request the engine cannot take (the handler answers it with a 400)."""
+
+
+@dataclass
+class _Entry:
+    request: GenerationRequest
+    future: Future
+    on_token: TokenCallback | None
+
+
+class OrcaEngine:
+    """Greedy generation for many requests at once, iteration by iteration."""
+
+    def __init__(
+        self, model: SelectiveGPT2, slots: int, max_tokens: int, max_batch: int, max_new_tokens: int,
+        device: str | torch.device = "cpu",
+    ) -> None:  # fmt: skip
+        self.model = model
+        self.max_tokens = max_tokens
+        self.max_new_tokens = max_new_tokens
+        self.kv = KVCache(model.kv_shape(slots, max_tokens), dtype=model.transformer.wte.weight.dtype, device=device)
+        self.scheduler = IterationScheduler(max_batch, self.kv.allocate, self.kv.release, lambda: self.kv.free)
+        self._entries: dict[int, _Entry] = {}  # id(request) → its future and callback
+        self._cond = threading.Condition()
+        self._closed = False
+        self.iterations = 0
+        self.tokens = 0  # tokens generated
+        self.batch_sizes: list[int] = []  # per iteration, for tests and benchmarks
+        self._thread = threading.Thread(target=self._loop, name="orca-engine", daemon=True)
+        self._thread.start()
+
+    # -- admission --------------------------------------------------------------------
+
+    def check(self, prompt: Sequence[int], max_new_tokens: int) -> None:
+        """Raise ``GenerationError`` with the reason when a request cannot be served."""
+        if not prompt:
+            raise GenerationError("input_ids is empty")
+        bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.model.vocab]
+        if bad:
+            raise GenerationError(f"token id {bad[0]!r} is outside the vocabulary [0, {self.model.vocab})")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
+            raise GenerationError(f"max_new_tokens must be an integer, got {max_new_tokens!r}")
+        if not 1 <= max_new_tokens <= self.max_new_tokens:
+            raise GenerationError(f"max_new_tokens must be in 1..{self.max_new_tokens}, got {max_new_tokens}")
+        if len(prompt) + max_new_tokens > self.max_tokens:
+            raise GenerationError(
+                f"prompt of {len(prompt)} tokens + max_new_tokens {max_new_tokens} exceeds the "
+                f"{self.max_tokens} tokens a request may hold"
+            )
+
+    def submit(self, prompt: Sequence[int], max_new_tokens: int, on_token: TokenCallback | None = None) -> Future:
+        """Queue a request; its future gets the generated ids (a list) when it is done."""
+        self.check(prompt, max_new_tokens)
+        request = GenerationRequest(tuple(prompt), max_new_tokens)
+        future: Future = Future()
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the engine is closed")
+            self._entries[id(request)] = _Entry(request, future, on_token)
+            self.scheduler.add(request)
+            self._cond.notify()
+        return future
+
+    # -- the loop ---------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self.scheduler.pool and not self._closed:
+                    self._cond.wait()
+                if not self.scheduler.pool:
+                    return  # closed and drained
+                batch = self.scheduler.select()
+            steps = [Step(r.next_tokens(), r.slot, r.cached) for r in batch]
+            try:
+                logits = self.model.iterate(steps, self.kv)
+            except Exception as exc:  # noqa: BLE001 - fails this iteration's requests, not the engine
+                logger.exception("Orca iteration failed for %d requests", len(batch))
+                with self._cond:
+                    for request in batch:
+                        self._complete(request, error=exc)
+                continue
+            next_ids = logits.argmax(dim=-1).tolist()
+            with self._cond:
+                self.iterations += 1
+                self.batch_sizes.append(len(batch))
+                for request, step, token in zip(batch, steps, next_ids, strict=True):
+                    request.cached += len(step.tokens)
+                    request.generated.append(token)
+                    self.tokens += 1
+                    entry = self._entries.get(id(request))  # None only after close() gave up on it
+                    if entry is not None and entry.on_token is not None:
+                        self._report(entry.on_token, token, len(request.generated) - 1, request.finished)
+                    if request.finished:
+                        self._complete(request)
+
+    @staticmethod
+    def _report(on_token: TokenCallback, token: int, index: int, last: bool) -> None:
+        try:
+            on_token(token, index, last)
+        except Exception:  # noqa: BLE001 - a streaming client's failure is not the engine's
+            logger.exception("Orca token callback failed")
+
+    def _complete(self, request: GenerationRequest, error: BaseException | None = None) -> None:
+        self.scheduler.finish(request)
+        entry = self._entries.pop(id(request), None)
+        if entry is None or entry.future.done():
+            return
+        if error is None:
+            entry.future.set_result(list(request.generated))
+        else:
+            entry.future.set_exception(error)
+
+    # -- shutdown ---------------------------------------------------------------------
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """Refuse new requests, finish the ones in the pool (up to ``timeout_s``), stop."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout_s)
+        with self._cond:
+            for entry in list(self._entries.values()):
+                if not entry.future.done():
+                    entry.future.set_exception(RuntimeError("the engine closed before this request finished"))
+            self._entries.clear()

@@ -1,0 +1,151 @@
+"""Orca as a TorchServe handler: async mode, every request its own ``handle`` call, tokens streamed.
+
+TorchServe hands each request to the worker as it arrives
+(``asyncCommunication: true``, batch 1), so requests reach the engine's pool
+at once and join the next iteration; batching is the engine's, per
+iteration, not the frontend's per request.
+
+A request is JSON: ``{"input_ids": [ids...], "max_new_tokens": n,
+"stream": false}`` (``max_new_tokens`` defaults to the archive's
+``default_new_tokens``).  Without ``stream`` the answer is one JSON object,
+``{"output_ids": [...]}``.  With ``"stream": true`` every generated token is
+sent as it is made, one JSON line per chunk (``{"index": i, "token": t}``)
+through TorchServe's streaming response (``send_intermediate_predict_response``,
+the frontend writes each chunk to the HTTP response as it comes), and the
+last chunk also carries ``output_ids`` and ``"finished": true``.  Bad input
+is a 400 with the reason before anything is generated; a body over the
+archive's limit a 413.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+from typing import Any
+
+from handlers.codecs import DEFAULT_MAX_PAYLOAD_BYTES, parse_json, request_payload
+from handlers.cpu_handler import load_model
+from handlers.errors import RequestError, ResponseError, ServiceUnavailable, bad_request
+from handlers.orca.config import OrcaConfig
+from handlers.orca.engine import GenerationError, OrcaEngine
+from handlers.orca.gpt2 import SelectiveGPT2
+from handlers.runtime.device import ExecutionDevice
+from model_store.catalog import ModelSpec
+
+logger = logging.getLogger(__name__)
+
+FIELDS = ("input_ids", "max_new_tokens", "stream")
+
+
+def parse_generation_request(row: dict[str, Any], config: OrcaConfig, max_payload_bytes: int) -> tuple[list, int, bool]:
+    """(input_ids, max_new_tokens, stream) from a request row, or a ``RequestError`` naming the problem."""
+    value = request_payload(row)
+    if isinstance(value, bytes | bytearray):
+        if len(value) > max_payload_bytes:
+            raise RequestError(413, f"payload of {len(value)} bytes exceeds the limit of {max_payload_bytes} bytes")
+        value = parse_json(value)
+    elif isinstance(value, str):
+        value = parse_json(value)
+    if not isinstance(value, dict):
+        raise bad_request(f"expected a JSON object with {', '.join(FIELDS)}; got {type(value).__name__}")
+    unknown = sorted(set(value) - set(FIELDS))
+    if unknown:
+        raise bad_request(f"unknown fields {unknown}; a request takes {', '.join(FIELDS)}")
+    ids = value.get("input_ids")
+    if not isinstance(ids, list):
+        raise bad_request("input_ids must be a list of token ids")
+    new_tokens = value.get("max_new_tokens", config.default_new_tokens)
+    stream = value.get("stream", False)
+    if not isinstance(stream, bool):
+        raise bad_request(f"stream must be true or false, got {stream!r}")
+    return ids, new_tokens, stream
+
+
+class OrcaHandler:
+    """Serves the catalog's GPT-2 with Orca's engine (see the module doc)."""
+
+    def __init__(self) -> None:
+        self.initialized = False
+        self.engine: OrcaEngine | None = None
+        self.config = OrcaConfig()
+        self.max_payload_bytes = DEFAULT_MAX_PAYLOAD_BYTES
+        self.closing = False
+
+    def initialize(self, context: Any) -> None:
+        handler_cfg = (getattr(context, "model_yaml_config", None) or {}).get("handler") or {}
+        if "spec" not in handler_cfg:
+            raise RuntimeError("archive model-config.yaml lacks handler.spec; rebuild it with `packrat archive`")
+        spec = ModelSpec.from_dict(handler_cfg["spec"])
+        if spec.family != "gpt2" or spec.mode != "eager":
+            raise RuntimeError(f"the orca handler serves GPT-2 in eager mode; got {spec.name} ({spec.mode})")
+        self.config = OrcaConfig.from_dict(handler_cfg.get("orca"))
+        self.max_payload_bytes = int(handler_cfg.get("max_payload_bytes", DEFAULT_MAX_PAYLOAD_BYTES))
+        device = ExecutionDevice.from_context(context)
+        artefact = os.path.join(context.system_properties["model_dir"], context.manifest["model"]["serializedFile"])
+        wrapped = load_model(spec, artefact, device.device)  # NextTokenLogits(GPT2LMHeadModel)
+        c = self.config
+        self.engine = OrcaEngine(SelectiveGPT2(wrapped.model), c.kv_slots, c.max_tokens, c.max_batch,
+                                 c.max_new_tokens, device=device.device)  # fmt: skip
+        self.engine.submit([0], 1).result()  # warm-up: the first iteration pays lazy initialisation
+        self.initialized = True
+        logger.info("Orca serving %s on %s: %s", spec.name, device, c)
+
+    async def handle(self, data: list[dict[str, Any]], context: Any) -> list[Any]:
+        return list(await asyncio.gather(*(self._serve(i, row, context) for i, row in enumerate(data))))
+
+    async def _serve(self, index: int, row: dict[str, Any], context: Any) -> Any:
+        try:
+            if self.closing:
+                raise ServiceUnavailable("worker is shutting down")
+            ids, new_tokens, stream = parse_generation_request(row, self.config, self.max_payload_bytes)
+            return await self._generate(index, ids, new_tokens, stream, context)
+        except GenerationError as err:
+            answer: ResponseError = bad_request(str(err))
+        except ResponseError as err:
+            answer = err
+        except Exception as exc:  # a bug or a device fault: this request fails, the worker serves on
+            logger.exception("request %d failed", index)
+            answer = ServiceUnavailable(f"generation failed: {type(exc).__name__}: {exc}")
+        context.set_response_status(code=answer.status, phrase=answer.reason, idx=index)
+        context.set_response_content_type(index, "application/json")
+        logger.info("request %d answered %d: %s", index, answer.status, answer.reason)
+        return answer.body()
+
+    async def _generate(self, index: int, ids: list, new_tokens: int, stream: bool, context: Any) -> str:
+        loop = asyncio.get_running_loop()
+        tokens: asyncio.Queue = asyncio.Queue()
+
+        def on_token(token: int, i: int, last: bool) -> None:  # the engine's thread
+            loop.call_soon_threadsafe(tokens.put_nowait, (token, i, last))
+
+        done = asyncio.wrap_future(self.engine.submit(ids, new_tokens, on_token if stream else None))
+        if stream:
+            from ts.handler_utils.utils import send_intermediate_predict_response
+
+            while True:
+                # A token, or the end: a failed request sends no last token.  The engine
+                # reports tokens before it completes the request, and both reach this loop
+                # through call_soon_threadsafe in that order, so no token is left behind.
+                next_token = asyncio.ensure_future(tokens.get())
+                await asyncio.wait({next_token, done}, return_when=asyncio.FIRST_COMPLETED)
+                if not next_token.done():
+                    next_token.cancel()
+                    break
+                token, i, last = next_token.result()
+                if last:
+                    break
+                chunk = json.dumps({"index": i, "token": token}) + "\n"
+                send_intermediate_predict_response([chunk], context.request_ids, "Intermediate response", 200,
+                                                   context)  # fmt: skip
+        output = await done
+        if stream:
+            return json.dumps({"index": len(output) - 1, "token": output[-1], "output_ids": output,
+                               "finished": True}) + "\n"  # fmt: skip
+        return json.dumps({"output_ids": output})
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        self.closing = True
+        if self.engine is not None:
+            self.engine.close(timeout_s)

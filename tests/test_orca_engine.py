@@ -1,0 +1,114 @@
+"""Orca's engine on the catalog GPT-2: every request's tokens equal greedy decoding of the plain model."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from handlers.orca.engine import GenerationError, OrcaEngine
+from handlers.orca.gpt2 import SelectiveGPT2
+from model_store.catalog import get_spec
+from model_store.factory import build_model
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    hf = build_model(get_spec("gpt2")).model  # the catalog's GPT2LMHeadModel, seeded weights
+    return hf, SelectiveGPT2(hf)
+
+
+def greedy(hf, prompt: list[int], new_tokens: int) -> list[int]:
+    """The plain model, no cache: the whole sequence through it for every token."""
+    ids = list(prompt)
+    with torch.inference_mode():
+        for _ in range(new_tokens):
+            ids.append(int(hf(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt) :]
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    return torch.randint(0, 50257, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_requests_batched_together_generate_what_each_would_alone(gpt2):
+    hf, model = gpt2
+    engine = OrcaEngine(model, slots=4, max_tokens=48, max_batch=4, max_new_tokens=16)
+    try:
+        first_tokens = threading.Event()
+        a_prompt = prompt(1, 5)
+        a = engine.submit(a_prompt, 8, on_token=lambda t, i, last: i == 2 and first_tokens.set())
+        assert first_tokens.wait(60)
+        # Joiners while A is mid-generation: a longer prompt and a one-token prompt.
+        b_prompt, c_prompt = prompt(2, 12), prompt(3, 1)
+        b = engine.submit(b_prompt, 4)
+        c = engine.submit(c_prompt, 6)
+        results = [f.result(timeout=120) for f in (a, b, c)]
+    finally:
+        engine.close(timeout_s=30)
+    assert results == [greedy(hf, a_prompt, 8), greedy(hf, b_prompt, 4), greedy(hf, c_prompt, 6)]
+    assert max(engine.batch_sizes) >= 2  # they did share iterations
+
+
+def test_a_late_short_request_is_answered_before_an_earlier_long_one(gpt2):
+    _, model = gpt2
+    engine = OrcaEngine(model, slots=2, max_tokens=64, max_batch=2, max_new_tokens=32)
+    try:
+        started = threading.Event()
+        long = engine.submit(prompt(4, 4), 30, on_token=lambda t, i, last: started.set())
+        assert started.wait(60)
+        short = engine.submit(prompt(5, 4), 2)
+        short.result(timeout=60)
+        assert not long.done()  # the short one left as soon as its last token was made
+        assert len(long.result(timeout=120)) == 30
+    finally:
+        engine.close(timeout_s=30)
+
+
+def test_more_requests_than_kv_slots_wait_and_all_finish(gpt2):
+    hf, model = gpt2
+    engine = OrcaEngine(model, slots=2, max_tokens=16, max_batch=4, max_new_tokens=4)
+    try:
+        prompts = [prompt(10 + i, 3 + i) for i in range(5)]
+        futures = [engine.submit(p, 3) for p in prompts]
+        results = [f.result(timeout=120) for f in futures]
+    finally:
+        engine.close(timeout_s=30)
+    assert max(engine.batch_sizes) <= 2  # two slots: never more than two requests in an iteration
+    assert results == [greedy(hf, p, 3) for p in prompts]
+    assert engine.kv.free == 2
+
+
+def test_streamed_tokens_are_the_answer_in_order(gpt2):
+    _, model = gpt2
+    engine = OrcaEngine(model, slots=1, max_tokens=16, max_batch=1, max_new_tokens=8)
+    seen: list[tuple[int, int, bool]] = []
+    try:
+        result = engine.submit(prompt(6, 3), 5, on_token=lambda t, i, last: seen.append((t, i, last))).result(60)
+    finally:
+        engine.close(timeout_s=30)
+    assert [t for t, _, _ in seen] == result and [i for _, i, _ in seen] == list(range(5))
+    assert [last for _, _, last in seen] == [False] * 4 + [True]
+
+
+def test_requests_it_cannot_serve_are_refused_with_the_reason(gpt2):
+    _, model = gpt2
+    engine = OrcaEngine(model, slots=1, max_tokens=16, max_batch=1, max_new_tokens=8)
+    try:
+        for args, message in [
+            (([], 2), "empty"),
+            (([1, 50257], 2), "outside the vocabulary"),
+            (([1, -1], 2), "outside the vocabulary"),
+            (([1, 2], 0), "1..8"),
+            (([1, 2], 9), "1..8"),
+            (([1, 2], "3"), "integer"),
+            (([1] * 12, 8), "exceeds the 16 tokens"),
+        ]:
+            with pytest.raises(GenerationError, match=message):
+                engine.submit(*args)
+        assert engine.submit([1, 2], 1).result(60)  # and it still serves
+    finally:
+        engine.close(timeout_s=30)
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.submit([1, 2], 1)
