@@ -112,3 +112,23 @@ def test_requests_it_cannot_serve_are_refused_with_the_reason(gpt2):
         engine.close(timeout_s=30)
     with pytest.raises(RuntimeError, match="closed"):
         engine.submit([1, 2], 1)
+
+
+def test_request_level_batching_answers_a_batch_together_and_the_same_tokens(gpt2):
+    hf, model = gpt2
+    engine = OrcaEngine(model, slots=4, max_tokens=32, max_batch=4, max_new_tokens=16, iteration_level=False)
+    try:
+        started = threading.Event()
+        gate = engine.submit(prompt(7, 3), 6, on_token=lambda t, i, last: started.set())
+        assert started.wait(60)
+        joiner = engine.submit(prompt(8, 3), 1)  # arrives during the first batch: runs after it
+        long, short = engine.submit(prompt(9, 3), 8), engine.submit(prompt(10, 3), 2)
+        answered_at: list[int] = []
+        short.add_done_callback(lambda f: answered_at.append(engine.iterations))
+        results = [f.result(timeout=120) for f in (gate, joiner, long, short)]
+    finally:
+        engine.close(timeout_s=30)
+    assert engine.batch_sizes[:6] == [1] * 6  # the first batch ran alone to its end
+    # The short request (2 tokens) was answered only after the last iteration, the long one's (8 tokens).
+    assert answered_at == [engine.iterations] and engine.iterations >= 6 + 8
+    assert results == [greedy(hf, prompt(s, 3), n) for s, n in ((7, 6), (8, 1), (9, 8), (10, 2))]

@@ -86,3 +86,16 @@ def test_requests_beyond_the_kv_slots_all_finish_without_deadlock():
             if r.finished:
                 s.finish(r)
     assert all(r.finished for r in requests) and kv.free == 2
+
+
+def test_request_level_batching_lets_nobody_join_a_batch_in_progress():
+    kv = KVCache(KVShape(layers=1, heads=1, head_dim=1, slots=4, max_tokens=8))
+    s = IterationScheduler(2, kv.allocate, kv.release, lambda: kv.free, iteration_level=False)
+    a, b, c = request(), request(), request()
+    s.add(a)
+    assert s.select() == [a]
+    s.add(b)
+    s.add(c)
+    assert s.select() == [a]  # b waits for a's batch to end, though there is room
+    s.finish(a)
+    assert s.select() == [b, c]

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+POLICIES = ("orca", "request")
+
 
 class OrcaConfigError(ValueError):
     pass
@@ -17,9 +19,16 @@ class OrcaConfig:
     max_tokens: int = 256  # prompt + max_new_tokens of one request: a slot's size
     max_new_tokens: int = 128  # the most a request may ask for
     default_new_tokens: int = 16  # when a request does not say
+    # "orca": iteration-level scheduling; "request": the paper's baseline,
+    # request-level batching in the same engine (``scheduler.py``), for benchmarks.
+    policy: str = "orca"
 
     def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise OrcaConfigError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         for f in fields(self):
+            if f.name == "policy":
+                continue
             value = getattr(self, f.name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise OrcaConfigError(f"{f.name} must be an integer ≥ 1, got {value!r}")

@@ -45,13 +45,16 @@ class OrcaEngine:
 
     def __init__(
         self, model: SelectiveGPT2, slots: int, max_tokens: int, max_batch: int, max_new_tokens: int,
-        device: str | torch.device = "cpu",
+        device: str | torch.device = "cpu", iteration_level: bool = True,
     ) -> None:  # fmt: skip
         self.model = model
         self.max_tokens = max_tokens
         self.max_new_tokens = max_new_tokens
         self.kv = KVCache(model.kv_shape(slots, max_tokens), dtype=model.transformer.wte.weight.dtype, device=device)
-        self.scheduler = IterationScheduler(max_batch, self.kv.allocate, self.kv.release, lambda: self.kv.free)
+        self.scheduler = IterationScheduler(
+            max_batch, self.kv.allocate, self.kv.release, lambda: self.kv.free, iteration_level=iteration_level
+        )
+        self._held: list[GenerationRequest] = []  # request-level batching: done, answered with their batch
         self._entries: dict[int, _Entry] = {}  # id(request) → its future and callback
         self._cond = threading.Condition()
         self._closed = False
@@ -125,6 +128,10 @@ class OrcaEngine:
                         self._report(entry.on_token, token, len(request.generated) - 1, request.finished)
                     if request.finished:
                         self._complete(request)
+                if self._held and not any(r.started for r in self.scheduler.pool):
+                    for request in self._held:  # the request-level batch is over: everyone answered
+                        self._answer(request)
+                    self._held.clear()
 
     @staticmethod
     def _report(on_token: TokenCallback, token: int, index: int, last: bool) -> None:
@@ -135,6 +142,12 @@ class OrcaEngine:
 
     def _complete(self, request: GenerationRequest, error: BaseException | None = None) -> None:
         self.scheduler.finish(request)
+        if error is None and not self.scheduler.iteration_level:
+            self._held.append(request)
+            return
+        self._answer(request, error)
+
+    def _answer(self, request: GenerationRequest, error: BaseException | None = None) -> None:
         entry = self._entries.pop(id(request), None)
         if entry is None or entry.future.done():
             return

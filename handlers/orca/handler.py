@@ -87,7 +87,8 @@ class OrcaHandler:
         wrapped = load_model(spec, artefact, device.device)  # NextTokenLogits(GPT2LMHeadModel)
         c = self.config
         self.engine = OrcaEngine(SelectiveGPT2(wrapped.model), c.kv_slots, c.max_tokens, c.max_batch,
-                                 c.max_new_tokens, device=device.device)  # fmt: skip
+                                 c.max_new_tokens, device=device.device,
+                                 iteration_level=c.policy == "orca")  # fmt: skip
         self.engine.submit([0], 1).result()  # warm-up: the first iteration pays lazy initialisation
         self.initialized = True
         logger.info("Orca serving %s on %s: %s", spec.name, device, c)

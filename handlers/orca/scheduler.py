@@ -12,6 +12,13 @@ a running request finishes.  Running requests hold their slots, so they
 always progress: running out of KV memory makes requests wait, never fail.
 With one engine worker on CPU there is no pipelining, so the paper's
 ``n_workers`` exclusion of requests still in flight does not arise.
+
+``iteration_level=False`` is the paper's baseline, request-level batching
+(FasterTransformer behind a serving system's batch window): a batch starts
+only when the previous one has finished entirely, and nobody joins it
+midway.  The engine also holds that batch's answers until its longest
+request is done.  It is kept here, in the same engine, so that a benchmark
+compares scheduling alone.
 """
 
 from __future__ import annotations
@@ -48,13 +55,14 @@ class IterationScheduler:
     """The request pool and Algorithm 2's selection; ``allocate`` / ``release`` manage KV slots."""
 
     def __init__(self, max_batch: int, allocate: Callable[[], int], release: Callable[[int], None],
-                 free_slots: Callable[[], int]) -> None:  # fmt: skip
+                 free_slots: Callable[[], int], iteration_level: bool = True) -> None:  # fmt: skip
         if max_batch < 1:
             raise ValueError(f"max_batch must be ≥ 1, got {max_batch}")
         self.max_batch = max_batch
         self._allocate = allocate
         self._release = release
         self._free_slots = free_slots
+        self.iteration_level = iteration_level
         self.pool: list[GenerationRequest] = []  # in arrival order
         self._arrivals = 0
 
@@ -66,6 +74,10 @@ class IterationScheduler:
     def select(self) -> list[GenerationRequest]:
         """The next iteration's batch: the pool's first requests in arrival order (see the module doc)."""
         batch: list[GenerationRequest] = []
+        if not self.iteration_level:
+            running = [r for r in self.pool if r.started]
+            if running:  # request-level: the batch in progress runs to its end, alone
+                return running
         for request in self.pool:
             if len(batch) == self.max_batch:
                 break
