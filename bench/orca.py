@@ -1,0 +1,290 @@
+"""Orca against request-level batching: throughput and latency under Poisson arrivals, in one run.
+
+    python -m bench.orca                       # GPT-2, max batch 4 and 8, four loads: about 12 minutes on 2 cores
+    python -m bench.orca --quick               # two loads, shorter runs
+
+Both systems are the same engine (``handlers/orca/engine.py``) on the
+catalog GPT-2, driven in-process (no HTTP: both would pay it alike):
+
+- ``orca``: iteration-level scheduling with selective batching; a request
+  joins at the next iteration and is answered when its last token is made;
+- ``request``: request-level batching, the paper's baseline (FasterTransformer
+  behind a batch window): a batch of up to ``max batch`` waiting requests
+  runs until its longest request is done, nobody joins it midway, and its
+  answers are held until then.  It starts as soon as the engine is free
+  (no batching delay) and finished requests stop computing, both in the
+  baseline's favour.
+
+Load: Orca's sustainable throughput at the largest max batch is measured
+first (closed loop, twice that many requests in flight); then each system
+serves Poisson arrivals at fractions of it, identical arrivals for every
+system at a given load (prompt and output lengths drawn uniformly), the
+systems' order reversed at every other load.  Throughput is answers per
+second from the first arrival to the last answer.  *At equal median
+latency*: for each point of the request-level curve, Orca's throughput
+where its median latency reaches the same value (linear between measured
+points); where Orca stays below it at every load measured, the ratio is a
+lower bound, written ≥.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+if __package__ in (None, ""):  # `python bench/NAME.py` from the repository root
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.report import add_output_arguments, markdown_table, provenance_block, run_benchmark
+
+VOCAB = 50257
+
+
+def _range(text: str) -> tuple[int, int]:
+    low, _, high = text.partition("-")
+    low_i, high_i = int(low), int(high or low)
+    if not 1 <= low_i <= high_i:
+        raise ValueError(f"bad range {text!r}: want LOW-HIGH with 1 ≤ LOW ≤ HIGH")
+    return low_i, high_i
+
+
+def workload(rate: float, seconds: float, prompt: tuple[int, int], output: tuple[int, int], seed: int) -> list[dict]:
+    """Poisson arrivals over ``seconds``: (time, prompt ids, max_new_tokens)."""
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    while True:
+        t += rng.expovariate(rate)
+        if t >= seconds:
+            return out
+        ids = [rng.randrange(VOCAB) for _ in range(rng.randint(*prompt))]
+        out.append({"at": t, "ids": ids, "new": rng.randint(*output)})
+
+
+def drive(engine: Any, arrivals: list[dict]) -> dict[str, Any]:
+    """Submit each arrival at its time; every request's latency, and the span to the last answer."""
+    done_at: dict[int, float] = {}
+    lock = threading.Lock()
+    all_done = threading.Event()
+    futures = []
+    start = time.perf_counter()
+    for i, a in enumerate(arrivals):
+        delay = start + a["at"] - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        submitted = time.perf_counter()
+        future = engine.submit(a["ids"], a["new"])
+
+        def finished(_f: Any, i: int = i) -> None:
+            with lock:
+                done_at[i] = time.perf_counter()
+                if len(done_at) == len(arrivals):
+                    all_done.set()
+
+        a["submitted"] = submitted
+        future.add_done_callback(finished)
+        futures.append(future)
+    if arrivals:
+        all_done.wait()
+    failed = sum(1 for f in futures if f.exception() is not None)
+    latencies = [done_at[i] - a["submitted"] for i, a in enumerate(arrivals)]
+    span = max(done_at.values()) - start if done_at else 0.0
+    return {"latencies": latencies, "span": span, "failed": failed, "tokens": sum(a["new"] for a in arrivals)}
+
+
+def capacity(engine: Any, clients: int, seconds: float, prompt: tuple[int, int], output: tuple[int, int]) -> float:
+    """Answers per second with ``clients`` requests always in flight."""
+    rng = random.Random(1)
+    stop = time.perf_counter() + seconds
+    count = 0
+    lock = threading.Lock()
+
+    def client() -> None:
+        nonlocal count
+        while time.perf_counter() < stop:
+            with lock:
+                ids = [rng.randrange(VOCAB) for _ in range(rng.randint(*prompt))]
+                new = rng.randint(*output)
+            engine.submit(ids, new).result()
+            with lock:
+                count += 1
+
+    started = time.perf_counter()
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return count / (time.perf_counter() - started)
+
+
+def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    import torch
+
+    from handlers.orca.engine import OrcaEngine
+    from handlers.orca.gpt2 import SelectiveGPT2
+    from model_store.catalog import get_spec
+    from model_store.factory import build_model
+
+    model = SelectiveGPT2(build_model(get_spec("gpt2")).model)
+    max_tokens = args.prompt[1] + args.output[1]
+    systems = [(policy, b) for b in args.max_batches for policy in ("orca", "request")]
+    engines = {
+        (policy, b): OrcaEngine(model, slots=max(args.max_batches), max_tokens=max_tokens, max_batch=b,
+                                max_new_tokens=args.output[1], iteration_level=policy == "orca")
+        for policy, b in systems
+    }  # fmt: skip
+    rows = []
+    try:
+        for engine in engines.values():  # warm-up: the first iterations pay lazy initialisation
+            engine.submit([0] * args.prompt[1], 2).result()
+        biggest = max(args.max_batches)
+        cap = capacity(engines[("orca", biggest)], 2 * biggest, args.capacity_seconds, args.prompt, args.output)
+        with tqdm(total=len(args.fractions) * len(systems), desc="orca vs request-level", unit="run") as bar:
+            for k, fraction in enumerate(args.fractions):
+                rate = fraction * cap
+                arrivals = workload(rate, args.seconds, args.prompt, args.output, seed=args.seed + k)
+                for policy, b in systems if k % 2 == 0 else list(reversed(systems)):
+                    result = drive(engines[(policy, b)], [dict(a) for a in arrivals])
+                    lat = sorted(result["latencies"])
+                    rows.append({
+                        "policy": policy, "max_batch": b, "fraction": fraction, "rate": rate,
+                        "requests": len(lat), "failed": result["failed"],
+                        "throughput": len(lat) / result["span"] if result["span"] else 0.0,
+                        "tokens_per_s": result["tokens"] / result["span"] if result["span"] else 0.0,
+                        "median_s": statistics.median(lat) if lat else None,
+                        "mean_s": statistics.fmean(lat) if lat else None,
+                        "p99_s": lat[min(len(lat) - 1, int(0.99 * len(lat)))] if lat else None,
+                    })  # fmt: skip
+                    bar.update(1)
+    finally:
+        for engine in engines.values():
+            engine.close(timeout_s=60)
+    return {
+        "model": "gpt2",
+        "threads": torch.get_num_threads(),
+        "capacity": cap,
+        "prompt": list(args.prompt),
+        "output": list(args.output),
+        "seconds": args.seconds,
+        "max_batches": args.max_batches,
+        "rows": rows,
+    }
+
+
+def _throughput_at_median(points: list[dict], median: float) -> tuple[float, bool]:
+    """A curve's throughput where its median latency reaches ``median`` (linear between points); (value, exact?)."""
+    points = sorted(points, key=lambda p: p["rate"])
+    for lo, hi in zip(points, points[1:], strict=False):
+        if lo["median_s"] <= median <= hi["median_s"] and hi["median_s"] > lo["median_s"]:
+            w = (median - lo["median_s"]) / (hi["median_s"] - lo["median_s"])
+            return lo["throughput"] + w * (hi["throughput"] - lo["throughput"]), True
+    below = [p for p in points if p["median_s"] <= median]
+    if not below:
+        return 0.0, True
+    return max(p["throughput"] for p in below), False  # never that slow in the range measured: a lower bound
+
+
+def summary(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per max batch and request-level load: Orca's throughput at the same median latency, ÷ request-level's."""
+    out = []
+    for b in data["max_batches"]:
+        orca = [r for r in data["rows"] if r["policy"] == "orca" and r["max_batch"] == b]
+        for req in (r for r in data["rows"] if r["policy"] == "request" and r["max_batch"] == b):
+            rate, exact = _throughput_at_median(orca, req["median_s"])
+            out.append({"max_batch": b, "fraction": req["fraction"], "median_s": req["median_s"],
+                        "request_throughput": req["throughput"], "orca_throughput": rate, "exact": exact,
+                        "ratio": rate / req["throughput"] if req["throughput"] else None})  # fmt: skip
+    return out
+
+
+def render(data: dict[str, Any], stem: str) -> str:
+    lines = [
+        f"# Orca vs request-level batching, GPT-2 on {data['threads']} CPU threads\n",
+        f"![throughput against median latency]({stem}.png)\n",
+        f"Poisson arrivals for {data['seconds']:g} s per run; prompts of {data['prompt'][0]}-{data['prompt'][1]} "
+        f"tokens, {data['output'][0]}-{data['output'][1]} new tokens each (uniform). Loads are fractions of Orca's "
+        f"capacity at the largest max batch, measured first in the run: {data['capacity']:.2f} answers/s.\n",
+        "## Throughput at equal median latency\n",
+        "For each request-level point, Orca's throughput (same max batch) where its median latency is the same "
+        "(linear between its measured loads), ÷ request-level's throughput. ≥: Orca's median stayed below that "
+        "latency at every load measured, so the ratio is a lower bound.\n",
+    ]
+
+    def ratio(s: dict[str, Any]) -> str:
+        return "-" if s["ratio"] is None else ("" if s["exact"] else "≥ ") + f"{s['ratio']:.2f}×"
+
+    table = [[s["max_batch"], f"{s['fraction']:.2f}", f"{s['median_s'] * 1e3:.0f}", f"{s['request_throughput']:.2f}",
+              f"{s['orca_throughput']:.2f}", ratio(s)] for s in data["summary"]]  # fmt: skip
+    lines.append(markdown_table(["max batch", "load", "request-level median ms", "request-level answers/s",
+                                 "Orca answers/s at that median", "Orca ÷ request-level"], table) + "\n")  # fmt: skip
+    lines.append("## Every run\n")
+    runs = [[r["policy"], r["max_batch"], f"{r['fraction']:.2f}", f"{r['rate']:.2f}", r["requests"], r["failed"],
+             f"{r['throughput']:.2f}", f"{r['tokens_per_s']:.1f}", f"{r['median_s'] * 1e3:.0f}",
+             f"{r['mean_s'] * 1e3:.0f}", f"{r['p99_s'] * 1e3:.0f}"] for r in data["rows"]]  # fmt: skip
+    lines.append(markdown_table(["policy", "max batch", "load", "rate/s", "requests", "failed", "answers/s",
+                                 "tokens/s", "median ms", "mean ms", "p99 ms"], runs) + "\n")  # fmt: skip
+    lines.append("## How this was measured\n")
+    lines.append(provenance_block(data["provenance"]))
+    return "\n".join(lines) + "\n"
+
+
+def plot(data: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # headless
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    for b in data["max_batches"]:
+        for policy, style in (("orca", "o-"), ("request", "s--")):
+            pts = sorted((r for r in data["rows"] if r["policy"] == policy and r["max_batch"] == b),
+                         key=lambda r: r["rate"])  # fmt: skip
+            ax.plot([r["median_s"] for r in pts], [r["throughput"] for r in pts], style,
+                    label=f"{'Orca' if policy == 'orca' else 'request-level'}, max batch {b}")  # fmt: skip
+    ax.set_xscale("log")
+    ax.set_xlabel("median latency (s, log)")
+    ax.set_ylabel("throughput (answers/s)")
+    ax.set_title("GPT-2: throughput against median latency")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--max-batches", default="4,8", help="comma-separated max batch sizes")
+    parser.add_argument("--fractions", default="0.2,0.45,0.7,0.95", help="loads as fractions of Orca's capacity")
+    parser.add_argument("--seconds", type=float, default=30.0, help="arrivals per run")
+    parser.add_argument("--prompt", default="4-32", help="prompt lengths, LOW-HIGH tokens")
+    parser.add_argument("--output", default="4-16", help="new tokens per request, LOW-HIGH")
+    parser.add_argument("--capacity-seconds", type=float, default=15.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="loads 0.3 and 0.7, 8 s runs")
+    add_output_arguments(parser)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.fractions, args.seconds, args.capacity_seconds = "0.3,0.7", 8.0, 8.0
+    try:
+        args.max_batches = sorted({int(b) for b in args.max_batches.split(",")})
+        args.fractions = [float(f) for f in args.fractions.split(",")]
+        args.prompt, args.output = _range(args.prompt), _range(args.output)
+        if min(args.max_batches) < 1 or not all(f > 0 for f in args.fractions):
+            raise ValueError("max batches must be ≥ 1 and fractions > 0")
+        if args.prompt[1] + args.output[1] > 1024:
+            raise ValueError("the longest prompt plus the most new tokens must fit GPT-2's 1024 positions")
+    except ValueError as exc:
+        parser.error(str(exc))
+    return run_benchmark("bench.orca", args, measure, summary, lambda d: "orca_gpt2", render, plot)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
