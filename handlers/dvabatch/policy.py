@@ -26,6 +26,7 @@ from typing import Any
 
 from handlers.dvabatch.batch_table import BatchEntry, BatchTable
 from handlers.runtime.segment_profile import SegmentProfile
+from handlers.settings import known_settings
 
 
 class DvaBatchConfigError(ValueError):
@@ -70,11 +71,7 @@ class DvaBatchConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | None) -> DvaBatchConfig:
-        raw = dict(raw or {})
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise DvaBatchConfigError(f"unknown dvabatch settings {unknown}; known: {sorted(known)}")
+        raw = known_settings(cls, raw, "dvabatch", DvaBatchConfigError)
         return cls(**raw)
 
     def to_dict(self) -> dict[str, Any]:

@@ -22,10 +22,11 @@ lanes are the workers' streams and all of them may run at once.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 from handlers.ebird.scheduler import default_worker_batches
+from handlers.settings import known_settings
 
 
 class EbirdConfigError(ValueError):
@@ -56,11 +57,7 @@ class EbirdConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | None) -> EbirdConfig:
-        raw = dict(raw or {})
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise EbirdConfigError(f"unknown ebird settings {unknown}; known: {sorted(known)}")
+        raw = known_settings(cls, raw, "ebird", EbirdConfigError)
         if "worker_batches" in raw:
             if not isinstance(raw["worker_batches"], (list, tuple)):
                 raise EbirdConfigError(f"worker_batches must be a list, got {raw['worker_batches']!r}")

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+from handlers.settings import known_settings
+
 # How the worker picks a program for each bucket: "auto" times every
 # candidate at the bucket's size when the worker starts and keeps the
 # fastest (eager included, so never slower than eager as measured);
@@ -64,11 +66,7 @@ class NimbleConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | None) -> NimbleConfig:
-        raw = dict(raw or {})
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise NimbleConfigError(f"unknown nimble settings {unknown}; known: {sorted(known)}")
+        raw = known_settings(cls, raw, "nimble", NimbleConfigError)
         if isinstance(raw.get("buckets"), list | tuple):
             raw["buckets"] = tuple(raw["buckets"])
         return cls(**raw)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+from handlers.settings import known_settings
+
 POLICIES = ("orca", "request")
 
 
@@ -42,9 +44,5 @@ class OrcaConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | None) -> OrcaConfig:
-        raw = dict(raw or {})
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise OrcaConfigError(f"unknown orca settings {unknown}; known: {sorted(known)}")
+        raw = known_settings(cls, raw, "orca", OrcaConfigError)
         return cls(**raw)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from handlers.errors import bad_request
+from handlers.settings import known_settings
 
 # How real-time and best-effort work share the worker.  "reef" is the
 # handler; the other two are the paper's baselines, kept in the same engine
@@ -67,11 +68,7 @@ class ReefConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | None) -> ReefConfig:
-        raw = dict(raw or {})
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise ReefConfigError(f"unknown reef settings {unknown}; known: {sorted(known)}")
+        raw = known_settings(cls, raw, "reef", ReefConfigError)
         if "realtime" in raw:
             value = raw["realtime"]
             raw["realtime"] = tuple(value) if isinstance(value, list | tuple) else value
