@@ -224,8 +224,9 @@ class ChainRunner:
 
     ``side_threads``: intra-op threads each side chain's thread uses (the
     caller's thread keeps its own setting).  Values are freed as soon as
-    their last reader has run, as in the generated code.  ``close`` stops
-    the threads; a runner is also a context manager.
+    their last reader has run, as in the generated code.  One forward at a
+    time (the chain threads serve one run): concurrent callers take turns.
+    ``close`` stops the threads; a runner is also a context manager.
     """
 
     def __init__(self, gm: fx.GraphModule, assignment: StreamAssignment | None = None, side_threads: int = 1) -> None:
@@ -243,6 +244,7 @@ class ChainRunner:
         self._work: list[tuple[threading.Event, list[Any]]] = []
         self._threads: list[threading.Thread] = []
         self._done = threading.Semaphore(0)
+        self._turn = threading.Lock()  # one run at a time
         self._closed = False
         for k in range(1, len(self.chains)):
             start: tuple[threading.Event, list[Any]] = (threading.Event(), [None])
@@ -309,6 +311,10 @@ class ChainRunner:
                 self._done.release()
 
     def __call__(self, *inputs: torch.Tensor) -> Any:
+        with self._turn:
+            return self._run(*inputs)
+
+    def _run(self, *inputs: torch.Tensor) -> Any:
         if self._closed:
             raise RuntimeError("the chain runner is closed")
         run = _Run(self.recorded, self.readers)
