@@ -73,6 +73,7 @@ def measure_model(name: str, args: argparse.Namespace, bar: tqdm) -> dict[str, A
 
     from handlers.nimble.config import NimbleConfig
     from handlers.nimble.program import build_candidates, choose, reproduces, time_ms
+    from handlers.runtime.segments import batch_rows
     from model_store.catalog import get_spec
     from model_store.factory import build_model, example_inputs
 
@@ -92,7 +93,7 @@ def measure_model(name: str, args: argparse.Namespace, bar: tqdm) -> dict[str, A
     rows = []
     try:
         for batch, choice in zip(args.batches, choices, strict=True):
-            inputs = tuple(x[torch.arange(batch, device=x.device) % x.shape[0]].contiguous() for x in example)
+            inputs = batch_rows(example, batch)
             with torch.inference_mode():
                 expected = model(*inputs)
             live = {}
@@ -259,7 +260,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--repeats", type=int, default=3, help="rounds per batch size")
     parser.add_argument("--runs", type=int, default=3, help="timed calls per measurement (median kept)")
-    parser.add_argument("--no-compile", dest="compile", action="store_false", help="leave torch.compile out")
+    parser.add_argument(
+        "--no-compile", dest="compile", action="store_false",
+        help="leave out the torch.compile baseline (Nimble's own compiled candidate stays)",
+    )  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="batches 1 and 8, 2 rounds of 2 calls")
     add_output_arguments(parser)
     args = parser.parse_args(argv)

@@ -38,7 +38,7 @@ from torch.fx.experimental.optimization import fuse
 
 from handlers.nimble.config import COMPILED, EAGER, MULTI, SINGLE, NimbleConfig
 from handlers.runtime.multistream import ChainRunner, assign_graph, rewrite_for_streams
-from handlers.runtime.segments import trace
+from handlers.runtime.segments import batch_rows, trace
 from handlers.runtime.stream_assignment import StreamAssignment
 
 logger = logging.getLogger(__name__)
@@ -82,10 +82,6 @@ class BucketChoice:
         timings = ", ".join(f"{name} {ms:.1f} ms" for name, ms in self.ms.items())
         refused = f"; refused (failed, or output differs): {', '.join(self.refused)}" if self.refused else ""
         return f"batch {self.batch}: {self.chosen} ({timings}{refused})"
-
-
-def _rows(example: Sequence[torch.Tensor], rows: int) -> tuple[torch.Tensor, ...]:
-    return tuple(x[torch.arange(rows, device=x.device) % x.shape[0]].contiguous() for x in example)
 
 
 def time_ms(program: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...], runs: int) -> float:
@@ -221,7 +217,7 @@ def choose(
     choices = []
     with torch.inference_mode():
         for batch in config.buckets:
-            inputs = _rows(example, batch)
+            inputs = batch_rows(example, batch)
             expected = model(*inputs)
             ms: dict[str, float] = {}
             refused = []

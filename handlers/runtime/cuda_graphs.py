@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from handlers.runtime.segments import batch_rows
+
 Program = Callable[..., torch.Tensor]
 
 
@@ -58,7 +60,7 @@ def capture(
     device = example[0].device
     if device.type != "cuda":
         raise ValueError(f"CUDA graphs need CUDA tensors, got {device}")
-    static = tuple(x[torch.arange(batch, device=device) % x.shape[0]].clone() for x in example)
+    static = batch_rows(example, batch)  # fresh tensors: the graph's own input buffers
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.inference_mode(), torch.cuda.stream(side):

@@ -109,9 +109,9 @@ class _Recorder(fx.Interpreter):
         return value
 
 
-def _batch_rows(inputs: tuple[torch.Tensor, ...], rows: int) -> tuple[torch.Tensor, ...]:
-    """The example's first ``rows`` rows, repeated when it has fewer."""
-    return tuple(x[torch.arange(rows) % x.shape[0]] for x in inputs)
+def batch_rows(inputs: Sequence[torch.Tensor], rows: int) -> tuple[torch.Tensor, ...]:
+    """The example's first ``rows`` rows, repeated when it has fewer: fresh tensors on the example's device."""
+    return tuple(x[torch.arange(rows, device=x.device) % x.shape[0]] for x in inputs)
 
 
 def classify(gm: fx.GraphModule, example_inputs: tuple[torch.Tensor, ...]) -> dict[str, bool]:
@@ -120,7 +120,7 @@ def classify(gm: fx.GraphModule, example_inputs: tuple[torch.Tensor, ...]) -> di
     for rows in (2, 3):
         recorder = _Recorder(gm, rows, timed=False)
         with torch.no_grad():
-            recorder.run(*_batch_rows(example_inputs, rows))
+            recorder.run(*batch_rows(example_inputs, rows))
         seen.append(recorder.batch_first)
     return {name: seen[0][name] and seen[1].get(name, False) for name in seen[0]}
 
