@@ -48,6 +48,12 @@ def request_payload(row: dict[str, Any]) -> Any:
     return value
 
 
+def check_payload_size(value: bytes | bytearray, limit: int) -> None:
+    """A 413 for a body over the archive's limit, before anything parses it."""
+    if len(value) > limit:
+        raise RequestError(413, f"payload of {len(value)} bytes exceeds the limit of {limit} bytes")
+
+
 def parse_json(raw: bytes | bytearray | str) -> Any:
     try:
         text = raw.decode("utf-8") if isinstance(raw, (bytes, bytearray)) else raw
@@ -110,10 +116,7 @@ class InputCodec:
     def decode(self, row: dict[str, Any]) -> ModelInput:
         value = request_payload(row)
         if isinstance(value, (bytes, bytearray)):
-            if len(value) > self.max_payload_bytes:
-                raise RequestError(
-                    413, f"payload of {len(value)} bytes exceeds the limit of {self.max_payload_bytes} bytes"
-                )
+            check_payload_size(value, self.max_payload_bytes)
             if self.spec.input_kind == "image" and (value.startswith(JPEG_MAGIC) or value.startswith(PNG_MAGIC)):
                 return ModelInput((self._decode_image(bytes(value)),))
             value = parse_json(value)

@@ -128,7 +128,7 @@ def test_request_level_batching_answers_a_batch_together_and_the_same_tokens(gpt
         results = [f.result(timeout=120) for f in (gate, joiner, long, short)]
     finally:
         engine.close(timeout_s=30)
-    assert engine.batch_sizes[:6] == [1] * 6  # the first batch ran alone to its end
+    assert list(engine.batch_sizes)[:6] == [1] * 6  # the first batch ran alone to its end
     # The short request (2 tokens) was answered only after the last iteration, the long one's (8 tokens).
     assert answered_at == [engine.iterations] and engine.iterations >= 6 + 8
     assert results == [greedy(hf, prompt(s, 3), n) for s, n in ((7, 6), (8, 1), (9, 8), (10, 2))]

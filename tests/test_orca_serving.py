@@ -123,3 +123,15 @@ def test_the_builder_refuses_what_orca_cannot_serve(tmp_path):
                          ({"kv_slots": 0}, "kv_slots"), ({"beam": 2}, "unknown orca settings")]:  # fmt: skip
         with pytest.raises(OrcaConfigError, match=message):
             ServingOptions(handler="orca", handler_settings=tuple(raw.items()))
+
+
+def test_a_body_over_the_archives_limit_is_a_413_before_it_is_parsed():
+    from handlers.errors import RequestError
+    from handlers.orca.config import OrcaConfig
+    from handlers.orca.handler import parse_generation_request
+
+    body = json.dumps({"input_ids": [1] * 100}).encode()
+    with pytest.raises(RequestError, match="exceeds the limit of 64 bytes") as err:
+        parse_generation_request({"body": body}, OrcaConfig(), max_payload_bytes=64)
+    assert err.value.status == 413
+    assert parse_generation_request({"body": body}, OrcaConfig(), max_payload_bytes=len(body))[0] == [1] * 100

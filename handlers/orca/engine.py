@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from handlers.orca.scheduler import GenerationRequest, IterationScheduler
 
 logger = logging.getLogger(__name__)
 
+BATCH_SIZE_HISTORY = 4096
 TokenCallback = Callable[[int, int, bool], None]  # (token, index in the answer, last?)
 
 
@@ -60,7 +62,9 @@ class OrcaEngine:
         self._closed = False
         self.iterations = 0
         self.tokens = 0  # tokens generated
-        self.batch_sizes: list[int] = []  # per iteration, for tests and benchmarks
+        # The latest iterations' batch sizes, for tests and benchmarks; bounded,
+        # since a serving worker runs iterations for as long as it lives.
+        self.batch_sizes: deque[int] = deque(maxlen=BATCH_SIZE_HISTORY)
         self._thread = threading.Thread(target=self._loop, name="orca-engine", daemon=True)
         self._thread.start()
 

@@ -25,9 +25,9 @@ import logging
 import os
 from typing import Any
 
-from handlers.codecs import DEFAULT_MAX_PAYLOAD_BYTES, parse_json, request_payload
+from handlers.codecs import DEFAULT_MAX_PAYLOAD_BYTES, check_payload_size, parse_json, request_payload
 from handlers.cpu_handler import load_model
-from handlers.errors import RequestError, ResponseError, ServiceUnavailable, bad_request
+from handlers.errors import ResponseError, ServiceUnavailable, bad_request
 from handlers.orca.config import OrcaConfig
 from handlers.orca.engine import GenerationError, OrcaEngine
 from handlers.orca.gpt2 import SelectiveGPT2
@@ -43,8 +43,7 @@ def parse_generation_request(row: dict[str, Any], config: OrcaConfig, max_payloa
     """(input_ids, max_new_tokens, stream) from a request row, or a ``RequestError`` naming the problem."""
     value = request_payload(row)
     if isinstance(value, bytes | bytearray):
-        if len(value) > max_payload_bytes:
-            raise RequestError(413, f"payload of {len(value)} bytes exceeds the limit of {max_payload_bytes} bytes")
+        check_payload_size(value, max_payload_bytes)
         value = parse_json(value)
     elif isinstance(value, str):
         value = parse_json(value)
