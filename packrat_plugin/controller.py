@@ -17,8 +17,10 @@ model, and a small JSON status endpoint that ``packrat status`` reads.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -28,13 +30,21 @@ from typing import Any
 
 from packrat_plugin.calibration import CalibrationConfig, ServiceCalibrator
 from packrat_plugin.clients import ManagementClient, MetricsClient, TorchServeAPIError
+from packrat_plugin.division import OVERLOAD_S, DivisionConfig, DivisionPolicy, ModelDemand, split_topology
 from packrat_plugin.load_monitor import LoadMonitor, MonitorConfig
 from packrat_plugin.optimizer import InfeasibleError, KnapsackOptimizer
 from packrat_plugin.plan_types import Plan, PlanItem
 from packrat_plugin.plans import PLAN_DIR_ENV, PlanStore
 from packrat_plugin.policy import Decision, Level, PolicyConfig, ReconfigurationPolicy, levels_for, standby_items
 from packrat_plugin.profile import Profile
-from packrat_plugin.swapper import ActivePassiveSwapper, SwapError, SwapperConfig, SwapReport, ready_counts
+from packrat_plugin.swapper import (
+    ActivePassiveSwapper,
+    SwapError,
+    SwapperConfig,
+    SwapReport,
+    cores_tag,
+    ready_counts,
+)
 from packrat_plugin.topology import CpuTopology
 from packrat_plugin.torchserve import Ports, TorchServeProcess
 
@@ -65,6 +75,10 @@ class ControllerConfig:
     standby_wait_s: float = 600.0  # start() waits this long for the standby set (0: not at all)
     fixed_batch: int | None = None  # pin B (benchmarks, static settings)
     reconfigure: bool = True  # False: keep the first plan
+    # Several models: divide the cores among them (division.py) rather than
+    # let each plan over all of them as if it were alone.
+    share_cores: bool = True
+    division: DivisionConfig = field(default_factory=DivisionConfig)
 
     def __post_init__(self) -> None:
         if self.standby_workers < 0:
@@ -99,6 +113,7 @@ class ModelController:
         model_store: Path,
         topology: CpuTopology,
         config: ControllerConfig,
+        core_tag: str = "",
     ) -> None:
         self.target = target
         self.management = management
@@ -106,16 +121,21 @@ class ModelController:
         self.store = store
         self.topology = topology
         self.config = config
-        self.threads = len(topology.cores)
         self.optimizer = KnapsackOptimizer(target.profile)
+        self._levels_by_cores: dict[int, list[Level]] = {}
+        self.threads = len(topology.cores)
         self.max_batch = self._largest_feasible_batch()
-        self.levels: list[Level] = levels_for(self.optimizer, self.threads, self.max_batch)
+        self.levels: list[Level] = self.levels_on(self.threads)
         self.policy = ReconfigurationPolicy(self.levels, config.policy)
         self.monitor = LoadMonitor(config.monitor)
         self.calibrator = ServiceCalibrator(config.calibration)
         self.swapper = ActivePassiveSwapper(
-            management, store, target.name, target.archive, model_store, topology, config.swapper
-        )
+            management, store, target.name, target.archive, model_store, topology, config.swapper,
+            core_tag=core_tag,
+        )  # fmt: skip
+        # Held while the worker set changes: the model's own loop and a
+        # re-division (PackratController) never swap at the same time.
+        self.swap_lock = threading.Lock()
         self.level: Level | None = None
         self.plan: Plan | None = None
         self.last_pending = 0
@@ -126,19 +146,73 @@ class ModelController:
         self.last_error: str | None = None
         self.lock = threading.Lock()
 
-    def _largest_feasible_batch(self) -> int:
+    def _largest_feasible_batch(self, threads: int | None = None) -> int:
+        threads = self.threads if threads is None else threads
         best = 0
         b = 1
-        while b <= self.threads * max(self.target.profile.batches):
+        while b <= threads * max(self.target.profile.batches):
             try:
-                self.optimizer.plan(self.threads, b, uniform=True)
+                self.optimizer.plan(threads, b, uniform=True)
                 best = b
             except InfeasibleError:
                 pass
             b *= 2
         if best == 0:
-            raise InfeasibleError(f"no uniform plan for {self.target.name} fits {self.threads} cores at any B")
+            raise InfeasibleError(f"no uniform plan for {self.target.name} fits {threads} cores at any B")
         return best
+
+    def levels_on(self, threads: int) -> list[Level]:
+        """The levels this model would choose among on ``threads`` cores (cached)."""
+        if threads not in self._levels_by_cores:
+            self._levels_by_cores[threads] = levels_for(self.optimizer, threads, self._largest_feasible_batch(threads))
+        return self._levels_by_cores[threads]
+
+    def predicted_latency_s(self, threads: int, rate: float) -> float:
+        """Mean latency of the best level on ``threads`` cores at ``rate``, calibrated.
+
+        Past every level's capacity: ``division.OVERLOAD_S`` scaled by how far
+        past, so that dividing cores still sees which share helps most.
+        """
+        calibration = self.calibrator.current
+        try:
+            levels = [dataclasses.replace(lv, calibration=calibration) for lv in self.levels_on(threads)]
+        except InfeasibleError:  # the profile has no point that fits this few cores
+            return math.inf
+        best = min(lv.predicted_latency_s(rate) for lv in levels)
+        if math.isfinite(best):
+            return best
+        capacity = max(lv.capacity for lv in levels)
+        return OVERLOAD_S * max(1.0, rate / capacity)
+
+    def place(self, topology: CpuTopology) -> None:
+        """Plan on these cores from now on (the next swap moves the workers there)."""
+        self.topology = topology
+        self.threads = len(topology.cores)
+        self.max_batch = self._largest_feasible_batch()
+        self.levels = self.levels_on(self.threads)
+        costs = self.policy.costs
+        self.policy = ReconfigurationPolicy(self.levels, self.config.policy)
+        self.policy.costs = costs
+        self.policy.calibrate(self.calibrator.current)
+        self.swapper.retarget(topology, cores_tag(topology))
+
+    def reassign(self, topology: CpuTopology, rate: float) -> SwapReport:
+        """Serve on other cores (a re-division): plan for them, swap to the best level at ``rate``.
+
+        If the swap fails the old set keeps serving on the old cores, and the
+        controller plans for those again.
+        """
+        with self.swap_lock:
+            old = self.topology
+            self.place(topology)
+            level = self.level_for(self.config.fixed_batch) if self.config.fixed_batch else self.policy.best(rate)
+            try:
+                report = self._apply(level)
+            except (SwapError, TorchServeAPIError):
+                self.place(old)
+                raise
+            self.policy.record_swap(time.monotonic(), report.serving_after_s, report.warm)
+            return report
 
     def level_for(self, batch: int) -> Level:
         """The level for ``batch``, or for the largest one below it."""
@@ -224,6 +298,10 @@ class ModelController:
         self.sample(now)
         if self.config.fixed_batch or not self.config.reconfigure or self.level is None or not self.monitor.ready:
             return None
+        with self.swap_lock:
+            return self._decide(now)
+
+    def _decide(self, now: float) -> SwapReport | None:
         observation = self.monitor.observation(now, self.level.plan.instances[0].batch, self.config.policy.noise_z)
         decision = self.policy.observe(observation, self.level.batch, self.warm_levels())
         if decision is None:
@@ -261,6 +339,7 @@ class ModelController:
             return {
                 "model": self.target.name,
                 "active_version": self.swapper.active,
+                "cores": list(self.topology.cores),
                 "plan": plan.to_dict() if plan else None,
                 "slots": slots,
                 "estimated_batch": self.level.batch if self.level else None,
@@ -326,6 +405,9 @@ class PackratController:
             env={PLAN_DIR_ENV: str(self.store.root)}, **kwargs,
         )  # fmt: skip
         self.models: dict[str, ModelController] = {}
+        self.division: DivisionPolicy | None = None
+        self.division_moves: list[dict[str, Any]] = []
+        self.division_error: str | None = None
         self.status_port = status_port
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -342,13 +424,18 @@ class PackratController:
         try:
             management, metrics = self.server.management(), self.server.metrics()
             for target in self.targets:
-                mc = ModelController(target, management, metrics, self.store, self.model_store, self.topology,
-                                     self.config)  # fmt: skip
-                self.models[target.name] = mc
-                mc.start()
+                self.models[target.name] = ModelController(
+                    target, management, metrics, self.store, self.model_store, self.topology, self.config
+                )
+            if self.sharing:
+                self._divide_initially()
             for mc in self.models.values():
-                thread = threading.Thread(target=mc.run, args=(self._stop,), name=f"packrat-{mc.target.name}")
-                thread.daemon = True
+                mc.start()
+            loops = [(mc.run, f"packrat-{name}") for name, mc in self.models.items()]
+            if self.sharing and self.config.reconfigure and not self.config.fixed_batch:
+                loops.append((self._division_loop, "packrat-division"))
+            for loop, name in loops:
+                thread = threading.Thread(target=loop, args=(self._stop,), name=name, daemon=True)
                 thread.start()
                 self._threads.append(thread)
             if self.status_port is not None:
@@ -360,11 +447,80 @@ class PackratController:
             raise
         return self
 
+    @property
+    def sharing(self) -> bool:
+        """Whether the models divide the cores (several models, ``share_cores``)."""
+        return self.config.share_cores and len(self.targets) > 1
+
+    def demands(self) -> list[ModelDemand]:
+        """Each model's predicted latency on 1..T cores at its arrival rate now (long window)."""
+        total = len(self.topology.cores)
+        window = self.config.monitor.long_window_s
+        out = []
+        for name, mc in self.models.items():
+            rate = mc.monitor.rate(window) if mc.monitor.ready else 0.0
+            out.append(ModelDemand(name, rate, tuple(mc.predicted_latency_s(c, rate) for c in range(1, total + 1))))
+        return out
+
+    def _divide_initially(self) -> None:
+        self.division = DivisionPolicy(len(self.topology.cores), self.config.division)
+        first = self.division.initial(self.demands())
+        parts = split_topology(first.cores, self.topology)
+        for name, mc in self.models.items():
+            mc.place(parts[name])
+        self.division_moves.append({"at": time.time(), "reason": "start", **first.to_dict()})
+        logger.info("cores divided: %s", {n: list(p.cores) for n, p in parts.items()})
+
+    def _division_loop(self, stop: threading.Event) -> None:
+        period = max(1.0, self.config.monitor.period_s)
+        while not stop.wait(period):
+            try:
+                self.redivide(time.monotonic())
+            except (TorchServeAPIError, SwapError, OSError) as exc:
+                logger.error("re-division failed: %s", exc)
+                self.division_error = str(exc)
+
+    def redivide(self, now: float) -> bool:
+        """Move to a better division if the division policy wants one now."""
+        assert self.division is not None
+        demands = self.demands()
+        move = self.division.observe(now, demands)
+        if move is None:
+            return False
+        rates = {d.name: d.rate for d in demands}
+        before = dict(self.division.current or {})
+        parts = split_topology(move.cores, self.topology)
+        moved: dict[str, int] = dict(before)
+        try:
+            # Models that give cores up move first, so the others grow onto freed cores.
+            for name in sorted(move.cores, key=lambda n: move.cores[n] - before.get(n, 0)):
+                mc = self.models[name]
+                if list(parts[name].cores) != mc.topology.cores:
+                    mc.reassign(parts[name], rates[name])
+                moved[name] = move.cores[name]
+        finally:
+            self.division.record_move(time.monotonic(), moved)
+            self.division_moves.append({"at": time.time(), "reason": "load", "before": before, **move.to_dict()})
+        self.division_error = None
+        logger.info("cores re-divided: %s", {n: list(p.cores) for n, p in parts.items()})
+        return True
+
     def status(self) -> dict[str, Any]:
+        division = None
+        if self.division is not None:
+            division = {
+                "objective": self.config.division.objective,
+                "min_cores": self.config.division.min_cores,
+                "cores": self.division.current,
+                "moves": len(self.division_moves) - 1,
+                "last_move": self.division_moves[-1],
+                "last_error": self.division_error,
+            }
         return {
             "inference_url": self.server.inference_url,
             "management_url": self.server.management_url,
             "threads": len(self.topology.cores),
+            "division": division,
             "models": {name: mc.status() for name, mc in self.models.items()},
         }
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from model_store.build import catalog_name
 from packrat_plugin.controller import ControllerConfig, ModelTarget, PackratController
+from packrat_plugin.division import OBJECTIVES, DivisionConfig
 from packrat_plugin.load_monitor import MonitorConfig
 from packrat_plugin.plan_types import format_instances
 from packrat_plugin.policy import PolicyConfig
@@ -74,6 +75,34 @@ def add_policy_arguments(p: argparse.ArgumentParser) -> None:
                    help="idle workers kept warm for fast swaps (each holds a copy of the model; 0: none)")  # fmt: skip
     g.add_argument("--no-calibrate", action="store_true",
                    help="plan on the bare profile, not on measured serving costs (calibration.py)")  # fmt: skip
+    div = DivisionConfig()
+    m = p.add_argument_group("several models on one server (see packrat_plugin/division.py)")
+    m.add_argument(
+        "--no-share-cores",
+        action="store_true",
+        help="let every model plan over all cores as if it were alone (they then compete for them)",
+    )
+    m.add_argument(
+        "--share-objective",
+        choices=OBJECTIVES,
+        default=div.objective,
+        help="divide the cores to minimise the worst model's predicted mean latency, or the "
+        "load-weighted mean over all models",
+    )
+    m.add_argument(
+        "--min-cores",
+        type=int,
+        default=div.min_cores,
+        help="cores every model keeps however idle, so it never stops answering",
+    )
+    m.add_argument(
+        "--division-min-gain",
+        type=float,
+        default=div.min_gain,
+        help="least relative gain of the objective worth a re-division",
+    )
+    m.add_argument("--division-confirm", type=float, default=div.confirm_s,
+                   help="a better division must stay best this long (s)")  # fmt: skip
 
 
 def targets_from(args: argparse.Namespace) -> list[ModelTarget]:
@@ -104,6 +133,11 @@ def config_from(args: argparse.Namespace) -> ControllerConfig:
         calibrate=not args.no_calibrate,
         fixed_batch=args.fixed_batch,
         reconfigure=not args.no_reconfigure,
+        share_cores=not args.no_share_cores,
+        division=DivisionConfig(
+            objective=args.share_objective, min_cores=args.min_cores, min_gain=args.division_min_gain,
+            confirm_s=args.division_confirm,
+        ),
     )  # fmt: skip
 
 
@@ -124,7 +158,13 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def format_status(status: dict) -> str:
-    lines = [f"{'model':<14} {'ver':<4} {'plan':<26} {'B est':>6} {'queued':>7} {'busy':>5}  last swap"]
+    lines = []
+    division = status.get("division")
+    if division:
+        shares = ", ".join(f"{name}: {count}" for name, count in (division["cores"] or {}).items())
+        lines.append(f"cores divided ({division['objective']} latency, ≥{division['min_cores']} each): {shares}; "
+                     f"{division['moves']} re-division(s)")  # fmt: skip
+    lines.append(f"{'model':<14} {'ver':<10} {'plan':<26} {'B est':>6} {'queued':>7} {'busy':>5}  last swap")
     for name, m in status["models"].items():
         plan = m["plan"]
         desc = format_instances(plan["instances"] if plan else None, labels=True)
@@ -135,7 +175,7 @@ def format_status(status: dict) -> str:
             else "-"
         )
         lines.append(
-            f"{name:<14} {m['active_version'] or '-':<4} {desc:<26} {m['estimated_batch']:>6} "
+            f"{name:<14} {m['active_version'] or '-':<10} {desc:<26} {m['estimated_batch']:>6} "
             f"{m['pending_requests']:>7} {m['in_service']:>5}  {swap}"
         )
         if m["slots"]:

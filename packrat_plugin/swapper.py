@@ -47,9 +47,18 @@ def ready_counts(versions: list[dict[str, Any]]) -> dict[str, int]:
     return {str(v["modelVersion"]): sum(w.get("status") == "READY" for w in v.get("workers", [])) for v in versions}
 
 
-def version_name(item: PlanItem) -> str:
-    """The TorchServe version that serves instances of ``item``'s class."""
-    return f"t{item.threads}b{item.batch}"
+def version_name(item: PlanItem, core_tag: str = "") -> str:
+    """The TorchServe version that serves instances of ``item``'s class.
+
+    ``core_tag`` names the cores when the model has a share of the server
+    (``division.py``): the same class on other cores is another worker set.
+    """
+    return f"t{item.threads}b{item.batch}{core_tag}"
+
+
+def cores_tag(topology: CpuTopology) -> str:
+    """``-c0-1`` for cores 0 and 1: a version name's suffix for a model's share of the cores."""
+    return "-c" + "-".join(str(c) for c in topology.cores)
 
 
 class SwapError(RuntimeError):
@@ -124,6 +133,22 @@ class ActivePassiveSwapper:
     active_item: PlanItem | None = None
     registered: set[str] = field(default_factory=set)
     standby: dict[str, PlanItem] = field(default_factory=dict)  # version → workers kept warm
+    core_tag: str = ""  # see version_name
+
+    def version_for(self, item: PlanItem) -> str:
+        return version_name(item, self.core_tag)
+
+    def retarget(self, topology: CpuTopology, tag: str) -> None:
+        """Serve the next plans on other cores: stop the standby sets pinned to the old ones.
+
+        The active version keeps serving where it is until ``apply`` swaps
+        it for a version on the new cores (its name differs by ``tag``).
+        """
+        for version in list(self.standby):
+            if version != self.active and version in self.registered:
+                self._scale(version, 0)
+        self.standby = {}
+        self.topology, self.core_tag = topology, tag
 
     def archive_name(self, version: str) -> str:
         return f"{self.model}.packrat-{version}.mar"
@@ -140,7 +165,7 @@ class ActivePassiveSwapper:
 
     def is_warm(self, item: PlanItem, ready: dict[str, int] | None = None) -> bool:
         ready = self.ready_workers() if ready is None else ready
-        return ready.get(version_name(item), 0) >= item.count
+        return ready.get(self.version_for(item), 0) >= item.count
 
     def keep_warm(self, items: list[PlanItem]) -> None:
         """Keep these classes' workers running beside the active version; stop the rest.
@@ -148,7 +173,7 @@ class ActivePassiveSwapper:
         Asynchronous: TorchServe starts the workers in the background (at low
         priority, see worker.py) and ``is_warm`` says when they are READY.
         """
-        wanted = {version_name(i): i for i in items if version_name(i) != self.active}
+        wanted = {self.version_for(i): i for i in items if self.version_for(i) != self.active}
         for version in list(self.standby):
             if version not in wanted and version != self.active and version in self.registered:
                 self._scale(version, 0)
@@ -200,7 +225,7 @@ class ActivePassiveSwapper:
                 warm=warm, worker_startup=startup,
             )  # fmt: skip
 
-        new = version_name(item)
+        new = self.version_for(item)
         if self.active is None:
             self._bring_up(new, item)
             startup = self._startup_summary(new)
@@ -241,7 +266,7 @@ class ActivePassiveSwapper:
         finally:
             self.store.set_draining(self.model, old, False)
         phase("drain")
-        kept = self.standby if standby is None else {version_name(i): i for i in standby}
+        kept = self.standby if standby is None else {self.version_for(i): i for i in standby}
         keep = kept.get(old)
         self._scale(old, keep.count if keep else 0)
         self.standby.pop(new, None)
