@@ -7,12 +7,19 @@ bench``): one TorchServe, the same archive served as the fat instance
 ⟨1, T, B⟩ and as Packrat's uniform plan, interleaved (ABBA) under a closed
 loop of B requests in flight with real client payloads.  This script adds the
 markdown table, the plot and the provenance under docs/benchmarks/.
+
+    python -m bench.packrat_e2e --model resnet50 --mixed --batches 3,5,7
+
+compares the optimizer's exact plan where it is mixed (served by
+``handlers/plan_handler.py``) with the fat instance and the best uniform plan
+(``packrat_plugin.compare.compare_mixed_plans``).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 from pathlib import Path
 
 if __package__ in (None, ""):  # `python bench/NAME.py` from the repository root
@@ -29,6 +36,7 @@ from bench.report import (
     speedup_bars,
 )
 from packrat_plugin.compare import run_from_args
+from packrat_plugin.plan_types import format_instances
 
 
 def plot(data: dict, path: Path) -> None:
@@ -60,6 +68,74 @@ def render(data: dict, args: argparse.Namespace, stem: str) -> str:
     )
 
 
+def run_mixed(args: argparse.Namespace) -> dict:
+    from model_store.build import ARCHIVE_DIR, build_archive
+    from model_store.catalog import get_spec
+    from model_store.samples import client_payload
+    from packrat_plugin.compare import ComparisonConfig, compare_mixed_plans
+    from packrat_plugin.profiler import parse_int_list, profile_for_this_machine
+
+    spec = get_spec(args.model, args.mode)
+    profile, profile_path = profile_for_this_machine(spec.name, args.profile, args.force, args.mode)
+    archive = build_archive(spec, ARCHIVE_DIR)
+    payloads = [client_payload(spec, seed=i) for i in range(32)]
+    config = ComparisonConfig(tuple(parse_int_list(args.batches)), args.seconds, args.warmup_seconds, args.repeats,
+                              args.max_batch_delay)  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="packrat-mixed-") as tmp:
+        data = compare_mixed_plans(archive, profile, lambda n: payloads[n % len(payloads)], Path(tmp), config)
+    return {**data, "mode": spec.mode, "profile": str(profile_path)}
+
+
+def render_mixed(data: dict, args: argparse.Namespace, stem: str) -> str:
+    T = data["threads"]
+    header = ["B", "mixed plan", "best uniform", "fat ms", "uniform ms", "mixed ms", "fat ÷ mixed (min-max)",
+              "uniform ÷ mixed (min-max)", "predicted ms (fat / uniform / mixed)", "requests (failed)"]  # fmt: skip
+
+    def ratio(r: dict, name: str) -> str:
+        if f"{name}_over_mixed" not in r:
+            return "-"
+        return f"{r[f'{name}_over_mixed']:.2f} ({r[f'{name}_over_mixed_min']:.2f}-{r[f'{name}_over_mixed_max']:.2f})"
+
+    def ms(x: float | None) -> str:
+        return "-" if x is None else f"{x:.0f}"
+
+    rows = []
+    for r in data["rows"]:
+        if r["mixed_plan"] is None:
+            rows.append([r["batch"], "-", "-", "-", "-", "-", "-", "-", r["note"], "-"])
+            continue
+        p = r["predicted_ms"]
+        uniform = format_instances(r["uniform_plan"]) if r["uniform_plan"] else f"= fat 1×⟨{T},{r['batch']}⟩"
+        rows.append([
+            r["batch"], format_instances(r["mixed_plan"]), uniform, ms(r["fat_latency_ms"]),
+            ms(r.get("uniform_latency_ms")), ms(r["mixed_latency_ms"]), ratio(r, "fat"), ratio(r, "uniform"),
+            f"{ms(p['fat'])} / {ms(p['uniform'])} / {ms(p['mixed'])}", f"{r['requests']} ({r['failed']})",
+        ])  # fmt: skip
+    return (
+        f"# Packrat's mixed plans in TorchServe: {data['model']} ({data['mode']}), T={T}\n\n"
+        f"At each B, the fat instance ⟨1,{T},B⟩, the best uniform plan (when the profile has one other than the fat "
+        f"instance) and the optimizer's exact, mixed plan (one worker, one pinned lane per instance), served by one "
+        f"real TorchServe, taking turns under a closed loop of B requests in flight, {args.repeats} interleaved "
+        f"{args.seconds:g} s windows each; medians, ratios paired per window (above 1: mixed is faster). "
+        f"Profile: `{data['profile']}`.\n\n{markdown_table(header, rows)}\n\n"
+        f"![latency]({stem}.png)\n\n{provenance_block(data['provenance'])}"
+    )
+
+
+def plot_mixed(data: dict, path: Path) -> None:
+    from bench.report import new_figure, save_figure
+
+    rows = [r for r in data["rows"] if r["mixed_plan"] is not None]
+    fig, ax = new_figure()
+    xs = [str(r["batch"]) for r in rows]
+    for i, (name, label) in enumerate((("fat", "fat"), ("uniform", "best uniform"), ("mixed", "mixed (exact)"))):
+        values = [r.get(f"{name}_latency_ms") or 0.0 for r in rows]
+        ax.bar([j + 0.27 * (i - 1) for j in range(len(rows))], values, 0.27, label=label)
+    ax.set_xticks(range(len(rows)))
+    ax.set_xticklabels(xs)
+    save_figure(fig, ax, path, "requests in flight B", "mean latency (ms)", f"mixed plans: {data['model']}")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="catalog name")
     parser.add_argument("--mode", default="script", choices=("eager", "script", "compile"))
@@ -70,6 +146,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=4)
     parser.add_argument("--max-batch-delay", type=int, default=5, help="TorchServe max_batch_delay (ms)")
     parser.add_argument("--force", action="store_true", help="use a profile from other hardware")
+    parser.add_argument("--mixed", action="store_true",
+                        help="compare the optimizer's exact (mixed) plan against the fat instance and the best uniform "
+                             "plan at each B instead (B where the exact plan is mixed: on 2 cores, odd B)")  # fmt: skip
     add_output_arguments(parser)
 
 
@@ -78,6 +157,12 @@ def main(argv: list[str] | None = None) -> int:
     add_arguments(parser)
     args = parser.parse_args(argv)
     prov = provenance("bench.packrat_e2e")
+    if args.mixed:
+        data = run_mixed(args)
+        data["provenance"] = prov
+        stem = f"packrat_e2e_mixed_{data['model']}"
+        print(publish(stem, data, lambda d: render_mixed(d, args, stem), plot_mixed, args.out_dir, args.json))
+        return 0 if all(r.get("failed", 0) == 0 for r in data["rows"]) else 1
     data = run_from_args(args)
     data["provenance"] = prov
     stem = f"packrat_e2e_{data['model']}"

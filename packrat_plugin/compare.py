@@ -16,6 +16,7 @@ expected speedup is the profile's L[T][B] / plan latency.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import tempfile
@@ -27,7 +28,7 @@ from typing import Any
 from tqdm import tqdm
 
 from packrat_plugin.loadgen import LoadResult, closed_loop, run
-from packrat_plugin.optimizer import KnapsackOptimizer, expected_speedup
+from packrat_plugin.optimizer import InfeasibleError, KnapsackOptimizer, expected_speedup
 from packrat_plugin.plan_types import Plan, PlanItem
 from packrat_plugin.plans import PLAN_DIR_ENV, PlanStore
 from packrat_plugin.profile import Profile
@@ -132,6 +133,87 @@ def compare_fat_and_plan(
         "rows": rows,
         "mean_latency_speedup": statistics.fmean(r["latency_speedup"] for r in rows),
     }
+
+
+def compare_mixed_plans(
+    archive: Path,
+    profile: Profile,
+    payload: Callable[[int], Any],
+    workdir: Path,
+    config: ComparisonConfig = ComparisonConfig(),
+    topology: CpuTopology | None = None,
+    ports: Ports | None = None,
+) -> dict[str, Any]:
+    """At each B: the fat instance, the best uniform plan (if the profile has one) and the optimizer's
+    exact plan when it is mixed, one TorchServe, taking turns under a closed loop of B in flight.
+
+    A B whose exact plan is uniform has nothing to compare and gets a row
+    saying so.  Ratios are paired per repeat (fat ÷ mixed, uniform ÷ mixed:
+    above 1, the mixed plan is faster).
+    """
+    topology = topology or CpuTopology.from_system()
+    T = len(topology.cores)
+    optimizer = KnapsackOptimizer(profile)
+    store_dir, plan_store = workdir / "model_store", PlanStore(workdir / "plans")
+    rows: list[dict[str, Any]] = []
+    with TorchServeProcess(workdir / "ts", store_dir, ports=ports, env={PLAN_DIR_ENV: str(plan_store.root)}) as server:
+        management = server.management()
+        swapper_config = SwapperConfig(max_batch_delay_ms=config.max_batch_delay_ms)
+        swappers: dict[str, ActivePassiveSwapper] = {}
+        for B in tqdm(config.batches, desc=f"fat / uniform / mixed {profile.model}", unit="B"):
+            exact = optimizer.plan(T, B)
+            if exact.uniform:
+                rows.append({"batch": B, "mixed_plan": None, "note": "the exact plan is uniform"})
+                continue
+            plans = {"fat": fat_plan(T, B), "mixed": exact}
+            with contextlib.suppress(InfeasibleError):
+                uniform = optimizer.plan(T, B, uniform=True)
+                if uniform.instances != plans["fat"].instances:  # else the fat row is the best uniform
+                    plans["uniform"] = uniform
+            for name, plan in plans.items():
+                if name not in swappers:
+                    swappers[name] = ActivePassiveSwapper(management, plan_store, name, archive, store_dir, topology,
+                                                          swapper_config)  # fmt: skip
+                swappers[name].apply(plan)
+
+            def load(name: str, seconds: float, B: int = B) -> LoadResult:
+                return run(closed_loop(f"{server.inference_url}/predictions/{name}", payload, B, seconds))
+
+            names = list(plans)
+            for name in names:
+                load(name, config.warmup_seconds)
+            results: dict[str, list[LoadResult]] = {name: [] for name in names}
+            for r in range(config.repeats):
+                for name in names if r % 2 == 0 else reversed(names):
+                    results[name].append(load(name, config.seconds))
+            row: dict[str, Any] = {
+                "batch": B,
+                "mixed_plan": [i.to_dict() for i in exact.instances],
+                "uniform_plan": [i.to_dict() for i in plans["uniform"].instances] if "uniform" in plans else None,
+                "predicted_ms": {"mixed": exact.latency_ms, "uniform": plans["uniform"].latency_ms if "uniform" in plans
+                                 else None, "fat": _profiled(profile, T, B)},
+                "requests": sum(len(x.samples) for rs in results.values() for x in rs),
+                "failed": sum(x.failed for rs in results.values() for x in rs),
+            }  # fmt: skip
+            for name in names:
+                row[f"{name}_latency_ms"] = statistics.median(x.mean_latency_ms() for x in results[name])
+                row[f"{name}_throughput"] = statistics.median(x.throughput() for x in results[name])
+            for name in ("fat", "uniform"):
+                if name in results:
+                    ratios = [a.mean_latency_ms() / m.mean_latency_ms()
+                              for a, m in zip(results[name], results["mixed"], strict=True)]  # fmt: skip
+                    row[f"{name}_over_mixed"], row[f"{name}_over_mixed_min"], row[f"{name}_over_mixed_max"] = (
+                        median_and_spread(ratios)
+                    )
+            rows.append(row)
+    return {"model": profile.model, "threads": T, "rows": rows}
+
+
+def _profiled(profile: Profile, threads: int, batch: int) -> float | None:
+    try:
+        return profile.latency(threads, batch)
+    except KeyError:
+        return None
 
 
 def format_rows(data: dict[str, Any]) -> str:

@@ -35,7 +35,15 @@ from packrat_plugin.load_monitor import LoadMonitor, MonitorConfig
 from packrat_plugin.optimizer import InfeasibleError, KnapsackOptimizer
 from packrat_plugin.plan_types import Plan, PlanItem
 from packrat_plugin.plans import PLAN_DIR_ENV, PlanStore
-from packrat_plugin.policy import Decision, Level, PolicyConfig, ReconfigurationPolicy, levels_for, standby_items
+from packrat_plugin.policy import (
+    Decision,
+    Level,
+    PolicyConfig,
+    ReconfigurationPolicy,
+    level_of,
+    levels_for,
+    standby_items,
+)
 from packrat_plugin.profile import Profile
 from packrat_plugin.swapper import (
     ActivePassiveSwapper,
@@ -79,8 +87,13 @@ class ControllerConfig:
     # let each plan over all of them as if it were alone.
     share_cores: bool = True
     division: DivisionConfig = field(default_factory=DivisionConfig)
+    # With fixed_batch: serve the optimizer's exact plan for that B, mixed
+    # instance types included (one worker runs them all, handlers/plan_handler.py).
+    mixed_plans: bool = False
 
     def __post_init__(self) -> None:
+        if self.mixed_plans and self.fixed_batch is None:
+            raise ValueError("mixed_plans serves the exact plan of a fixed B: give fixed_batch too")
         if self.standby_workers < 0:
             raise ValueError(f"standby_workers must be ≥ 0, got {self.standby_workers}")
         if self.fixed_batch is not None and self.fixed_batch < 1:
@@ -205,7 +218,7 @@ class ModelController:
         with self.swap_lock:
             old = self.topology
             self.place(topology)
-            level = self.level_for(self.config.fixed_batch) if self.config.fixed_batch else self.policy.best(rate)
+            level = self.fixed_level() if self.config.fixed_batch else self.policy.best(rate)
             try:
                 report = self._apply(level)
             except (SwapError, TorchServeAPIError):
@@ -226,8 +239,16 @@ class ModelController:
         """The uniform plan for ``batch``, or for the largest feasible power of two below it."""
         return self.level_for(batch).plan
 
+    def fixed_level(self) -> Level:
+        """The level a fixed B is served at: the uniform plan for the power of two at or below it, or
+        with ``mixed_plans`` the optimizer's exact plan for B itself (one worker, an instance per lane)."""
+        batch = self.config.fixed_batch or 1
+        if not self.config.mixed_plans:
+            return self.level_for(batch)
+        return level_of(self.target.profile, batch, self.optimizer.plan(self.threads, batch))
+
     def start(self) -> SwapReport:
-        level = self.level_for(self.config.fixed_batch or 1)
+        level = self.fixed_level() if self.config.fixed_batch else self.level_for(1)
         report = self._apply(level)
         # The first bring-up is the first measurement of what a cold start costs.
         self.policy.costs.cold_s = report.seconds
@@ -286,7 +307,7 @@ class ModelController:
             self.monitor.record(now, counters, pending + busy)
         active = served.get(self.swapper.active or "")
         # self.level's profiled rounds; the policy's copy of each level carries the calibration.
-        calibrating = self.config.calibrate and self.level is not None and active is not None
+        calibrating = self.config.calibrate and self.level is not None and active is not None and self.level.rounds_ms
         if calibrating and self.calibrator.update(active.totals, self.level.rounds_ms):
             with self.lock:
                 self.policy.calibrate(self.calibrator.current)
@@ -340,6 +361,8 @@ class ModelController:
                 "model": self.target.name,
                 "active_version": self.swapper.active,
                 "cores": list(self.topology.cores),
+                # uniform: a worker per instance; mixed: one worker, an instance per pinned lane
+                "mode": None if plan is None else ("uniform" if plan.uniform else "mixed"),
                 "plan": plan.to_dict() if plan else None,
                 "slots": slots,
                 "estimated_batch": self.level.batch if self.level else None,

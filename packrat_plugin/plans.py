@@ -3,7 +3,7 @@
 Layout under the plan directory (``PACKRAT_PLAN_DIR``)::
 
     <model>/<version>.json            {"model", "version", "threads", "batch",
-                                       "slots": [{"cores", "threads", "batch"}]}
+                                       "slots": [{"cores", "threads", "batch"}], "grouped"}
     <model>/<version>.slot-<i>.lock   held (flock LOCK_EX) by the worker in slot i
     <model>/<version>.slot-<i>.counters   the worker's live counters (``SlotCounters``)
     <model>/<version>.draining        {"pid", "cores"} while the version drains after a swap
@@ -45,6 +45,9 @@ class VersionPlan:
     threads: int
     batch: int
     slots: tuple[Slot, ...]
+    # One worker serves every slot, one pinned lane per slot (a mixed plan,
+    # handlers/runtime/instances.py); otherwise one worker per slot.
+    grouped: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -53,6 +56,7 @@ class VersionPlan:
             "threads": self.threads,
             "batch": self.batch,
             "slots": [s.to_dict() for s in self.slots],
+            "grouped": self.grouped,
         }
 
     @classmethod
@@ -63,6 +67,7 @@ class VersionPlan:
             int(data["threads"]),
             int(data["batch"]),
             tuple(Slot.from_dict(s) for s in data["slots"]),
+            bool(data.get("grouped", False)),
         )
 
 

@@ -88,6 +88,7 @@ from dataclasses import dataclass, field
 from packrat_plugin.calibration import Calibration
 from packrat_plugin.optimizer import InfeasibleError, KnapsackOptimizer
 from packrat_plugin.plan_types import Plan, PlanItem
+from packrat_plugin.profile import Profile
 
 
 @dataclass(frozen=True)
@@ -403,12 +404,20 @@ def levels_for(optimizer: KnapsackOptimizer, threads: int, max_batch: int) -> li
         except InfeasibleError:
             b *= 2
             continue
-        item = plan.instances[0]
-        points = sorted(profile.points)
-        rounds = tuple((p.batch, p.latency_ms) for p in points if p.threads == item.threads and p.batch <= item.batch)
-        levels.append(Level(b, plan, rounds))
+        levels.append(level_of(profile, b, plan))
         b *= 2
     return levels
+
+
+def level_of(profile: Profile, batch: int, plan: Plan) -> Level:
+    """A level serving ``batch`` with ``plan``; the round times are those of a uniform plan's class
+    (a mixed plan's are left empty: the queueing model above is for one class)."""
+    if not plan.uniform:
+        return Level(batch, plan, ())
+    item = plan.instances[0]
+    points = sorted(profile.points)
+    rounds = tuple((p.batch, p.latency_ms) for p in points if p.threads == item.threads and p.batch <= item.batch)
+    return Level(batch, plan, rounds)
 
 
 def standby_items(levels: list[Level], current: int, budget_workers: int) -> list[PlanItem]:

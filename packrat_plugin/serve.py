@@ -53,6 +53,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "--fixed-batch", type=int, help="serve the plan for this B (rounded down to a power of two), never change it"
     )
     p.add_argument("--no-reconfigure", action="store_true", help="keep the first plan")
+    p.add_argument("--mixed-plans", action="store_true",
+                   help="with --fixed-batch: serve the optimizer's exact plan for B, several instance types "
+                        "at once (one worker, one pinned lane per instance)")  # fmt: skip
     p.add_argument("--max-batch-delay", type=int, default=5, help="TorchServe max_batch_delay (ms)")
     p.add_argument("--force-profile", action="store_true", help="use profiles measured on other hardware")
     add_policy_arguments(p)
@@ -134,6 +137,7 @@ def config_from(args: argparse.Namespace) -> ControllerConfig:
         fixed_batch=args.fixed_batch,
         reconfigure=not args.no_reconfigure,
         share_cores=not args.no_share_cores,
+        mixed_plans=args.mixed_plans,
         division=DivisionConfig(
             objective=args.share_objective, min_cores=args.min_cores, min_gain=args.division_min_gain,
             confirm_s=args.division_confirm,
@@ -174,6 +178,8 @@ def format_status(status: dict) -> str:
             if last
             else "-"
         )
+        if m.get("mode") == "mixed":
+            desc += " (mixed)"
         lines.append(
             f"{name:<14} {m['active_version'] or '-':<10} {desc:<26} {m['estimated_batch']:>6} "
             f"{m['pending_requests']:>7} {m['in_service']:>5}  {swap}"

@@ -56,6 +56,11 @@ def version_name(item: PlanItem, core_tag: str = "") -> str:
     return f"t{item.threads}b{item.batch}{core_tag}"
 
 
+def mixed_version_name(plan: Plan, core_tag: str = "") -> str:
+    """The TorchServe version of a mixed plan: ``mix-1x1t4b-1x1t2b`` (count × threads t, batch b)."""
+    return "mix-" + "-".join(f"{i.count}x{i.threads}t{i.batch}b" for i in plan.instances) + core_tag
+
+
 def cores_tag(topology: CpuTopology) -> str:
     """``-c0-1`` for cores 0 and 1: a version name's suffix for a model's share of the cores."""
     return "-c" + "-".join(str(c) for c in topology.cores)
@@ -130,7 +135,8 @@ class ActivePassiveSwapper:
     topology: CpuTopology
     config: SwapperConfig = field(default_factory=SwapperConfig)
     active: str | None = None
-    active_item: PlanItem | None = None
+    active_item: PlanItem | None = None  # the active uniform class (None while a mixed plan serves)
+    active_plan: Plan | None = None
     registered: set[str] = field(default_factory=set)
     standby: dict[str, PlanItem] = field(default_factory=dict)  # version → workers kept warm
     core_tag: str = ""  # see version_name
@@ -197,15 +203,19 @@ class ActivePassiveSwapper:
     def apply(self, plan: Plan, standby: list[PlanItem] | None = None) -> SwapReport:
         """Serve ``plan``; ``standby``: the classes to keep warm afterwards.
 
-        The old set is retired *into* the standby set when its class is in
-        ``standby``: scaling it to zero and letting ``keep_warm`` start it
-        again would cost a cold start-up (imports, model load, warm-up: ~4 s
-        of a core for ResNet-50) right when the new set needs the cores.
+        A uniform plan is a version of its class with one worker per
+        instance; a mixed plan is a version of its own served by one worker
+        that runs every instance on its own pinned lane (``grouped``, see
+        handlers/plan_handler.py).  The old set is retired *into* the
+        standby set when its class is in ``standby``: scaling it to zero and
+        letting ``keep_warm`` start it again would cost a cold start-up
+        (imports, model load, warm-up: ~4 s of a core for ResNet-50) right
+        when the new set needs the cores.
         """
-        if not plan.uniform:
-            raise SwapError("a TorchServe version serves one (threads, batch) class; ask for a uniform plan")
+        grouped = not plan.uniform
         item = plan.instances[0]
-        before = [self.active_item.to_dict()] if self.active_item else None
+        before = self.active_plan_dicts()
+        after = [i.to_dict() for i in plan.instances]
         start_wall, start = time.time(), time.monotonic()
         warm = False
         startup: dict[str, float] = {}
@@ -221,35 +231,35 @@ class ActivePassiveSwapper:
         def report(kind: str) -> SwapReport:
             seconds = time.monotonic() - start
             return SwapReport(
-                kind, before, [item.to_dict()], start_wall, seconds, self.active or "", phases,
+                kind, before, after, start_wall, seconds, self.active or "", phases,
                 warm=warm, worker_startup=startup,
             )  # fmt: skip
 
-        new = self.version_for(item)
+        new = mixed_version_name(plan, self.core_tag) if grouped else self.version_for(item)
+        workers = 1 if grouped else item.count
         if self.active is None:
-            self._bring_up(new, item)
+            self._bring_up(new, plan)
             startup = self._startup_summary(new)
-            self.active, self.active_item = new, item
+            self._set_active(new, plan)
             return report("initial")
-        current = self.active_item
         if new == self.active:
-            if item.count == current.count:
+            if grouped or item.count == self.active_item.count:
                 return report("none")
             try:
                 self.management.scale(self.model, item.count, version=self.active, synchronous=True)
                 self._wait_ready(self.active, item.count)
             except TorchServeAPIError as exc:
                 raise SwapError(f"scaling version {self.active} to {item.count} workers failed: {exc}") from exc
-            self.active_item = item
+            self._set_active(new, plan)
             return report("scale")
         old = self.active
         ready = self.ready_workers()
-        warm = ready.get(new, 0) >= item.count
+        warm = ready.get(new, 0) >= workers
         if warm:
-            if ready[new] > item.count:  # a standby set larger than this plan: stop the extra workers
-                self._scale(new, item.count)
+            if ready[new] > workers:  # a standby set larger than this plan: stop the extra workers
+                self._scale(new, workers)
         else:
-            self._bring_up(new, item)
+            self._bring_up(new, plan)
             startup = self._startup_summary(new)
         phase("bring_up")
         try:
@@ -258,7 +268,7 @@ class ActivePassiveSwapper:
             if new not in self.standby:
                 self._discard(new)
             raise SwapError(f"set-default to version {new} failed: {exc}") from exc
-        self.active, self.active_item = new, item
+        self._set_active(new, plan)
         phase("switch")
         self.store.set_draining(self.model, old, True)
         try:
@@ -273,19 +283,36 @@ class ActivePassiveSwapper:
         phase("retire")
         return report("swap")
 
+    def _set_active(self, version: str, plan: Plan) -> None:
+        self.active, self.active_plan = version, plan
+        self.active_item = plan.instances[0] if plan.uniform else None
+
+    def active_plan_dicts(self) -> list[dict[str, int]] | None:
+        return [i.to_dict() for i in self.active_plan.instances] if self.active_plan else None
+
     # -- steps -----------------------------------------------------------------
 
-    def _register(self, version: str, item: PlanItem, workers: int) -> None:
+    def _register(self, version: str, plan: Plan | PlanItem, workers: int) -> None:
+        """Register ``version`` for a uniform class (a ``PlanItem``) or a mixed ``Plan`` (grouped)."""
+        grouped = isinstance(plan, Plan) and not plan.uniform
+        item = plan.instances[0] if isinstance(plan, Plan) and plan.uniform else plan
         target = self.model_store / self.archive_name(version)
         if not target.exists():
-            versioned_copy(self.archive, target, version)
-        self.store.write(version_slots(self.model, version, item, self.topology))
+            versioned_copy(self.archive, target, version, grouped, self.config.max_batch_delay_ms)
+        if grouped:
+            slots = tuple(allocate(plan, self.topology))
+            total = sum(i.count * i.batch for i in plan.instances)
+            self.store.write(VersionPlan(self.model, version, plan.threads_used, total, slots, grouped=True))
+            batch_size, delay = 1, 0  # async mode: the worker batches per instance
+        else:
+            self.store.write(version_slots(self.model, version, item, self.topology))
+            batch_size, delay = item.batch, self.config.max_batch_delay_ms
         self.management.register(
             self.archive_name(version),
             model_name=self.model,
             initial_workers=workers,
-            batch_size=item.batch,
-            max_batch_delay_ms=self.config.max_batch_delay_ms,
+            batch_size=batch_size,
+            max_batch_delay_ms=delay,
             response_timeout_s=self.config.response_timeout_s,
             synchronous=True,
         )
@@ -297,19 +324,23 @@ class ActivePassiveSwapper:
         except TorchServeAPIError as exc:
             logger.warning("could not scale %s/%s to %d workers: %s", self.model, version, workers, exc)
 
-    def _bring_up(self, version: str, item: PlanItem) -> None:
-        """``version`` with ``item``'s workers READY, or roll back."""
+    def _bring_up(self, version: str, plan: Plan | PlanItem) -> None:
+        """``version`` with its workers READY, or roll back."""
+        grouped = isinstance(plan, Plan) and not plan.uniform
+        item = plan.instances[0] if isinstance(plan, Plan) and plan.uniform else plan
+        workers = 1 if grouped else item.count
         try:
             if version not in self.registered:
-                self._register(version, item, workers=item.count)
+                self._register(version, plan if grouped else item, workers=workers)
             # An archive's own minWorkers/maxWorkers override initial_workers
             # at register time; the scale API sets the count we planned.
-            self.management.scale(self.model, item.count, version=version, synchronous=True)
-            self._wait_ready(version, item.count)
-        except (TorchServeAPIError, SwapError, OSError) as exc:
+            self.management.scale(self.model, workers, version=version, synchronous=True)
+            self._wait_ready(version, workers)
+        except (TorchServeAPIError, SwapError, OSError, ValueError) as exc:
             self._discard(version)
             self.standby.pop(version, None)
-            raise SwapError(f"version {version} of {self.model} failed to start {item.to_dict()}: {exc}") from exc
+            what = plan.describe() if grouped else item.to_dict()
+            raise SwapError(f"version {version} of {self.model} failed to start {what}: {exc}") from exc
 
     def _startup_summary(self, version: str) -> dict[str, float]:
         timings = self.store.startup_timings(self.model, version)

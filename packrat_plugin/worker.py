@@ -58,6 +58,29 @@ class SlotClaim:
     counters: SlotCounters
     store: PlanStore
     max_drain_yield_s: float = 10.0  # a batch waits at most this long for another version's drain
+    # A grouped plan's worker holds every slot: one instance each, with its own counters.
+    instances: tuple[Slot, ...] = ()
+    instance_counters: tuple[SlotCounters, ...] = ()
+
+
+def claim_group(store: PlanStore, plan: VersionPlan) -> SlotClaim:
+    """The one worker of a grouped plan takes all of its slots (lock 0 says it is taken)."""
+    path = store.lock_path(plan.model, plan.version, 0)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise SlotUnavailableError(
+            f"{plan.model} version {plan.version} is a grouped plan served by one worker, and a live worker "
+            "holds it (scale this version to one worker)"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    counters = tuple(SlotCounters(store.counters_path(plan.model, plan.version, i)) for i in range(len(plan.slots)))
+    cores = tuple(sorted({c for slot in plan.slots for c in slot.cores}))
+    whole = Slot(cores, sum(s.threads for s in plan.slots), sum(s.batch for s in plan.slots))
+    return SlotClaim(plan, 0, whole, fd, counters[0], store, instances=plan.slots, instance_counters=counters)
 
 
 def claim_slot(store: PlanStore, plan: VersionPlan) -> SlotClaim:
@@ -162,7 +185,7 @@ class PackratWorkerMixin:
         if plan is None:
             logger.info("no Packrat plan for %s version %s; running unpinned", context.model_name, version)
             return
-        claim = claim_slot(store, plan)
+        claim = claim_group(store, plan) if plan.grouped else claim_slot(store, plan)
         pin_process(claim.slot.cores)
         import torch
 
@@ -221,6 +244,12 @@ class PackratWorkerMixin:
                                claim.index, claim.max_drain_yield_s)  # fmt: skip
                 return
             time.sleep(poll_s)
+
+    def record_instance_batch(self, instance: int, requests: int, model_ns: int) -> None:
+        """A grouped plan's instance served a batch: count it in that instance's slot."""
+        claim = self.packrat_claim
+        if claim is not None and claim.instance_counters and requests > 0:
+            claim.instance_counters[instance].add_batch(requests, model_ns, model_ns)
 
     def record_batch(self, requests: int, handler_ns: int, model_ns: int) -> None:
         """Add one served batch to the slot's counters: what serving really costs,

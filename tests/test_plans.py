@@ -36,3 +36,20 @@ def test_a_record_torn_by_a_concurrent_write_is_not_read(tmp_path):
     store.counters_path("m", "a", 0).write_bytes(torn)
     assert store.in_service("m", "a") == 0
     assert store.service_totals("m", "a") == ServiceTotals()
+
+
+def test_grouped_plans_round_trip_and_older_plan_files_read_as_ungrouped(tmp_path):
+    from packrat_plugin.plan_types import Plan, PlanItem
+    from packrat_plugin.swapper import cores_tag, mixed_version_name
+    from packrat_plugin.topology import CpuTopology
+
+    store = PlanStore(tmp_path)
+    grouped = VersionPlan("m", "mix-1x1t2b-1x1t1b", 2, 3, (Slot((0,), 1, 2), Slot((1,), 1, 1)), grouped=True)
+    store.write(grouped)
+    assert store.read("m", "mix-1x1t2b-1x1t1b") == grouped
+    old = grouped.to_dict()
+    del old["grouped"]  # a plan file written before mixed plans
+    assert VersionPlan.from_dict(old).grouped is False
+    plan = Plan(2, 3, 190.0, (PlanItem(1, 1, 2), PlanItem(1, 1, 1)))
+    assert mixed_version_name(plan) == "mix-1x1t2b-1x1t1b"
+    assert mixed_version_name(plan, cores_tag(CpuTopology({0: (2, 3)}))) == "mix-1x1t2b-1x1t1b-c2-3"

@@ -163,6 +163,10 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
         """How many batches may run at once on a CPU, each with an equal share of the cores."""
         return 1
 
+    def create_lanes(self) -> CpuLanes:
+        """The CPU lanes: ``cpu_lane_count`` lanes sharing the worker's threads evenly."""
+        return CpuLanes.splitting(self.cpu_threads, self.cpu_lane_count())
+
     async def decode_request(self, row: dict[str, Any], context: Any, index: int) -> ModelInput:
         """One request's input, decoded where the archive says (``decode.py``).
 
@@ -205,7 +209,7 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
         self.cpu_threads = torch.get_num_threads()
         if not self.device.is_cuda:
             torch.set_num_threads(1)
-            self.lanes = CpuLanes.splitting(self.cpu_threads, self.cpu_lane_count())
+            self.lanes = self.create_lanes()
         model_dir = context.system_properties["model_dir"]
         artefact = os.path.join(model_dir, context.manifest["model"]["serializedFile"])
         self.model = load_model(self.spec, artefact, self.device.device)

@@ -33,10 +33,12 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import os
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -46,18 +48,31 @@ T = TypeVar("T")
 DEFAULT = 0
 
 
+@dataclass(frozen=True)
+class LanePlacement:
+    """Where one lane runs: its own cores (None: the process's) and intra-op threads."""
+
+    cores: tuple[int, ...] | None
+    threads: int
+
+
 class CpuLanes:
-    def __init__(self, count: int, threads_each: int) -> None:
+    def __init__(self, count: int, threads_each: int, placements: list[LanePlacement] | None = None) -> None:
         if count < 1 or threads_each < 1:
             raise ValueError(f"need ≥ 1 lane of ≥ 1 thread, got {count} × {threads_each}")
         self.count = count
         self.threads_each = threads_each
+        self.placements = placements or [LanePlacement(None, threads_each)] * count
+        if len(self.placements) != count or any(p.threads < 1 for p in self.placements):
+            raise ValueError(f"need one placement of ≥ 1 thread per lane, got {self.placements}")
         self._queue: list[tuple[int, int, Future, Callable[..., Any], tuple[Any, ...]]] = []
+        # Work for one lane only (an instance's batch must run on its own cores).
+        self._own: list[list[tuple[int, int, Future, Callable[..., Any], tuple[Any, ...]]]] = [[] for _ in range(count)]
         self._order = itertools.count()
         self._cond = threading.Condition()
         self._closed = False
         self._threads = [
-            threading.Thread(target=self._run, name=f"lane_{i}", daemon=True) for i in range(count)
+            threading.Thread(target=self._run, args=(i,), name=f"lane_{i}", daemon=True) for i in range(count)
         ]  # fmt: skip
         for thread in self._threads:
             thread.start()
@@ -67,25 +82,53 @@ class CpuLanes:
         """``count`` lanes sharing ``cores`` intra-op threads evenly (at least one each)."""
         return cls(count, max(1, cores // count))
 
-    def submit(self, fn: Callable[..., T], *args: Any, priority: int = DEFAULT) -> Future[T]:
-        """Queue ``fn(*args)``; lower ``priority`` runs first, equal ones in submission order."""
+    @classmethod
+    def placed(cls, placements: list[LanePlacement]) -> CpuLanes:
+        """One lane per placement, each pinned to its cores with its own thread count.
+
+        Each lane pins its own thread before its OpenMP team exists, and GNU
+        OpenMP starts a team's threads from the thread that calls it, with that
+        thread's affinity: so each team stays on its lane's cores.
+        """
+        if not placements:
+            raise ValueError("need at least one lane placement")
+        return cls(len(placements), max(p.threads for p in placements), list(placements))
+
+    def submit(self, fn: Callable[..., T], *args: Any, priority: int = DEFAULT, lane: int | None = None) -> Future[T]:
+        """Queue ``fn(*args)``; lower ``priority`` runs first, equal ones in submission order.
+
+        ``lane``: run it on that lane only (else on whichever is free first).
+        """
         future: Future[T] = Future()
         with self._cond:
             if self._closed:
                 raise RuntimeError("CPU lanes are closed")
-            heapq.heappush(self._queue, (priority, next(self._order), future, fn, args))
-            self._cond.notify()
+            queue = self._queue if lane is None else self._own[lane]
+            heapq.heappush(queue, (priority, next(self._order), future, fn, args))
+            if lane is None:
+                self._cond.notify()
+            else:  # only that lane may take it: wake them all, it is among them
+                self._cond.notify_all()
         return future
 
-    def _run(self) -> None:
-        torch.set_num_threads(self.threads_each)
+    def _run(self, index: int) -> None:
+        placement = self.placements[index]
+        if placement.cores is not None:
+            os.sched_setaffinity(0, placement.cores)  # this thread only; its OpenMP team inherits it
+        # torch sets a thread's OpenMP thread count lazily, from the last value
+        # any thread set, on its first parallel region: settle that first, then
+        # set this lane's own (the count is per thread).
+        torch.get_num_threads()
+        torch.set_num_threads(placement.threads)
+        own = self._own[index]
         while True:
             with self._cond:
-                while not self._queue and not self._closed:
+                while not self._queue and not own and not self._closed:
                     self._cond.wait()
-                if not self._queue:
+                if not self._queue and not own:
                     return
-                _, _, future, fn, args = heapq.heappop(self._queue)
+                queue = own if own and (not self._queue or own[0][:2] < self._queue[0][:2]) else self._queue
+                _, _, future, fn, args = heapq.heappop(queue)
             if not future.set_running_or_notify_cancel():
                 continue
             try:
@@ -96,18 +139,8 @@ class CpuLanes:
                 future.set_result(result)
 
     def run_on_each(self, fn: Callable[[], Any]) -> None:
-        """Run ``fn`` once on every lane thread, so each thread's OpenMP team exists before the first request.
-
-        The barrier keeps a thread that finished early from taking a second
-        copy while another lane thread has not run it yet.
-        """
-        barrier = threading.Barrier(self.count)
-
-        def on_one_lane() -> None:
-            barrier.wait()
-            fn()
-
-        for done in [self.submit(on_one_lane) for _ in range(self.count)]:
+        """Run ``fn`` once on every lane thread, so each thread's OpenMP team exists before the first request."""
+        for done in [self.submit(fn, lane=i) for i in range(self.count)]:
             done.result()
 
     def close(self, timeout_s: float | None = None) -> None:
@@ -126,4 +159,7 @@ class CpuLanes:
                 thread.join(None if deadline is None else max(deadline - time.monotonic(), 0.0))
 
     def __repr__(self) -> str:
+        if any(p.cores is not None for p in self.placements):
+            lanes = ", ".join(f"{p.threads} on {list(p.cores or ())}" for p in self.placements)
+            return f"CpuLanes({lanes})"
         return f"CpuLanes({self.count} × {self.threads_each} threads)"
