@@ -161,7 +161,11 @@ def compare_mixed_plans(
         swapper_config = SwapperConfig(max_batch_delay_ms=config.max_batch_delay_ms)
         swappers: dict[str, ActivePassiveSwapper] = {}
         for B in tqdm(config.batches, desc=f"fat / uniform / mixed {profile.model}", unit="B"):
-            exact = optimizer.plan(T, B)
+            try:
+                exact = optimizer.plan(T, B)
+            except InfeasibleError as exc:
+                rows.append({"batch": B, "mixed_plan": None, "note": f"no plan: {exc}"})
+                continue
             if exact.uniform:
                 rows.append({"batch": B, "mixed_plan": None, "note": "the exact plan is uniform"})
                 continue
