@@ -105,7 +105,7 @@ def render_mixed(data: dict, args: argparse.Namespace, stem: str) -> str:
             rows.append([r["batch"], "-", "-", "-", "-", "-", "-", "-", r["note"], "-"])
             continue
         p = r["predicted_ms"]
-        uniform = format_instances(r["uniform_plan"]) if r["uniform_plan"] else f"= fat 1×⟨{T},{r['batch']}⟩"
+        uniform = format_instances(r["uniform_plan"]) if r["uniform_plan"] else "the fat one (no other)"
         rows.append([
             r["batch"], format_instances(r["mixed_plan"]), uniform, ms(r["fat_latency_ms"]),
             ms(r.get("uniform_latency_ms")), ms(r["mixed_latency_ms"]), ratio(r, "fat"), ratio(r, "uniform"),
