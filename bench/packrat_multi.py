@@ -316,6 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--standby-workers", type=int, default=2, help="Packrat's warm standby workers per model")
     p.add_argument("--force", action="store_true", help="use profiles measured on other hardware")
     p.add_argument("--quick", action="store_true", help="one short round (a smoke run, not a result)")
+    p.add_argument("--suffix", default="", help="appended to the output files' name (another load, say)")
     add_output_arguments(p)
     args = p.parse_args(argv)
     if args.quick:
@@ -323,7 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     parse_models(args.models)  # fail on a bad flag before building anything
 
     def stem_of(data: dict[str, Any]) -> str:
-        return "packrat_multi_" + "_".join(m["name"] for m in data["models"]) + ("_quick" if args.quick else "")
+        names = "_".join(m["name"] for m in data["models"])
+        return f"packrat_multi_{names}{args.suffix}" + ("_quick" if args.quick else "")
 
     return run_benchmark("bench.packrat_multi", args, measure, summary, stem_of, render, plot)
 
