@@ -106,7 +106,11 @@ def measure_point(
             inst.request(time.time(), duration_s=0.0, min_iters=remaining)
             lat += inst.result(timeout_s=3600).latencies_ms
     stats = WindowResult(lat, first.started, time.time()).stats()
-    return ProfilePoint(threads, batch, stats.pop("latency_ms"), {**stats, "cores": list(job.cores)})
+    # What the child reported about itself, not what it was asked for: a
+    # profile's reader can check that a point really ran on its cores.
+    latency_ms = stats.pop("latency_ms")
+    extra = {**stats, "cores": list(first.affinity), "threads_seen": first.threads_seen}
+    return ProfilePoint(threads, batch, latency_ms, extra)
 
 
 def run_profile(

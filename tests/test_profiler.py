@@ -20,7 +20,7 @@ def test_parse_int_list():
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two usable cores to vary threads")
-def test_resnet50_profile_is_valid_and_latency_falls_with_threads(tmp_path):
+def test_resnet50_profile_resumes_and_each_point_ran_on_its_own_cores_and_threads(tmp_path):
     out = tmp_path / "resnet50.json"
     # First a one-thread profile, then resume it to two threads: the resumed
     # run must keep the measured points and add only the new ones.
@@ -32,12 +32,15 @@ def test_resnet50_profile_is_valid_and_latency_falls_with_threads(tmp_path):
     assert loaded.threads == [1, 2] and loaded.batches == [1, 2]
     for b in (1, 2):
         assert loaded.latency(1, b) == first.latency(1, b)  # kept, not re-measured
-        # Medians: this machine is a shared VM whose slow phases skew means;
-        # two threads are ~1.5x faster here, far outside that noise.
-        p50 = {p.threads: p.extra["p50_ms"] for p in loaded.points if p.batch == b}
-        assert p50[2] < p50[1], (b, p50)
+    # Whether two threads are faster is the hardware's business (a CI host's two
+    # vCPUs may share one physical core) and a benchmark's to report; what the
+    # profiler owes is that each point ran where and how it says, as the child
+    # process itself reported (sched_getaffinity, torch.get_num_threads).
+    usable = sorted(os.sched_getaffinity(0))
     for point in loaded.points:
-        assert len(point.extra["cores"]) == point.threads
+        cores = point.extra["cores"]
+        assert len(cores) == len(set(cores)) == point.threads and set(cores) <= set(usable)
+        assert point.extra["threads_seen"] == point.threads
         assert point.extra["iters"] == 5 and point.extra["p50_ms"] > 0
     assert loaded.meta["mode"] == "script"
     assert loaded.hardware["torch"].startswith("2.14")
