@@ -26,13 +26,13 @@ if __package__ in (None, ""):  # `python bench/NAME.py` from the repository root
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.report import (
-    PACKRAT_ROW_HEADER,
     add_output_arguments,
     markdown_table,
     packrat_row_cells,
     provenance,
     provenance_block,
     publish,
+    ratio_cell,
     speedup_bars,
 )
 from packrat_plugin.compare import run_from_args
@@ -45,7 +45,8 @@ def plot(data: dict, path: Path) -> None:
         [
             ("latency (median, min-max)", "latency_speedup"),
             ("throughput", "throughput_speedup"),
-            ("expected (profile)", "expected_speedup"),
+            ("predicted (model + handler)", "expected_speedup"),
+            ("predicted (model only)", "expected_speedup_model_only"),
         ],  # fmt: skip
         "requests in flight B",
         f"speedup over ⟨1,{data['threads']},B⟩",
@@ -55,15 +56,44 @@ def plot(data: dict, path: Path) -> None:
 
 
 def render(data: dict, args: argparse.Namespace, stem: str) -> str:
-    table = markdown_table(
-        [*PACKRAT_ROW_HEADER, "requests (failed)"],
-        [[*packrat_row_cells(r), f"{r['requests']} ({r['failed']})"] for r in data["rows"]],
-    )
+    T = data["threads"]
+    header = ["B", "Packrat plan", "fat ms", "Packrat ms", "latency speedup (min-max)", "throughput speedup",
+              "predicted (model + handler)", "predicted ÷ measured", "predicted (model only)",
+              "requests (failed)"]  # fmt: skip
+    rows = []
+    for r in data["rows"]:
+        predicted, measured = r["expected_speedup"], r["latency_speedup"]
+        off = "-" if predicted is None else f"{predicted / measured:.2f}"
+        rows.append([
+            *packrat_row_cells(r)[:-1], ratio_cell(predicted), off, ratio_cell(r["expected_speedup_model_only"]),
+            f"{r['requests']} ({r['failed']})",
+        ])  # fmt: skip
+    served_header = ["B", "system", "client mean ms", "worker round ms", "mean batch", "model ms per round",
+                     "profiled ms (same batch)", "model ÷ profiled", "handler ms per request"]  # fmt: skip
+    served_rows = []
+    for r in data["rows"]:
+        for name, label in (("fat", f"fat ⟨1,{T},{r['batch']}⟩"), ("packrat", format_instances(r["plan"]))):
+            s = r["served"][name]
+            if s is None:
+                continue
+            served_rows.append([
+                r["batch"], label, f"{r[f'{name}_latency_ms']:.1f}", f"{s['round_ms']:.1f}", f"{s['mean_batch']:.2f}",
+                f"{s['model_ms']:.1f}", f"{s['profiled_ms']:.1f}", f"{s['model_ms'] / s['profiled_ms']:.2f}",
+                f"{s['handler_ms']:.1f}",
+            ])  # fmt: skip
+    handler = data["rows"][0]["handler_ms_per_request"] if data["rows"] else 0.0
     return (
-        f"# Packrat end to end in TorchServe: {data['model']} ({data['mode']}), T={data['threads']}\n\n"
-        f"Fat instance ⟨1,{data['threads']},B⟩ vs Packrat's uniform plan, both served by one real TorchServe, "
-        f"closed-loop load of B requests in flight, {args.repeats} interleaved {args.seconds:g} s windows each.\n\n"
-        f"{table}\n\nMean latency speedup: **{data['mean_latency_speedup']:.2f}×**\n\n"
+        f"# Packrat end to end in TorchServe: {data['model']} ({data['mode']}), T={T}\n\n"
+        f"Fat instance ⟨1,{T},B⟩ vs Packrat's uniform plan, both served by one real TorchServe, "
+        f"closed-loop load of B requests in flight, {args.repeats} interleaved {args.seconds:g} s windows each. "
+        f"Profile: `{data['profile']}`; the handler's per-request cost it measured (decode, collate, encode): "
+        f"{handler:.1f} ms. Plans are chosen with it, and 'predicted (model + handler)' includes it; "
+        f"'predicted (model only)' is the same plan on the forward-pass profile alone.\n\n"
+        f"{markdown_table(header, rows)}\n\nMean latency speedup: **{data['mean_latency_speedup']:.2f}×**\n\n"
+        f"Where the time went, from each worker's own counters over the timed windows (per round of a worker: "
+        f"the whole `handle()` and the forward pass; 'profiled' is the profile's time at the mean batch the "
+        f"worker formed; the client's mean minus the round is the frontend, the wait for a round and the "
+        f"network):\n\n{markdown_table(served_header, served_rows)}\n\n"
         f"![speedups]({stem}.png)\n\n{provenance_block(data['provenance'])}"
     )
 

@@ -71,7 +71,7 @@ def bench_batch(
     prepared: PreparedModel, optimizer: KnapsackOptimizer, topology: CpuTopology, T: int, B: int, args
 ) -> dict:
     plan = optimizer.plan(T, B, uniform=args.uniform)
-    expected = expected_speedup(optimizer.profile, plan)
+    expected = expected_speedup(optimizer, plan)
     fat = start_instances(prepared, fat_plan(T, B), topology, args.warmup)
     packrat = start_instances(prepared, plan, topology, args.warmup)
     fat_b = [inst.job.batch for inst in fat]

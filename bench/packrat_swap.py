@@ -49,7 +49,7 @@ from model_store.catalog import get_spec
 from model_store.samples import client_payload
 from packrat_plugin.controller import ControllerConfig, ModelTarget, PackratController
 from packrat_plugin.loadgen import LoadResult, Sample, open_loop, run
-from packrat_plugin.optimizer import KnapsackOptimizer
+from packrat_plugin.optimizer import KnapsackOptimizer, serving_costs
 from packrat_plugin.plan_types import Plan, PlanItem, format_instances
 from packrat_plugin.plans import PLAN_DIR_ENV, PlanStore
 from packrat_plugin.policy import levels_for
@@ -310,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     profile, profile_path = profile_for_this_machine(spec.name, args.profile, args.force, args.mode)
     archive = build_archive(spec, ARCHIVE_DIR)
     threads = len(CpuTopology.from_system().cores)
-    optimizer = KnapsackOptimizer(profile)
+    optimizer = KnapsackOptimizer(profile, serving_costs(profile))
     capacity = max(lv.capacity for lv in levels_for(optimizer, threads, threads * max(profile.batches)))
     low, high = args.low * capacity, args.high * capacity
     shapes = {k: v for k, v in load_shapes(low, high, args).items() if k in args.loads.split(",")}

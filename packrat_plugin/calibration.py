@@ -81,9 +81,12 @@ def profiled_round_ms(rounds_ms: tuple[tuple[int, float], ...], k: float) -> flo
 class ServiceCalibrator:
     """Turns the active set's cumulative counters into a ``Calibration``."""
 
-    def __init__(self, config: CalibrationConfig = CalibrationConfig()) -> None:
+    def __init__(self, config: CalibrationConfig = CalibrationConfig(), prior: Calibration = Calibration()) -> None:
+        """``prior``: what to predict with until a window is measured (the
+        profile's own handler cost, ``optimizer.serving_costs``); the first
+        measured window replaces it."""
         self.config = config
-        self.current = Calibration()
+        self.current = prior
         self._base: ServiceTotals | None = None
 
     def restart(self, totals: ServiceTotals) -> None:

@@ -49,11 +49,13 @@ def _segments(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_optimize(args: argparse.Namespace) -> int:
-    from packrat_plugin.optimizer import KnapsackOptimizer
+    from packrat_plugin.calibration import Calibration
+    from packrat_plugin.optimizer import KnapsackOptimizer, serving_costs
     from packrat_plugin.profile import load_profile
 
     profile = load_profile(args.profile, force=args.force)
-    plan = KnapsackOptimizer(profile).plan(args.threads, args.batch, uniform=args.uniform)
+    costs = Calibration() if args.model_only else serving_costs(profile)
+    plan = KnapsackOptimizer(profile, costs).plan(args.threads, args.batch, uniform=args.uniform)
     if args.json:
         print(json.dumps(plan.to_dict()))
     else:
@@ -69,6 +71,9 @@ def _optimize(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--uniform", action="store_true", help="one (threads, batch) class, as one TorchServe version")
     p.add_argument("--json", action="store_true", help="print exactly one JSON object")
     p.add_argument("--force", action="store_true", help="use a profile measured on other hardware")
+    p.add_argument("--model-only", action="store_true",
+                   help="plan on the forward pass alone, without the handler's per-request cost the profile "
+                        "measured (what a model runs outside TorchServe)")  # fmt: skip
     p.set_defaults(run=_run_optimize)
 
 

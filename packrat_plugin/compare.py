@@ -27,10 +27,11 @@ from typing import Any
 
 from tqdm import tqdm
 
+from packrat_plugin.calibration import profiled_round_ms
 from packrat_plugin.loadgen import LoadResult, closed_loop, run
-from packrat_plugin.optimizer import InfeasibleError, KnapsackOptimizer, expected_speedup
+from packrat_plugin.optimizer import InfeasibleError, KnapsackOptimizer, expected_speedup, serving_costs
 from packrat_plugin.plan_types import Plan, PlanItem
-from packrat_plugin.plans import PLAN_DIR_ENV, PlanStore
+from packrat_plugin.plans import PLAN_DIR_ENV, PlanStore, ServiceTotals
 from packrat_plugin.profile import Profile
 from packrat_plugin.swapper import ActivePassiveSwapper, SwapperConfig
 from packrat_plugin.topology import CpuTopology
@@ -63,11 +64,43 @@ def median_and_spread(values: list[float]) -> tuple[float, float, float]:
     return statistics.median(values), min(values), max(values)
 
 
-def _row(batch: int, plan: Plan, profile: Profile, results: dict[str, list[LoadResult]]) -> dict[str, Any]:
+def served_summary(served: ServiceTotals, plan: Plan, profile: Profile) -> dict[str, float] | None:
+    """What the workers of a plan measured about themselves over some windows
+    (their slot counters), beside what the profile says.
+
+    ``model_ms``: the forward pass per round, against ``profiled_ms``, the
+    profile's time for the mean batch a worker formed (interpolated over the
+    profiled batch sizes of its thread count); ``handler_ms``: the rest of
+    ``handle()`` per request (decode, collate, encode), which the profile's
+    ``handler`` key predicts.  None when nothing was served.
+    """
+    if served.batches <= 0 or served.requests <= 0:
+        return None
+    item = max(plan.instances, key=lambda i: i.threads)  # the fat instance's, or a uniform plan's class
+    mean_batch = served.requests / served.batches
+    rounds = tuple((p.batch, p.latency_ms) for p in profile.points if p.threads == item.threads)
+    return {
+        "mean_batch": mean_batch,
+        "model_ms": served.model_s * 1000.0 / served.batches,
+        "profiled_ms": profiled_round_ms(rounds, mean_batch),
+        "handler_ms": (served.handler_s - served.model_s) * 1000.0 / served.requests,
+        "round_ms": served.handler_s * 1000.0 / served.batches,
+    }
+
+
+def _row(
+    batch: int,
+    plans: dict[str, Plan],
+    profile: Profile,
+    results: dict[str, list[LoadResult]],
+    served: dict[str, ServiceTotals],
+) -> dict[str, Any]:
     fat, packrat = results["fat"], results["packrat"]
     latency = [f.mean_latency_ms() / p.mean_latency_ms() for f, p in zip(fat, packrat, strict=True)]
     throughput = [p.throughput() / f.throughput() for f, p in zip(fat, packrat, strict=True)]
     med, lo, hi = median_and_spread(latency)
+    plan = plans["packrat"]
+    serving, bare = KnapsackOptimizer(profile, serving_costs(profile)), KnapsackOptimizer(profile)
     return {
         "batch": batch,
         "plan": [i.to_dict() for i in plan.instances],
@@ -77,7 +110,12 @@ def _row(batch: int, plan: Plan, profile: Profile, results: dict[str, list[LoadR
         "latency_speedup_min": lo,
         "latency_speedup_max": hi,
         "throughput_speedup": statistics.median(throughput),
-        "expected_speedup": expected_speedup(profile, plan),
+        # Predicted: with the handler's measured per-request cost (the plan was
+        # chosen with it), and from the model's profile alone.
+        "expected_speedup": expected_speedup(serving, plan),
+        "expected_speedup_model_only": expected_speedup(bare, plan),
+        "handler_ms_per_request": serving.costs.overhead_ms,
+        "served": {name: served_summary(served[name], plans[name], profile) for name in ("fat", "packrat")},
         "requests": sum(len(r.samples) for r in (*fat, *packrat)),
         "failed": sum(r.failed for r in (*fat, *packrat)),
     }
@@ -100,7 +138,7 @@ def compare_fat_and_plan(
     """
     topology = topology or CpuTopology.from_system()
     T = len(topology.cores)
-    optimizer = KnapsackOptimizer(profile)
+    optimizer = KnapsackOptimizer(profile, serving_costs(profile))
     plans = {B: {"fat": fat_plan(T, B), "packrat": optimizer.plan(T, B, uniform=True)} for B in config.batches}
     store_dir, plan_store = workdir / "model_store", PlanStore(workdir / "plans")
     rows = []
@@ -116,17 +154,23 @@ def compare_fat_and_plan(
             for name, plan in plans[B].items():
                 swappers[name].apply(plan)
 
-            def load(name: str, seconds: float, B: int = B) -> LoadResult:
+            served = {"fat": ServiceTotals(), "packrat": ServiceTotals()}
+
+            def load(name: str, seconds: float, B: int = B, count: bool = True, served: dict = served) -> LoadResult:
                 url = f"{server.inference_url}/predictions/{name}"
-                return run(closed_loop(url, payload, B, seconds))
+                before = plan_store.service_totals(name, swappers[name].active)
+                result = run(closed_loop(url, payload, B, seconds))
+                if count:  # the workers' own counters over this window
+                    served[name] += plan_store.service_totals(name, swappers[name].active) - before
+                return result
 
             for name in ("fat", "packrat"):  # first batches pay allocator and cache misses
-                load(name, config.warmup_seconds)
+                load(name, config.warmup_seconds, count=False)
             results: dict[str, list[LoadResult]] = {"fat": [], "packrat": []}
             for r in range(config.repeats):
                 for name in ("fat", "packrat") if r % 2 == 0 else ("packrat", "fat"):
                     results[name].append(load(name, config.seconds))
-            rows.append(_row(B, plans[B]["packrat"], profile, results))
+            rows.append(_row(B, plans[B], profile, results, served))
     return {
         "model": profile.model,
         "threads": T,
@@ -153,7 +197,7 @@ def compare_mixed_plans(
     """
     topology = topology or CpuTopology.from_system()
     T = len(topology.cores)
-    optimizer = KnapsackOptimizer(profile)
+    optimizer = KnapsackOptimizer(profile, serving_costs(profile))
     store_dir, plan_store = workdir / "model_store", PlanStore(workdir / "plans")
     rows: list[dict[str, Any]] = []
     with TorchServeProcess(workdir / "ts", store_dir, ports=ports, env={PLAN_DIR_ENV: str(plan_store.root)}) as server:
@@ -195,7 +239,7 @@ def compare_mixed_plans(
                 "mixed_plan": [i.to_dict() for i in exact.instances],
                 "uniform_plan": [i.to_dict() for i in plans["uniform"].instances] if "uniform" in plans else None,
                 "predicted_ms": {"mixed": exact.latency_ms, "uniform": plans["uniform"].latency_ms if "uniform" in plans
-                                 else None, "fat": _profiled(profile, T, B)},
+                                 else None, "fat": _predicted(optimizer, T, B)},
                 "requests": sum(len(x.samples) for rs in results.values() for x in rs),
                 "failed": sum(x.failed for rs in results.values() for x in rs),
             }  # fmt: skip
@@ -213,9 +257,9 @@ def compare_mixed_plans(
     return {"model": profile.model, "threads": T, "rows": rows}
 
 
-def _profiled(profile: Profile, threads: int, batch: int) -> float | None:
+def _predicted(optimizer: KnapsackOptimizer, threads: int, batch: int) -> float | None:
     try:
-        return profile.latency(threads, batch)
+        return optimizer.latency(threads, batch)
     except KeyError:
         return None
 

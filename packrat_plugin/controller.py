@@ -28,11 +28,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from packrat_plugin.calibration import CalibrationConfig, ServiceCalibrator
+from packrat_plugin.calibration import Calibration, CalibrationConfig, ServiceCalibrator
 from packrat_plugin.clients import ManagementClient, MetricsClient, TorchServeAPIError
 from packrat_plugin.division import OVERLOAD_S, DivisionConfig, DivisionPolicy, ModelDemand, split_topology
 from packrat_plugin.load_monitor import LoadMonitor, MonitorConfig
-from packrat_plugin.optimizer import InfeasibleError, KnapsackOptimizer
+from packrat_plugin.optimizer import InfeasibleError, KnapsackOptimizer, serving_costs
 from packrat_plugin.plan_types import Plan, PlanItem
 from packrat_plugin.plans import PLAN_DIR_ENV, PlanStore
 from packrat_plugin.policy import (
@@ -134,14 +134,18 @@ class ModelController:
         self.store = store
         self.topology = topology
         self.config = config
-        self.optimizer = KnapsackOptimizer(target.profile)
+        # Plans account for what the handler costs per request, as the profile
+        # measured it; online calibration then corrects the predictions.
+        prior = serving_costs(target.profile) if config.calibrate else Calibration()
+        self.optimizer = KnapsackOptimizer(target.profile, prior)
         self._levels_by_cores: dict[int, list[Level]] = {}
         self.threads = len(topology.cores)
         self.max_batch = self._largest_feasible_batch()
         self.levels: list[Level] = self.levels_on(self.threads)
         self.policy = ReconfigurationPolicy(self.levels, config.policy)
         self.monitor = LoadMonitor(config.monitor)
-        self.calibrator = ServiceCalibrator(config.calibration)
+        self.calibrator = ServiceCalibrator(config.calibration, prior)
+        self.policy.calibrate(prior)
         self.swapper = ActivePassiveSwapper(
             management, store, target.name, target.archive, model_store, topology, config.swapper,
             core_tag=core_tag,

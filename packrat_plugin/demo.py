@@ -107,7 +107,7 @@ def packrat_demo(args: argparse.Namespace) -> int:
     predicted = "-" if row["expected_speedup"] is None else f"{row['expected_speedup']:.2f}×"
     print(f"B={args.high}: fat {fat} {row['fat_latency_ms']:.0f} ms vs Packrat {plan} "
           f"{row['packrat_latency_ms']:.0f} ms: latency speedup {row['latency_speedup']:.2f}× "
-          f"(profile predicted {predicted}), "
+          f"(predicted {predicted} from the profile and the handler's measured cost), "
           f"throughput {row['throughput_speedup']:.2f}×")  # fmt: skip
     return 0 if failed == 0 and swaps else 1
 

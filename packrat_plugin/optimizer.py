@@ -24,6 +24,7 @@ import math
 
 import numpy as np
 
+from packrat_plugin.calibration import Calibration
 from packrat_plugin.plan_types import Plan, PlanItem
 from packrat_plugin.profile import Profile
 
@@ -32,13 +33,29 @@ class InfeasibleError(ValueError):
     """No multiset of profiled items meets the (T, B) constraints."""
 
 
-def expected_speedup(profile: Profile, plan: Plan) -> float | None:
-    """The profile's prediction of a plan's gain over the fat instance ⟨1, T, B⟩:
-    L[T][B] / plan latency; None when B was not profiled at T threads."""
+def expected_speedup(optimizer: KnapsackOptimizer, plan: Plan) -> float | None:
+    """The prediction of a plan's gain over the fat instance ⟨1, T, B⟩ under the
+    optimizer's costs: its round time of ⟨T, B⟩ over the plan's slowest
+    instance's; None when a point was not profiled."""
     try:
-        return profile.latency(plan.threads, plan.batch) / plan.latency_ms
+        return optimizer.latency(plan.threads, plan.batch) / optimizer.plan_latency(plan)
     except KeyError:
         return None
+
+
+def serving_costs(profile: Profile) -> Calibration:
+    """What a TorchServe worker pays per request besides the model, as the
+    profile measured it (``handler_cost.py``); nothing when it did not.
+
+    One number for every thread count: the handler runs on the worker's main
+    thread, so its cost barely depends on ``t`` (the profile keeps each ``t``'s
+    measurement; this takes their mean).
+    """
+    handler = profile.handler
+    if handler is None or not handler.per_request_ms:
+        return Calibration()
+    values = list(handler.per_request_ms.values())
+    return Calibration(overhead_ms=sum(values) / len(values))
 
 
 def _group(items: list[tuple[int, int]]) -> tuple[PlanItem, ...]:
@@ -50,15 +67,31 @@ def _group(items: list[tuple[int, int]]) -> tuple[PlanItem, ...]:
 
 
 class KnapsackOptimizer:
-    """Plans for one profile; answers are cached per (T, B, uniform)."""
+    """Plans for one profile; answers are cached per (T, B, uniform).
 
-    def __init__(self, profile: Profile) -> None:
+    ``costs`` turns a profiled point into the time a worker really takes for
+    a round of ``b`` (``Calibration.round_ms``: the model slowed by
+    contention, plus the handler's per-request cost); the default is the
+    model alone, what ``bench/packrat_micro.py`` runs.  ``serving_costs``
+    gives the profile's own measurement, for plans served by TorchServe.
+    """
+
+    def __init__(self, profile: Profile, costs: Calibration = Calibration()) -> None:
         self.profile = profile
+        self.costs = costs
         pts = sorted(profile.points)
         self._t = np.array([p.threads for p in pts], dtype=np.int64)
         self._b = np.array([p.batch for p in pts], dtype=np.int64)
-        self._lat = np.array([p.latency_ms for p in pts], dtype=np.float64)
+        self._lat = np.array([costs.round_ms(p.batch, p.latency_ms) for p in pts], dtype=np.float64)
         self._cache: dict[tuple[int, int, bool], Plan] = {}
+
+    def latency(self, threads: int, batch: int) -> float:
+        """One instance ⟨t, b⟩'s predicted round time (ms) under ``costs``; KeyError if not profiled."""
+        return self.costs.round_ms(batch, self.profile.latency(threads, batch))
+
+    def plan_latency(self, plan: Plan) -> float:
+        """Any plan's predicted latency under ``costs``: its slowest instance's round."""
+        return max(self.latency(i.threads, i.batch) for i in plan.instances)
 
     def plan(self, threads: int, batch: int, uniform: bool = False) -> Plan:
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:

@@ -141,8 +141,14 @@ class Level:
 
     @property
     def round_s(self) -> float:
-        """The time of a full round of B, calibrated."""
-        return self.calibration.round_ms(self.plan.instances[0].batch, self.plan.latency_ms) / 1000.0
+        """The time of a full round of B, calibrated.  From the profiled round
+        (``plan.latency_ms`` already holds the optimizer's own costs); a mixed
+        plan's level has none and keeps the optimizer's prediction."""
+        b = self.plan.instances[0].batch
+        profiled = dict(self.rounds_ms).get(b)
+        if profiled is None:
+            return self.plan.latency_ms / 1000.0
+        return self.calibration.round_ms(b, profiled) / 1000.0
 
     def _rounds_s(self) -> list[tuple[int, float]]:
         return [(k, self.calibration.round_ms(k, ms) / 1000.0) for k, ms in self.rounds_ms]

@@ -78,6 +78,46 @@ def hardware_fingerprint() -> dict[str, Any]:
     }
 
 
+HANDLER_KEY = "handler"  # top-level key of the handler's per-request cost (handler_cost.py)
+
+
+@dataclass(frozen=True)
+class HandlerCost:
+    """What the serving handler spends per request besides the model (ms), by
+    intra-op thread count; measured by ``packrat_plugin.handler_cost``."""
+
+    per_request_ms: dict[int, float]
+    requests: int = 0  # requests timed per thread count
+
+    def ms(self, threads: int) -> float:
+        """At ``threads``; a count not measured takes the nearest one below (else above)."""
+        if not self.per_request_ms:
+            return 0.0
+        if threads in self.per_request_ms:
+            return self.per_request_ms[threads]
+        below = [t for t in self.per_request_ms if t < threads]
+        return self.per_request_ms[max(below) if below else min(self.per_request_ms)]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "per_request_ms": {str(t): round(ms, 3) for t, ms in sorted(self.per_request_ms.items())},
+            "requests": self.requests,
+            "measures": "CPUModelHandler preprocess (decode) + collate + postprocess (encode), per request",
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any) -> HandlerCost:
+        if not isinstance(data, dict) or not isinstance(data.get("per_request_ms"), dict):
+            raise ProfileError(f"'{HANDLER_KEY}' needs a 'per_request_ms' object")
+        out: dict[int, float] = {}
+        for key, value in data["per_request_ms"].items():
+            threads = int(key) if isinstance(key, str) and key.isdigit() else 0
+            if threads < 1 or isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise ProfileError(f"'{HANDLER_KEY}' has a bad per-request cost {key!r}: {value!r}")
+            out[threads] = float(value)
+        return cls(out, int(data.get("requests") or 0))
+
+
 # Keys whose mismatch makes a profile invalid on this machine.
 FINGERPRINT_KEYS = ("cpu_model", "logical_cores", "torch")
 
@@ -102,6 +142,12 @@ class Profile:
             if p.threads == threads and p.batch == batch:
                 return p.latency_ms
         raise KeyError(f"no profiled point at threads={threads}, batch={batch}")
+
+    @property
+    def handler(self) -> HandlerCost | None:
+        """The handler's measured per-request cost; None for a profile of the model alone."""
+        raw = self.meta.get(HANDLER_KEY)
+        return None if raw is None else HandlerCost.from_dict(raw)
 
     def digest(self) -> tuple:
         """Hashable identity of the measurements (cache key for the optimizer)."""
@@ -184,6 +230,8 @@ def profile_from_dict(data: Any, allow_incomplete: bool = False) -> Profile:
     if not allow_incomplete:
         validate_grid(points, data.get("grid"))
     meta = {k: v for k, v in data.items() if k not in ("model", "hardware", "grid", "points")}
+    if HANDLER_KEY in meta:
+        HandlerCost.from_dict(meta[HANDLER_KEY])  # a malformed one is refused here, not mid-plan
     return Profile(model, points, dict(data.get("hardware") or {}), meta)
 
 

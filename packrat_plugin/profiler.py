@@ -6,7 +6,11 @@ mode, after warm-up.  A fresh process per point keeps one point's allocator
 and thread-pool state from leaking into the next.  The profile is saved after
 every point, so an interrupted run loses at most one point and ``--resume``
 picks up where it stopped; ``--time-budget`` stops cleanly with a partial
-(``"complete": false``) profile.
+(``"complete": false``) profile.  Last, the serving handler's own cost per
+request (decode, collate, encode) is timed at each thread count
+(``handler_cost.py``) and kept under the profile's ``"handler"`` key, so
+that plans and their predicted speedups account for what TorchServe's
+worker pays besides the model.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import statistics
 import sys
 import tempfile
 import time
@@ -26,9 +31,18 @@ from tqdm import tqdm
 
 from model_store.build import catalog_name, write_artefact
 from model_store.catalog import ModelSpec, get_spec
+from packrat_plugin.handler_cost import measure_handler_cost
 from packrat_plugin.measure import InstanceJob, InstanceProcess, WindowResult
 from packrat_plugin.plan_types import Plan, PlanItem
-from packrat_plugin.profile import Profile, ProfileError, ProfilePoint, hardware_fingerprint, load_profile
+from packrat_plugin.profile import (
+    HANDLER_KEY,
+    HandlerCost,
+    Profile,
+    ProfileError,
+    ProfilePoint,
+    hardware_fingerprint,
+    load_profile,
+)
 from packrat_plugin.topology import CpuTopology, allocate
 
 PROFILE_DIR = Path("profiles")
@@ -113,6 +127,22 @@ def measure_point(
     return ProfilePoint(threads, batch, latency_ms, extra)
 
 
+def passes_of(point: ProfilePoint | None) -> list[float]:
+    """The mean latency of each pass a point has had (a one-pass point: its latency)."""
+    if point is None:
+        return []
+    return list(point.extra.get("pass_ms") or [point.latency_ms])
+
+
+def with_pass(previous: ProfilePoint | None, new: ProfilePoint) -> ProfilePoint:
+    """``previous`` with one more pass: the latency is the median of the passes'
+    means; the other statistics (p50, p99, iterations, cores) are the last pass's."""
+    means = [*passes_of(previous), new.latency_ms]
+    if len(means) == 1:
+        return new
+    return ProfilePoint(new.threads, new.batch, statistics.median(means), {**new.extra, "pass_ms": means})
+
+
 def run_profile(
     source: str,
     threads: list[int],
@@ -125,13 +155,18 @@ def run_profile(
     resume: bool = False,
     time_budget_s: float | None = None,
     command: str | None = None,
+    handler_requests: int = 32,
+    passes: int = 1,
 ) -> Profile:
+    if passes < 1:
+        raise ValueError(f"passes must be ≥ 1, got {passes}")
     topology = CpuTopology.from_system()
     usable = len(topology.cores)
     if max(threads) > usable:
         raise ValueError(f"cannot profile {max(threads)} threads: only {usable} cores are usable here")
     hardware = hardware_fingerprint()
     done: dict[tuple[int, int], ProfilePoint] = {}
+    handler: HandlerCost | None = None
     with tempfile.TemporaryDirectory(prefix="packrat-profile-") as tmp:
         prepared = prepare_model(source, mode, Path(tmp))
         spec = prepared.spec
@@ -140,31 +175,45 @@ def run_profile(
             if previous.model != spec.name or previous.meta.get("mode") != spec.mode:
                 raise ProfileError(f"{out} holds {previous.model} ({previous.meta.get('mode')}), not {spec.name}")
             done = {(p.threads, p.batch): p for p in previous.points}
+            handler = previous.handler
         grid = [(t, b) for t in threads for b in batches]
-        todo = [tb for tb in grid if tb not in done]
+        # Pass-major: every pass sweeps the whole grid, so a slow phase of a
+        # shared machine lands on one pass of many points rather than on all
+        # passes of a few, and the median over passes leaves it out.
+        todo = [(k, tb) for k in range(passes) for tb in grid if len(passes_of(done.get(tb))) <= k]
         meta = {
             "mode": spec.mode,
             "warmup": warmup,
             "iters": iters,
+            "passes": passes,
             "command": command or "",
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
 
         def save(complete: bool) -> Profile:
             points = tuple(done[tb] for tb in grid if tb in done)
-            profile = Profile(spec.name, points, hardware, {**meta, "complete": complete})
+            extra = {HANDLER_KEY: handler.to_dict()} if handler is not None else {}
+            profile = Profile(spec.name, points, hardware, {**meta, **extra, "complete": complete})
             profile.save(out, grid={"threads": threads, "batches": batches})
             return profile
 
         started = time.monotonic()
         with tqdm(todo, desc=f"profile {spec.name} ({spec.mode})", unit="point") as bar:
-            for t, b in bar:
+            for k, (t, b) in bar:
                 if time_budget_s is not None and time.monotonic() - started > time_budget_s:
                     bar.write(f"time budget of {time_budget_s:.0f} s spent; resume with --resume")
                     return save(complete=False)
-                bar.set_postfix_str(f"t={t} b={b}")
-                done[(t, b)] = measure_point(prepared, t, b, warmup, iters, max_seconds_per_point, topology)
+                bar.set_postfix_str(f"t={t} b={b}" + (f" pass {k + 1}/{passes}" if passes > 1 else ""))
+                point = measure_point(prepared, t, b, warmup, iters, max_seconds_per_point, topology)
+                done[(t, b)] = with_pass(done.get((t, b)), point)
                 save(complete=False)
+        if handler_requests > 0:
+            missing = [t for t in threads if handler is None or t not in handler.per_request_ms]
+            costs = dict(handler.per_request_ms) if handler is not None else {}
+            for t in tqdm(missing, desc=f"handler cost {spec.name}", unit="threads"):
+                costs[t] = measure_handler_cost(spec, str(prepared.artefact), t, cores_for(t, topology),
+                                                requests=handler_requests)  # fmt: skip
+            handler = HandlerCost(costs, handler_requests if missing else handler.requests)
         return save(complete=True)
 
 
@@ -180,6 +229,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, help="profile path (default: profiles/<model>.json)")
     parser.add_argument("--resume", action="store_true", help="keep points already in --out")
     parser.add_argument("--time-budget", type=float, help="seconds; stop with a partial profile after this")
+    parser.add_argument("--passes", type=int, default=1,
+                        help="sweep the grid this many times; each point's latency is the median of its passes "
+                             "(on a shared VM whose speed drifts, 3 keeps one slow phase out of the plan)")  # fmt: skip
+    parser.add_argument("--handler-requests", type=int, default=32,
+                        help="requests to time the serving handler's per-request cost with, at each thread count "
+                             "(decode + collate + encode; plans account for it); 0: the model alone")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
@@ -190,7 +245,7 @@ def run(args: argparse.Namespace) -> int:
     command = "packrat profile " + " ".join(shlex.quote(a) for a in sys.argv[2:])
     profile = run_profile(
         args.model, threads, batches, out, args.mode, args.warmup, args.iters,
-        args.max_seconds_per_point, args.resume, args.time_budget, command,
+        args.max_seconds_per_point, args.resume, args.time_budget, command, args.handler_requests, args.passes,
     )  # fmt: skip
     print(f"wrote {out}: {len(profile.points)} points" + ("" if profile.meta.get("complete") else " (partial)"))
     print(format_table(profile))

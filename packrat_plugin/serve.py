@@ -77,7 +77,8 @@ def add_policy_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--standby-workers", type=int, default=ctl.standby_workers,
                    help="idle workers kept warm for fast swaps (each holds a copy of the model; 0: none)")  # fmt: skip
     g.add_argument("--no-calibrate", action="store_true",
-                   help="plan on the bare profile, not on measured serving costs (calibration.py)")  # fmt: skip
+                   help="plan on the bare profile (the model alone), not on serving costs: the handler's per-request "
+                        "cost the profile measured, then what serving measures (calibration.py)")  # fmt: skip
     div = DivisionConfig()
     m = p.add_argument_group("several models on one server (see packrat_plugin/division.py)")
     m.add_argument(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import subprocess
@@ -13,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from packrat_plugin.optimizer import InfeasibleError, KnapsackOptimizer
+from packrat_plugin.plan_types import PlanItem
 from packrat_plugin.profile import Profile, ProfilePoint
 
 
@@ -147,5 +149,27 @@ def test_expected_speedup_is_fat_latency_over_plan_latency():
 
     profile = make_profile({(1, 2): 100.0, (2, 4): 300.0, (1, 4): 180.0})
     optimizer = KnapsackOptimizer(profile)
-    assert expected_speedup(profile, optimizer.plan(2, 4)) == 300.0 / 100.0  # 2×⟨1,2⟩ vs ⟨2,4⟩
-    assert expected_speedup(profile, optimizer.plan(2, 2)) is None  # ⟨2,2⟩ was not profiled
+    assert expected_speedup(optimizer, optimizer.plan(2, 4)) == 300.0 / 100.0  # 2×⟨1,2⟩ vs ⟨2,4⟩
+    assert expected_speedup(optimizer, optimizer.plan(2, 2)) is None  # ⟨2,2⟩ was not profiled
+
+
+def test_the_handlers_per_request_cost_changes_the_plan_and_its_predicted_speedup():
+    """The fat ⟨2,2⟩ pays two requests' decode and encode per round, each ⟨1,1⟩ one:
+    a model-only win of the fat instance becomes a loss once the handler counts."""
+    from packrat_plugin.calibration import Calibration
+    from packrat_plugin.optimizer import expected_speedup, serving_costs
+    from packrat_plugin.profile import HANDLER_KEY, HandlerCost
+
+    profile = make_profile({(1, 1): 100.0, (2, 2): 95.0})
+    bare = KnapsackOptimizer(profile)
+    assert bare.plan(2, 2).instances == (PlanItem(1, 2, 2),)
+    assert serving_costs(profile) == Calibration()  # no handler cost measured: the model alone
+
+    measured = dataclasses.replace(profile, meta={HANDLER_KEY: HandlerCost({1: 12.0, 2: 8.0}, 32).to_dict()})
+    costs = serving_costs(measured)
+    assert costs.overhead_ms == 10.0 and costs.slowdown == 1.0
+    serving = KnapsackOptimizer(measured, costs)
+    plan = serving.plan(2, 2)
+    assert plan.instances == (PlanItem(2, 1, 1),) and plan.latency_ms == 110.0  # 100 + 1 × 10
+    assert serving.latency(2, 2) == 115.0  # 95 + 2 × 10
+    assert expected_speedup(serving, plan) == 115.0 / 110.0

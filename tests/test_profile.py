@@ -38,6 +38,9 @@ GOOD = {"model": "m", "hardware": {}, "points": points([(1, 1), (1, 2), (2, 1), 
             {"model": "m", "grid": {"threads": [1, 2], "batches": [1]}, "points": points([(1, 1)])},
             r"missing 1 point\(s\): \(threads=2, batch=1\)",
         ),
+        (dict(GOOD, handler={"per_request_ms": {"1": -1.0}}), "bad per-request cost '1': -1.0"),
+        (dict(GOOD, handler={"per_request_ms": {"one": 2.0}}), "bad per-request cost 'one'"),
+        (dict(GOOD, handler={"per_request_ms": [2.0]}), "'handler' needs a 'per_request_ms' object"),
     ],
 )
 def test_bad_profiles_are_refused_with_a_reason(tmp_path, data, message):
@@ -52,6 +55,18 @@ def test_profile_round_trips(tmp_path):
     out = tmp_path / "out.json"
     profile.save(out)
     assert load_profile(out, check_machine=False) == profile
+
+
+def test_the_handlers_cost_round_trips_and_fills_thread_counts_not_measured(tmp_path):
+    assert load_profile(write(tmp_path, GOOD), check_machine=False).handler is None  # the model alone
+    data = dict(GOOD, handler={"per_request_ms": {"1": 6.5, "4": 5.0}, "requests": 32})
+    profile = load_profile(write(tmp_path, data), check_machine=False)
+    handler = profile.handler
+    assert handler.per_request_ms == {1: 6.5, 4: 5.0} and handler.requests == 32
+    assert [handler.ms(t) for t in (1, 2, 4, 8)] == [6.5, 6.5, 5.0, 5.0]  # nearest measured count below
+    out = tmp_path / "out.json"
+    profile.save(out)
+    assert load_profile(out, check_machine=False).handler == handler
 
 
 def test_profile_from_other_hardware_is_refused_unless_forced(tmp_path):
