@@ -16,6 +16,15 @@ def _archive(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=build.run)
 
 
+def _sklearn_archive(sub: argparse._SubParsersAction) -> None:
+    from windtunnel import archive
+
+    p = sub.add_parser("sklearn-archive", help="build a TorchServe archive that serves a scikit-learn pipeline "
+                                               "as a tensor program (WindTunnel)")  # fmt: skip
+    archive.add_arguments(p)
+    p.set_defaults(run=archive.run)
+
+
 def _demo(sub: argparse._SubParsersAction) -> None:
     from packrat_plugin import demo
 
@@ -92,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="packrat", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _archive(sub)
+    _sklearn_archive(sub)
     _demo(sub)
     _bench(sub)
     _profile(sub)

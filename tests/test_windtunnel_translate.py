@@ -1,0 +1,183 @@
+"""WindTunnel's translation: each operator, whole pipelines, refusals, row encoding.
+
+Tolerance: the translated module runs in float64 and its tree splits are
+scikit-learn's own float32 comparisons, so probabilities agree to 1e-9
+(measured: ≤ 2e-15) and every predicted class is the same.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from sklearn.compose import ColumnTransformer
+from sklearn.datasets import load_breast_cancer, load_wine
+from sklearn.decomposition import PCA
+from sklearn.ensemble import ExtraTreesClassifier, GradientBoostingClassifier, RandomForestClassifier
+from sklearn.linear_model import LogisticRegression
+from sklearn.neighbors import KNeighborsClassifier
+from sklearn.pipeline import Pipeline, make_pipeline
+from sklearn.preprocessing import MinMaxScaler, Normalizer, OneHotEncoder, StandardScaler
+from sklearn.svm import LinearSVC
+from sklearn.tree import DecisionTreeClassifier
+
+from windtunnel import RowError, UntranslatableError, translate
+from windtunnel.datasets import synthetic_tabular
+
+TOL = 1e-9
+
+
+def outputs(model, X: np.ndarray) -> np.ndarray:
+    with torch.no_grad():
+        return model(*model.encode_array(X)).numpy()
+
+
+def assert_same(pipeline, X: np.ndarray, columns=None) -> None:
+    model = translate(pipeline, columns)
+    got = outputs(model, X)
+    if model.output == "decision":
+        want = pipeline.decision_function(X)
+    else:
+        want = pipeline.predict_proba(X)
+        assert (np.asarray(model.classes)[got.argmax(1)] == pipeline.predict(X)).all()
+    np.testing.assert_allclose(got, want, rtol=0, atol=TOL)
+
+
+@pytest.fixture(scope="module")
+def cancer():
+    X, y = load_breast_cancer(return_X_y=True)
+    return X[:400], y[:400], X[400:]  # fit on the first rows, compare on held-out ones
+
+
+@pytest.fixture(scope="module")
+def wine():
+    X, y = load_wine(return_X_y=True)
+    order = np.random.default_rng(0).permutation(len(y))
+    return X[order[:120]], y[order[:120]], X[order[120:]]
+
+
+@pytest.mark.parametrize("scaler", [StandardScaler(), StandardScaler(with_mean=False), MinMaxScaler(),
+                                    MinMaxScaler(feature_range=(-1, 2), clip=True)], ids=repr)  # fmt: skip
+def test_scalers(cancer, scaler):
+    X, y, held_out = cancer
+    assert_same(make_pipeline(scaler, LogisticRegression(max_iter=5000)).fit(X, y), held_out)
+
+
+@pytest.mark.parametrize("whiten", [False, True])
+def test_pca(cancer, whiten):
+    X, y, held_out = cancer
+    assert_same(make_pipeline(StandardScaler(), PCA(6, whiten=whiten), LogisticRegression()).fit(X, y), held_out)
+
+
+@pytest.mark.parametrize(
+    "estimator",
+    [
+        LogisticRegression(max_iter=5000),
+        LinearSVC(),
+        DecisionTreeClassifier(max_depth=6, random_state=0),
+        RandomForestClassifier(n_estimators=25, max_depth=8, random_state=0),
+        ExtraTreesClassifier(n_estimators=10, random_state=0),
+        GradientBoostingClassifier(n_estimators=30, max_depth=3, random_state=0),
+    ],
+    ids=lambda e: type(e).__name__,
+)
+def test_estimators_binary_and_multiclass(cancer, wine, estimator):
+    for X, y, held_out in (cancer, wine):
+        assert_same(make_pipeline(StandardScaler(), estimator).fit(X, y), held_out)
+
+
+def test_a_bare_estimator_and_unscaled_trees_split_exactly_at_float32_thresholds(cancer):
+    X, y, held_out = cancer
+    forest = RandomForestClassifier(n_estimators=10, random_state=0).fit(X, y)
+    assert_same(forest, held_out)
+    # Inputs that sit exactly on the float32 neighbours of every threshold:
+    # where a rounded-to-nearest float32 threshold would go the wrong way.
+    tree = forest.estimators_[0].tree_
+    node = int(np.nonzero(tree.children_left != -1)[0][0])
+    f, t = tree.feature[node], tree.threshold[node]
+    probe = np.repeat(held_out[:1], 3, axis=0)
+    probe[:, f] = [
+        np.float32(t),
+        np.nextafter(np.float32(t), np.float32(-np.inf)),
+        np.nextafter(np.float32(t), np.float32(np.inf)),
+    ]  # noqa: E501
+    assert_same(forest, probe)
+
+
+def test_a_whole_pipeline_with_categorical_columns():
+    data = synthetic_tabular(800, seed=1)
+    fit, held_out = data.X[:600], data.X[600:]
+    for estimator in (LogisticRegression(max_iter=2000), GradientBoostingClassifier(n_estimators=40, random_state=0),
+                      RandomForestClassifier(n_estimators=20, random_state=0)):  # fmt: skip
+        columns = ColumnTransformer([
+            ("num", make_pipeline(StandardScaler(), PCA(2)), data.numeric),
+            ("cat", OneHotEncoder(handle_unknown="ignore"), data.categorical),
+        ])  # fmt: skip
+        pipeline = Pipeline([("columns", columns), ("scale", MinMaxScaler()), ("model", estimator)])
+        pipeline.fit(fit, data.y[:600])
+        assert_same(pipeline, held_out, data.columns)
+
+
+def test_rows_are_encoded_by_name_and_bad_rows_are_refused_with_the_column_named():
+    data = synthetic_tabular(300, seed=2)
+    columns = ColumnTransformer([("num", StandardScaler(), data.numeric),
+                                 ("cat", OneHotEncoder(handle_unknown="error"), data.categorical)])  # fmt: skip
+    pipeline = Pipeline([("columns", columns), ("model", LogisticRegression(max_iter=2000))]).fit(data.X, data.y)
+    model = translate(pipeline, data.columns)
+    row = dict(zip(data.columns, data.X[0].tolist(), strict=True))
+    with torch.no_grad():
+        got = model(*model.encode_rows([row])).numpy()
+    np.testing.assert_allclose(got, pipeline.predict_proba(data.X[:1]), atol=TOL)
+    cat = data.columns[data.categorical[0]]
+    num = data.columns[data.numeric[0]]
+    for bad, message in [
+        ({k: v for k, v in row.items() if k != num}, f"missing column\\(s\\) \\['{num}'\\]"),
+        ({**row, num: "12"}, f"column '{num}' must be a finite number"),
+        ({**row, num: float("nan")}, f"column '{num}' must be a finite number"),
+        ({**row, cat: "no-such-category"}, f"column '{cat}': unknown category 'no-such-category'"),
+        ({**row, cat: [1]}, f"column '{cat}' must be a category"),
+    ]:
+        with pytest.raises(RowError, match=message):
+            model.encode_rows([row, bad])
+    with pytest.raises(RowError, match="expected an object"):
+        model.encode_rows([[1, 2, 3]])
+
+
+def test_an_unseen_category_encodes_as_zeros_when_the_encoder_ignores_it():
+    data = synthetic_tabular(300, seed=3)
+    columns = ColumnTransformer([("cat", OneHotEncoder(handle_unknown="ignore"), data.categorical)])
+    pipeline = Pipeline([("columns", columns), ("model", LogisticRegression())]).fit(data.X, data.y)
+    model = translate(pipeline, data.columns)
+    row = dict(zip(data.columns, data.X[0].tolist(), strict=True))
+    probe = data.X[:1].copy()
+    probe[0, data.categorical[0]] = "never-seen"
+    with torch.no_grad():
+        got = model(*model.encode_rows([{**row, data.columns[data.categorical[0]]: "never-seen"}])).numpy()
+    np.testing.assert_allclose(got, pipeline.predict_proba(probe), atol=TOL)
+
+
+@pytest.mark.parametrize(
+    "pipeline, message",
+    [
+        (make_pipeline(Normalizer(), LogisticRegression()), "step 'normalizer': Normalizer is not translatable"),
+        (make_pipeline(StandardScaler(), KNeighborsClassifier()), "estimator KNeighborsClassifier is not translatable"),
+        (make_pipeline(StandardScaler(), LogisticRegression()), "is not fitted"),
+    ],
+    ids=["transformer", "estimator", "unfitted"],
+)
+def test_untranslatable_operators_are_refused_by_name(cancer, pipeline, message):
+    X, y, _ = cancer
+    if message != "is not fitted":
+        pipeline.fit(X, y)
+    with pytest.raises(UntranslatableError, match=message):
+        translate(pipeline)
+
+
+def test_one_hot_settings_that_change_the_encoding_are_refused():
+    data = synthetic_tabular(300, seed=4)
+    for encoder, message in [(OneHotEncoder(drop="first"), "drop='first'"),
+                             (OneHotEncoder(min_frequency=200), "infrequent categories")]:  # fmt: skip
+        columns = ColumnTransformer([("cat", encoder, data.categorical)])
+        pipeline = Pipeline([("columns", columns), ("model", LogisticRegression())]).fit(data.X, data.y)
+        with pytest.raises(UntranslatableError, match=message):
+            translate(pipeline, data.columns)

@@ -1,0 +1,157 @@
+"""Fine-tune a translated pipeline end to end, from its fitted weights (warm) or from random ones (cold).
+
+A scikit-learn pipeline fits each operator alone, each to its own
+objective: the scaler to the data's moments, PCA to its variance, each
+boosting stage greedily, the encoder not at all.  Translated into one
+network (``translate.py``), every operator's numbers become parameters of one
+differentiable function, and gradient descent on the classification loss
+moves all of them together; the trees train with soft splits
+(``operators.TreeEnsemble``).  Warm start begins at the translation, i.e.
+at the pipeline itself; cold start re-draws every parameter of the same
+network, which is what the translation saves.
+
+Training keeps the epoch with the best validation AUC (epoch 0 included:
+fine-tuning never returns something worse than its start on the
+validation rows), then the better of that soft model and the same weights
+with hard splits.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+
+from windtunnel.operators import Affine, LinearHead, OneHot, Projection
+from windtunnel.translate import TranslatedPipeline
+
+
+@dataclass(frozen=True)
+class FineTuneConfig:
+    epochs: int = 40
+    batch_size: int = 64
+    lr: float = 1e-3  # Adam
+    temperature: float = 0.1  # soft split width, as a fraction of each split feature's spread
+    patience: int = 10  # epochs without a better validation AUC before stopping
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.epochs < 0 or self.batch_size < 1 or self.patience < 1:
+            raise ValueError("epochs ≥ 0, batch_size ≥ 1 and patience ≥ 1 required")
+        if not self.lr > 0 or not self.temperature > 0:
+            raise ValueError("lr and temperature must be positive")
+
+
+@dataclass
+class Split:
+    """Encoded rows and their labels (indices into the model's classes)."""
+
+    numeric: torch.Tensor
+    codes: torch.Tensor
+    y: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+
+@dataclass
+class FineTuneResult:
+    model: TranslatedPipeline
+    soft: bool  # the mode the returned model runs in
+    best_epoch: int
+    valid_auc: float
+    history: list[float] = field(default_factory=list)  # validation AUC per epoch (0: before training)
+
+
+def auc(model: TranslatedPipeline, split: Split) -> float:
+    """ROC AUC of the model's scores (one-vs-rest macro for several classes)."""
+    from sklearn.metrics import roc_auc_score
+
+    with torch.no_grad():
+        scores = model(split.numeric, split.codes).numpy()
+    if scores.ndim == 1:  # decision scores of a binary LinearSVC
+        return float(roc_auc_score(split.y, scores))
+    if scores.shape[1] == 2:
+        return float(roc_auc_score(split.y, scores[:, 1]))
+    return float(roc_auc_score(split.y, scores, multi_class="ovr", labels=list(range(scores.shape[1]))))
+
+
+def _loss(model: TranslatedPipeline, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    if model.output == "decision":  # LinearSVC: logistic loss on its scores
+        if out.ndim == 1:
+            return nn.functional.binary_cross_entropy_with_logits(out, y.to(out.dtype))
+        return nn.functional.cross_entropy(out, y)
+    return nn.functional.nll_loss(torch.log(out.clamp_min(1e-12)), y)
+
+
+def fine_tune(model: TranslatedPipeline, train: Split, valid: Split,
+              config: FineTuneConfig = FineTuneConfig()) -> FineTuneResult:  # fmt: skip
+    """Train a copy of ``model`` on ``train``; ``model`` itself is left as it was."""
+    torch.manual_seed(config.seed)
+    model = copy.deepcopy(model)
+    model.set_temperature(train.numeric, train.codes, config.temperature)
+    model.set_soft(True)
+    optimizer = torch.optim.Adam(model.parameters(), lr=config.lr)
+    y = torch.as_tensor(train.y, dtype=torch.long)
+    history = [auc(model, valid)]
+    best_state, best_auc, best_epoch = copy.deepcopy(model.state_dict()), history[0], 0
+    generator = torch.Generator().manual_seed(config.seed)
+    for epoch in range(1, config.epochs + 1):
+        model.train()
+        for index in torch.randperm(len(train), generator=generator).split(config.batch_size):
+            optimizer.zero_grad()
+            loss = _loss(model, model(train.numeric[index], train.codes[index]), y[index])
+            loss.backward()
+            optimizer.step()
+        model.eval()
+        history.append(auc(model, valid))
+        if history[-1] > best_auc:
+            best_state, best_auc, best_epoch = copy.deepcopy(model.state_dict()), history[-1], epoch
+        elif epoch - best_epoch >= config.patience:
+            break
+    model.load_state_dict(best_state)
+    model.set_soft(False)
+    hard_auc = auc(model, valid) if model.trees() else -math.inf
+    soft = not hard_auc >= best_auc
+    model.set_soft(soft)
+    return FineTuneResult(model, soft, best_epoch, max(best_auc, hard_auc), history)
+
+
+def cold_start(model: TranslatedPipeline, train: Split, seed: int = 0) -> TranslatedPipeline:
+    """The same network with every parameter drawn at random (the structure kept:
+    columns, branches, tree shapes and split features)."""
+    gen = torch.Generator().manual_seed(seed)
+    model = copy.deepcopy(model)
+
+    def normal(shape: torch.Size, std: float) -> torch.Tensor:
+        return torch.randn(shape, generator=gen, dtype=torch.float64) * std
+
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, Affine):  # no knowledge of the data's scale: the identity, perturbed
+                module.weight.fill_(1.0)
+                module.bias.zero_()
+                module.gain.copy_(1.0 + normal(module.gain.shape, 0.1))
+                module.shift.copy_(normal(module.shift.shape, 0.1))
+            elif isinstance(module, (Projection, LinearHead)):
+                weight = module.weight if isinstance(module, Projection) else module.coef
+                bias = module.bias if isinstance(module, Projection) else module.intercept
+                weight.copy_(normal(weight.shape, 1.0 / math.sqrt(weight.shape[1])))
+                bias.zero_()
+            elif isinstance(module, OneHot):
+                for table in module.tables:
+                    table.copy_(normal(table.shape, 1.0))
+        x = model.features(train.numeric, train.codes)
+        for tree in model.trees():
+            # Thresholds at random training values of each node's feature.
+            rows = torch.randint(0, x.shape[0], (tree.features.numel(),), generator=gen)
+            drawn = x[rows, tree.features].view_as(tree.thresholds)
+            tree.thresholds.copy_(torch.where(torch.isfinite(tree.thresholds), drawn, tree.thresholds))
+            values = normal(tree.values.shape, 0.1)
+            tree.values.copy_(torch.softmax(values, dim=-1) if tree.combine == "mean" else values)
+            tree.init.zero_()
+    return model

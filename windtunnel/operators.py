@@ -1,0 +1,244 @@
+"""Differentiable PyTorch modules for classical ML operators, initialised from fitted ones.
+
+Every module holds its operator's fitted numbers as ``nn.Parameter``\\ s, so
+the same module computes the operator exactly (hard mode, the translation's
+first use: serving) and can be trained end to end with its neighbours
+(fine-tuning, WindTunnel's second).  Only trees behave differently in the
+two modes: a hard split is a comparison, which has no gradient, so in soft
+mode each split becomes a sigmoid of the distance to its threshold and each
+leaf is reached with the product of its path's probabilities.  At a
+temperature near 0 the soft tree is the hard tree.
+
+Trees are tensor programs in the GEMM form (one matrix per tree level of
+the computation, not per node): gather each internal node's feature,
+compare with its threshold (``[N, T, I]``), find each sample's leaf with one
+batched product against the tree's path matrix, and read the leaf values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+
+class Affine(nn.Module):
+    """Per-feature ``x · weight + bias``: StandardScaler and MinMaxScaler
+    (``clip`` bounds the output as MinMaxScaler(clip=True) does).
+
+    The fitted ``weight`` and ``bias`` are buffers, and training moves a
+    ``gain`` (1) and a ``shift`` (0) applied after them: a scaler's weight is
+    1/σ of its raw feature (1e-4 for an income), where every Adam step of
+    ~lr would wreck it; on the scaled side the parameters are O(1).
+    """
+
+    def __init__(self, weight: np.ndarray, bias: np.ndarray, clip: tuple[float, float] | None = None) -> None:
+        super().__init__()
+        self.register_buffer("weight", torch.as_tensor(weight, dtype=torch.float64))
+        self.register_buffer("bias", torch.as_tensor(bias, dtype=torch.float64))
+        self.gain = nn.Parameter(torch.ones_like(self.weight))
+        self.shift = nn.Parameter(torch.zeros_like(self.bias))
+        self.clip = clip
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x * self.weight + self.bias
+        y = y * self.gain + self.shift
+        return y.clamp(*self.clip) if self.clip is not None else y
+
+
+class Projection(nn.Module):
+    """``x @ weight.T + bias``: PCA (centring and whitening folded in)."""
+
+    def __init__(self, weight: np.ndarray, bias: np.ndarray) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.as_tensor(weight, dtype=torch.float64))
+        self.bias = nn.Parameter(torch.as_tensor(bias, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.weight, self.bias)
+
+
+class OneHot(nn.Module):
+    """OneHotEncoder as embedding lookups, one table per column.
+
+    Input: category indices ``[N, C]`` (``-1``: a category not seen in
+    training, encoded as all zeros, as ``handle_unknown='ignore'`` does).
+    Each table starts as the identity, so the lookup is the one-hot vector;
+    fine-tuning may move it into a dense embedding.
+    """
+
+    def __init__(self, sizes: list[int]) -> None:
+        super().__init__()
+        self.sizes = list(sizes)
+        self.tables = nn.ParameterList(
+            nn.Parameter(torch.cat([torch.eye(n, dtype=torch.float64), torch.zeros(1, n, dtype=torch.float64)]))
+            for n in sizes
+        )
+
+    def forward(self, codes: torch.Tensor) -> torch.Tensor:
+        parts = []
+        for j, (n, table) in enumerate(zip(self.sizes, self.tables, strict=True)):
+            index = codes[:, j].clone()
+            index[index < 0] = n  # the all-zeros row
+            parts.append(table[index])
+        return torch.cat(parts, dim=1)
+
+
+class LinearHead(nn.Module):
+    """A linear model's scores ``x @ coef.T + intercept`` and their link.
+
+    ``link``: ``"logistic"`` (one score → [1 - σ, σ]), ``"softmax"``, or
+    ``"identity"`` (LinearSVC: decision scores, not probabilities).
+    """
+
+    def __init__(self, coef: np.ndarray, intercept: np.ndarray, link: str) -> None:
+        super().__init__()
+        self.coef = nn.Parameter(torch.as_tensor(np.atleast_2d(coef), dtype=torch.float64))
+        self.intercept = nn.Parameter(torch.as_tensor(np.atleast_1d(intercept), dtype=torch.float64))
+        self.link = link
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return apply_link(nn.functional.linear(x, self.coef, self.intercept), self.link)
+
+
+def apply_link(scores: torch.Tensor, link: str) -> torch.Tensor:
+    if link == "logistic":
+        p = torch.sigmoid(scores[:, 0])
+        return torch.stack([1.0 - p, p], dim=1)
+    if link == "softmax":
+        return torch.softmax(scores, dim=1)
+    if link == "identity":
+        return scores[:, 0] if scores.shape[1] == 1 else scores
+    raise ValueError(f"unknown link {link!r}")
+
+
+@dataclass(frozen=True)
+class TreeArrays:
+    """One fitted tree in the GEMM form; leaves and internal nodes numbered in node order."""
+
+    features: np.ndarray  # [I] feature of each internal node
+    thresholds: np.ndarray  # [I] go left when x <= threshold
+    path: np.ndarray  # [I, L]: +1 if the leaf is under the node's left child, -1 right, 0 not below
+    lefts: np.ndarray  # [L] number of left turns on the leaf's path
+    values: np.ndarray  # [L, K] leaf outputs
+
+    @classmethod
+    def from_sklearn(cls, tree: object, values: np.ndarray) -> TreeArrays:
+        """``tree``: a fitted ``sklearn.tree._tree.Tree``; ``values``: ``[nodes, K]`` outputs per node."""
+        left, right = tree.children_left, tree.children_right
+        internal = [n for n in range(tree.node_count) if left[n] != -1]
+        leaves = [n for n in range(tree.node_count) if left[n] == -1]
+        col = {n: i for i, n in enumerate(internal)}
+        leaf_col = {n: j for j, n in enumerate(leaves)}
+        path = np.zeros((max(1, len(internal)), len(leaves)), dtype=np.float64)
+        lefts = np.zeros(len(leaves), dtype=np.float64)
+        stack: list[tuple[int, list[tuple[int, int]]]] = [(0, [])]
+        while stack:
+            node, turns = stack.pop()
+            if left[node] == -1:
+                j = leaf_col[node]
+                for i, turn in turns:
+                    path[i, j] = turn
+                lefts[j] = sum(1 for _, turn in turns if turn > 0)
+                continue
+            stack.append((left[node], [*turns, (col[node], 1)]))
+            stack.append((right[node], [*turns, (col[node], -1)]))
+        features = np.array([tree.feature[n] for n in internal] or [0], dtype=np.int64)
+        thresholds = np.array([tree.threshold[n] for n in internal] or [np.inf], dtype=np.float64)
+        return cls(features, thresholds, path, lefts, values[leaves])
+
+
+def float32_at_or_below(x: np.ndarray) -> np.ndarray:
+    """The largest float32 ≤ x, elementwise.
+
+    scikit-learn compares float32 features with float64 thresholds; for a
+    float32 ``v``, ``v <= t`` exactly when ``v <= float32_at_or_below(t)``, so
+    the comparison can run in float32 and still agree with it on every input.
+    """
+    down = x.astype(np.float32)
+    above = down.astype(np.float64) > x
+    down[above] = np.nextafter(down[above], np.float32(-np.inf))
+    return down
+
+
+class TreeEnsemble(nn.Module):
+    """A forest of ``T`` trees: padded to one shape, evaluated in one pass.
+
+    ``combine``: ``"mean"`` (a random forest's averaged class distributions)
+    or ``"sum"`` (boosting: ``scale · Σ trees + init``, then ``link``).
+    """
+
+    def __init__(
+        self,
+        trees: list[TreeArrays],
+        n_features: int,
+        combine: str,
+        link: str,
+        scale: float = 1.0,
+        init: np.ndarray | None = None,
+    ) -> None:
+        super().__init__()
+        T = len(trees)
+        I = max(t.path.shape[0] for t in trees)  # noqa: E741 (the paper's names)
+        L = max(t.path.shape[1] for t in trees)
+        K = trees[0].values.shape[1]
+        features = np.zeros((T, I), dtype=np.int64)
+        thresholds = np.full((T, I), np.inf)
+        path = np.zeros((T, I, L))
+        lefts = np.full((T, L), -1.0)  # a padding leaf: never reached
+        values = np.zeros((T, L, K))
+        for k, t in enumerate(trees):
+            i, leaves = t.path.shape
+            features[k, :i], thresholds[k, :i] = t.features, t.thresholds
+            path[k, :i, :leaves], lefts[k, :leaves], values[k, :leaves] = t.path, t.lefts, t.values
+        if features.max(initial=0) >= n_features:
+            raise ValueError(f"a tree reads feature {features.max()} of {n_features}")
+        self.register_buffer("features", torch.as_tensor(features.reshape(-1)))
+        self.thresholds = nn.Parameter(torch.as_tensor(float32_at_or_below(thresholds).astype(np.float64)))
+        self.register_buffer("path", torch.as_tensor(path))
+        self.register_buffer("lefts", torch.as_tensor(lefts))
+        self.values = nn.Parameter(torch.as_tensor(values))
+        self.shape = (T, I, L, K)
+        self.combine, self.link, self.scale = combine, link, scale
+        self.init = nn.Parameter(torch.as_tensor(np.zeros(K) if init is None else init, dtype=torch.float64))
+        self.soft = False
+        # A soft split's width, per internal node, in its feature's units
+        # (``set_temperature``); 1 until data says what the features' scales are.
+        self.register_buffer("temperature", torch.ones(T, I, dtype=torch.float64))
+
+    def set_temperature(self, x: torch.Tensor, factor: float) -> None:
+        """Each node's softness: ``factor`` × the spread of its feature over ``x``
+        (the tree's input rows), so one factor fits features of any scale."""
+        trees, nodes, _, _ = self.shape
+        spread = x.std(dim=0).clamp_min(1e-6) if x.shape[0] > 1 else torch.ones(x.shape[1], dtype=x.dtype)
+        self.temperature = (factor * spread.index_select(0, self.features)).view(trees, nodes).to(self.values.dtype)
+
+    def leaf_weights(self, x: torch.Tensor) -> torch.Tensor:
+        """``[N, T, L]``: which leaf each sample reaches in each tree (0/1 hard, probabilities soft)."""
+        trees, nodes, _, _ = self.shape
+        chosen = x.index_select(1, self.features).view(-1, trees, nodes)
+        if not self.soft:
+            # scikit-learn's own comparison: float32 features against thresholds
+            # rounded down to float32 (see float32_at_or_below).
+            went_left = (chosen.float() <= self.thresholds.float()).to(self.path.dtype)
+            reached = torch.einsum("nti,til->ntl", went_left, self.path)
+            return (reached == self.lefts).to(x.dtype)
+        go_left = torch.sigmoid((self.thresholds - chosen) / self.temperature)
+        log_left, log_right = torch.log(go_left.clamp_min(1e-12)), torch.log((1 - go_left).clamp_min(1e-12))
+        left_turns, right_turns = self.path.clamp(min=0), (-self.path).clamp(min=0)
+        log_p = torch.einsum("nti,til->ntl", log_left, left_turns) + torch.einsum(
+            "nti,til->ntl", log_right, right_turns
+        )
+        return torch.exp(log_p) * (self.lefts >= 0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        per_tree = torch.einsum("ntl,tlk->ntk", self.leaf_weights(x), self.values)
+        if self.combine == "mean":
+            # A forest's mean of class distributions; after fine-tuning the leaf
+            # values may leave the simplex, so the answer is put back on it.
+            out = per_tree.mean(dim=1).clamp_min(0.0)
+            return out / out.sum(dim=1, keepdim=True).clamp_min(1e-300)
+        scores = self.init + self.scale * per_tree.sum(dim=1)
+        return apply_link(scores, self.link)

@@ -1,0 +1,355 @@
+"""A fitted scikit-learn pipeline → one ``nn.Module`` that computes the same predictions.
+
+``translate(pipeline)`` walks a ``Pipeline`` (or a bare estimator): an
+optional ``ColumnTransformer`` first, whose branches may hold a
+``OneHotEncoder`` and numeric transforms; then ``StandardScaler``,
+``MinMaxScaler`` or ``PCA`` steps; then the estimator (``LogisticRegression``,
+``LinearSVC``, ``DecisionTreeClassifier``, ``RandomForestClassifier``,
+``ExtraTreesClassifier``, ``GradientBoostingClassifier``).  Anything else is
+refused with ``UntranslatableError`` naming the operator and where it sits:
+a silently different model is worse than none.
+
+The module takes two tensors, the numeric columns ``[N, Fn]`` (float64)
+and the categorical columns as category codes ``[N, Fc]`` (long), because
+strings cannot enter a tensor; ``TranslatedPipeline.encode_rows`` makes them
+from JSON-like rows (named columns), with a ``RowError`` for a missing
+column, a wrong type or a category the encoder refuses.  Before any
+fine-tuning the module's ``forward`` equals the pipeline's ``predict_proba``
+(``decision_function`` for LinearSVC) up to float64 rounding, and its tree
+splits are scikit-learn's own float32 comparisons (``operators.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from windtunnel.operators import Affine, LinearHead, OneHot, Projection, TreeArrays, TreeEnsemble
+
+
+class UntranslatableError(ValueError):
+    """The pipeline holds an operator (or a setting) this translator does not cover."""
+
+
+class RowError(ValueError):
+    """A request row the pipeline cannot take; the message names the column."""
+
+
+NUMERIC, CATEGORICAL, DROPPED = "numeric", "categorical", "dropped"  # dropped: required, not read
+
+
+@dataclass
+class Column:
+    """One input column as the pipeline sees it."""
+
+    name: str
+    kind: str = NUMERIC
+    categories: list[Any] = field(default_factory=list)  # a categorical column's, in the encoder's order
+    unknown_ok: bool = False  # handle_unknown='ignore': an unseen category encodes as all zeros
+
+    def code(self, value: Any) -> int:
+        lookup = {_plain(c): i for i, c in enumerate(self.categories)}
+        try:
+            return lookup[_plain(value)]
+        except (KeyError, TypeError):
+            if self.unknown_ok:
+                return -1
+            shown = ", ".join(repr(_plain(c)) for c in self.categories[:8])
+            more = ", …" if len(self.categories) > 8 else ""
+            raise RowError(f"column {self.name!r}: unknown category {value!r} (known: {shown}{more})") from None
+
+
+def _plain(value: Any) -> Any:
+    """numpy scalars as Python values, so that JSON's 3 and a fitted np.int64(3) match."""
+    return value.item() if isinstance(value, np.generic) else value
+
+
+def _name(op: Any) -> str:
+    return type(op).__name__
+
+
+class Branch(nn.Module):
+    """One ColumnTransformer branch: its input columns and its operators."""
+
+    def __init__(self, source: str, indices: list[int], ops: list[nn.Module]) -> None:
+        super().__init__()
+        self.source = source
+        self.register_buffer("indices", torch.as_tensor(indices, dtype=torch.long))
+        self.ops = nn.Sequential(*ops)
+
+    def forward(self, numeric: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+        x = numeric if self.source == NUMERIC else codes
+        return self.ops(x.index_select(1, self.indices))
+
+
+class TranslatedPipeline(nn.Module):
+    """The translated pipeline; ``forward(numeric, codes)`` → probabilities (or decision scores)."""
+
+    def __init__(self, columns: list[Column], branches: list[Branch], steps: list[nn.Module], head: nn.Module,
+                 classes: list[Any], output: str) -> None:  # fmt: skip
+        super().__init__()
+        self.columns = columns
+        self.branches = nn.ModuleList(branches)
+        self.steps = nn.Sequential(*steps)
+        self.head = head
+        self.classes = classes
+        self.output = output  # "probabilities" | "decision"
+        self.numeric = [c for c in columns if c.kind == NUMERIC]
+        self.categorical = [c for c in columns if c.kind == CATEGORICAL]
+
+    def features(self, numeric: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+        """What the pipeline hands its estimator."""
+        return self.steps(torch.cat([b(numeric, codes) for b in self.branches], dim=1))
+
+    def forward(self, numeric: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(numeric, codes))
+
+    def trees(self) -> list[TreeEnsemble]:
+        return [m for m in self.modules() if isinstance(m, TreeEnsemble)]
+
+    def set_soft(self, soft: bool) -> None:
+        """Soft (differentiable) or hard (exact) tree splits."""
+        for tree in self.trees():
+            tree.soft = soft
+
+    def set_temperature(self, numeric: torch.Tensor, codes: torch.Tensor, factor: float) -> None:
+        """Soft splits ``factor`` × each split feature's spread wide, measured on these rows."""
+        with torch.no_grad():
+            x = self.features(numeric, codes)
+        for tree in self.trees():
+            tree.set_temperature(x, factor)
+
+    # -- rows → tensors ------------------------------------------------------
+
+    def encode_rows(self, rows: Sequence[dict[str, Any]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """JSON-like rows with named columns → (numeric, codes); RowError names what is wrong."""
+        numeric = np.zeros((len(rows), len(self.numeric)), dtype=np.float64)
+        codes = np.zeros((len(rows), len(self.categorical)), dtype=np.int64)
+        for r, row in enumerate(rows):
+            if not isinstance(row, dict):
+                raise RowError(f"row {r}: expected an object of named columns, got {type(row).__name__}")
+            missing = [c.name for c in self.columns if c.name not in row]
+            if missing:
+                raise RowError(f"row {r}: missing column(s) {missing}")
+            for j, col in enumerate(self.numeric):
+                value = row[col.name]
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                    raise RowError(f"row {r}: column {col.name!r} must be a finite number, got {value!r}")
+                numeric[r, j] = value
+            for j, col in enumerate(self.categorical):
+                value = row[col.name]
+                if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+                    raise RowError(f"row {r}: column {col.name!r} must be a category (string or number), "
+                                   f"got {value!r}")  # fmt: skip
+                try:
+                    codes[r, j] = col.code(value)
+                except RowError as exc:
+                    raise RowError(f"row {r}: {exc}") from None
+        return torch.from_numpy(numeric), torch.from_numpy(codes)
+
+    def encode_array(self, X: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """A 2-D array with the pipeline's input columns in order (what it was fitted on)."""
+        rows = [{c.name: _plain(v) for c, v in zip(self.columns, row, strict=True)} for row in np.asarray(X)]
+        return self.encode_rows(rows)
+
+
+# -- operators -----------------------------------------------------------------
+
+
+def _numeric_op(op: Any, where: str) -> nn.Module:
+    from sklearn.decomposition import PCA
+    from sklearn.preprocessing import MinMaxScaler, StandardScaler
+
+    if isinstance(op, StandardScaler):
+        mean = op.mean_ if op.with_mean else np.zeros(op.n_features_in_)
+        scale = op.scale_ if op.with_std else np.ones(op.n_features_in_)
+        return Affine(1.0 / scale, -mean / scale)
+    if isinstance(op, MinMaxScaler):
+        return Affine(op.scale_, op.min_, tuple(op.feature_range) if op.clip else None)
+    if isinstance(op, PCA):
+        weight = op.components_
+        if op.whiten:
+            weight = weight / np.sqrt(op.explained_variance_)[:, None]
+        return Projection(weight, -weight @ op.mean_)
+    raise UntranslatableError(f"{where}: {_name(op)} is not translatable (numeric steps: StandardScaler, "
+                              f"MinMaxScaler, PCA)")  # fmt: skip
+
+
+def _one_hot(op: Any, where: str) -> tuple[OneHot, list[list[Any]], bool]:
+    if op.drop is not None:
+        raise UntranslatableError(f"{where}: OneHotEncoder(drop={op.drop!r}) is not translatable; use drop=None")
+    if getattr(op, "infrequent_categories_", None) is not None and any(
+        c is not None for c in op.infrequent_categories_
+    ):
+        raise UntranslatableError(f"{where}: OneHotEncoder with infrequent categories (min_frequency / "
+                                  f"max_categories) is not translatable")  # fmt: skip
+    categories = [list(c) for c in op.categories_]
+    return OneHot([len(c) for c in categories]), categories, op.handle_unknown != "error"
+
+
+def _estimator(op: Any, n_features: int) -> tuple[nn.Module, list[Any], str]:
+    from sklearn.ensemble import ExtraTreesClassifier, GradientBoostingClassifier, RandomForestClassifier
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.svm import LinearSVC
+    from sklearn.tree import DecisionTreeClassifier
+
+    classes = [_plain(c) for c in op.classes_]
+    if isinstance(op, LogisticRegression):
+        link = "logistic" if len(classes) == 2 else "softmax"
+        return LinearHead(op.coef_, op.intercept_, link), classes, "probabilities"
+    if isinstance(op, LinearSVC):
+        return LinearHead(op.coef_, op.intercept_, "identity"), classes, "decision"
+    if isinstance(op, (DecisionTreeClassifier, RandomForestClassifier, ExtraTreesClassifier)):
+        fitted = [op] if isinstance(op, DecisionTreeClassifier) else list(op.estimators_)
+        trees = []
+        for est in fitted:
+            value = est.tree_.value[:, 0, :]
+            value = value / np.maximum(value.sum(axis=1, keepdims=True), 1e-300)  # class distributions
+            trees.append(TreeArrays.from_sklearn(est.tree_, value))
+        return TreeEnsemble(trees, n_features, "mean", "identity"), classes, "probabilities"
+    if isinstance(op, GradientBoostingClassifier):
+        return _boosting(op, n_features), classes, "probabilities"
+    raise UntranslatableError(
+        f"estimator {_name(op)} is not translatable (LogisticRegression, LinearSVC, DecisionTreeClassifier, "
+        f"RandomForestClassifier, ExtraTreesClassifier, GradientBoostingClassifier)"
+    )
+
+
+def _boosting(op: Any, n_features: int) -> TreeEnsemble:
+    from sklearn.dummy import DummyClassifier
+
+    stages, K = op.estimators_.shape  # K = 1 for two classes
+    if op.init_ == "zero":
+        init = np.zeros(K)
+    elif isinstance(op.init_, DummyClassifier) and op.init_.strategy == "prior":
+        prior = np.clip(op.init_.class_prior_, 1e-15, 1 - 1e-15)
+        init = np.array([math.log(prior[1] / prior[0])]) if K == 1 else np.log(prior)
+    else:
+        raise UntranslatableError(f"GradientBoostingClassifier(init={op.init!r}) is not translatable; "
+                                  f"use the default init")  # fmt: skip
+    trees = []
+    for s in range(stages):
+        for k in range(K):
+            tree = op.estimators_[s, k].tree_
+            values = np.zeros((tree.node_count, K))
+            values[:, k] = tree.value[:, 0, 0]
+            trees.append(TreeArrays.from_sklearn(tree, values))
+    return TreeEnsemble(trees, n_features, "sum", "logistic" if K == 1 else "softmax", op.learning_rate, init)
+
+
+# -- the walk ------------------------------------------------------------------
+
+
+def _input_columns(pipeline: Any, columns: Sequence[str] | None) -> list[str]:
+    if columns is not None:
+        return list(columns)
+    names = getattr(pipeline, "feature_names_in_", None)
+    if names is not None:
+        return [str(n) for n in names]
+    return [f"x{i}" for i in range(pipeline.n_features_in_)]
+
+
+def _resolve(selector: Any, names: list[str], where: str) -> list[int]:
+    """A ColumnTransformer column selector → input positions."""
+    if isinstance(selector, slice):
+        return list(range(len(names)))[selector]
+    items = list(np.atleast_1d(selector))
+    if items and all(isinstance(_plain(i), bool) for i in items):
+        return [i for i, keep in enumerate(items) if keep]
+    out = []
+    for item in items:
+        item = _plain(item)
+        if isinstance(item, int):
+            out.append(item)
+        elif isinstance(item, str) and item in names:
+            out.append(names.index(item))
+        else:
+            raise UntranslatableError(f"{where}: cannot resolve column selector {item!r}")
+    return out
+
+
+def _branch_ops(transformer: Any, where: str) -> tuple[bool, list[nn.Module], OneHot | None, list, bool]:
+    """A branch's operators: (categorical?, numeric ops after, the encoder, its categories, unknown ok)."""
+    from sklearn.pipeline import Pipeline
+    from sklearn.preprocessing import OneHotEncoder
+
+    steps = [s for _, s in transformer.steps] if isinstance(transformer, Pipeline) else [transformer]
+    steps = [s for s in steps if s not in (None, "passthrough")]
+    encoder, categories, unknown_ok = None, [], False
+    if steps and isinstance(steps[0], OneHotEncoder):
+        encoder, categories, unknown_ok = _one_hot(steps[0], where)
+        steps = steps[1:]
+    return encoder is not None, [_numeric_op(s, where) for s in steps], encoder, categories, unknown_ok
+
+
+def translate(pipeline: Any, columns: Sequence[str] | None = None) -> TranslatedPipeline:
+    """Translate a fitted pipeline; ``columns`` names its input columns (default: the names it
+    was fitted with, else ``x0, x1, …``)."""
+    from sklearn.compose import ColumnTransformer
+    from sklearn.pipeline import Pipeline
+    from sklearn.utils.validation import check_is_fitted
+
+    steps = list(pipeline.steps) if isinstance(pipeline, Pipeline) else [("estimator", pipeline)]
+    estimator = steps[-1][1]
+    try:
+        check_is_fitted(estimator)
+    except Exception as exc:  # NotFittedError, or not an estimator at all
+        raise UntranslatableError(f"the pipeline's estimator {_name(estimator)} is not fitted: {exc}") from None
+    names = _input_columns(pipeline, columns)
+    cols = [Column(n) for n in names]
+    kinds: dict[int, str] = {}
+    branch_specs: list[tuple[str, list[int], list[nn.Module]]] = []
+    rest = steps[:-1]
+    if rest and isinstance(rest[0][1], ColumnTransformer):
+        name, ct = rest[0]
+        for branch, transformer, selector in ct.transformers_:
+            if transformer == "drop":
+                continue
+            where = f"step {name!r}, branch {branch!r}"
+            positions = _resolve(selector, names, where)
+            if not positions:
+                continue
+            if transformer == "passthrough":
+                categorical, ops, encoder, categories, unknown_ok = False, [], None, [], False
+            else:
+                categorical, ops, encoder, categories, unknown_ok = _branch_ops(transformer, where)
+            kind = CATEGORICAL if categorical else NUMERIC
+            for p, cats in zip(positions, categories or [None] * len(positions), strict=True):
+                if kinds.get(p, kind) != kind:
+                    raise UntranslatableError(f"{where}: column {names[p]!r} is used both as a number and as a "
+                                              f"category")  # fmt: skip
+                kinds[p] = kind
+                if categorical:
+                    cols[p].kind, cols[p].categories, cols[p].unknown_ok = CATEGORICAL, cats, unknown_ok
+            branch_specs.append((kind, positions, ([encoder] if encoder is not None else []) + ops))
+        for p, col in enumerate(cols):
+            if p not in kinds:
+                col.kind = DROPPED
+        rest = rest[1:]
+    else:
+        categorical, ops, encoder, categories, unknown_ok = False, [], None, [], False
+        if rest:
+            categorical, _, encoder, categories, unknown_ok = _branch_ops(rest[0][1], f"step {rest[0][0]!r}")
+            if categorical:
+                rest = rest[1:]
+        positions = list(range(len(names)))
+        if categorical:
+            for p, cats in zip(positions, categories, strict=True):
+                cols[p].kind, cols[p].categories, cols[p].unknown_ok = CATEGORICAL, cats, unknown_ok
+        branch_specs.append((CATEGORICAL if categorical else NUMERIC, positions, [encoder] if categorical else []))
+    post = [_numeric_op(op, f"step {name!r}") for name, op in rest if op not in (None, "passthrough")]
+    # Each input column's position within its own tensor (numeric, or codes).
+    numeric_pos = {p: i for i, p in enumerate(p for p, c in enumerate(cols) if c.kind == NUMERIC)}
+    codes_pos = {p: i for i, p in enumerate(p for p, c in enumerate(cols) if c.kind == CATEGORICAL)}
+    branches = [
+        Branch(kind, [(codes_pos if kind == CATEGORICAL else numeric_pos)[p] for p in positions], ops)
+        for kind, positions, ops in branch_specs
+    ]
+    head, classes, output = _estimator(estimator, int(estimator.n_features_in_))
+    return TranslatedPipeline(cols, branches, post, head, classes, output)
