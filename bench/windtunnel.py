@@ -1,0 +1,249 @@
+"""WindTunnel: accuracy of fine-tuned pipelines, and tensor-program inference against scikit-learn.
+
+    python -m bench.windtunnel --json /tmp/windtunnel.json
+
+For each pipeline, on data made or shipped here (``windtunnel/datasets.py``:
+the synthetic table with categorical columns, scikit-learn's breast cancer
+set), split 60/20/20 with a fixed seed: the pipeline is fitted on the
+training rows; then, on the test rows, ROC AUC of
+
+- the pipeline itself (``predict_proba``),
+- its translation, hard splits (must equal the pipeline's),
+- the translation fine-tuned end to end (warm start), early-stopped on the
+  validation rows,
+- the same network from random parameters, trained the same way (cold start),
+
+with fine-tuning repeated over ``--seeds`` (medians and range).  Then the
+time per batch of scikit-learn's ``predict_proba`` against the translated
+module's forward pass on the same rows, at each batch size, both on this
+machine's CPU (``--device cuda`` adds the GPU where there is one), with the
+rows already encoded as tensors, and with the encoding from JSON-like rows
+that the TorchServe handler pays.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # `python bench/NAME.py` from the repository root
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from bench.report import add_output_arguments, markdown_table, provenance, provenance_block, publish
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    dataset: str
+    build: Any  # (Table) -> unfitted Pipeline
+    throughput: bool = False
+
+
+def _cases() -> list[Case]:
+    from sklearn.compose import ColumnTransformer
+    from sklearn.decomposition import PCA
+    from sklearn.ensemble import GradientBoostingClassifier, RandomForestClassifier
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.pipeline import Pipeline, make_pipeline
+    from sklearn.preprocessing import OneHotEncoder, StandardScaler
+
+    def columns(t: Any) -> ColumnTransformer:
+        return ColumnTransformer([("num", StandardScaler(), t.numeric),
+                                  ("cat", OneHotEncoder(handle_unknown="ignore"), t.categorical)])  # fmt: skip
+
+    return [
+        Case("scaler + one-hot + gradient boosting (50 trees, depth 3)", "synthetic",
+             lambda t: Pipeline([("columns", columns(t)), ("model", GradientBoostingClassifier(
+                 n_estimators=50, max_depth=3, random_state=0))]), throughput=True),
+        Case("scaler + one-hot + random forest (50 trees, depth 6)", "synthetic",
+             lambda t: Pipeline([("columns", columns(t)), ("model", RandomForestClassifier(
+                 n_estimators=50, max_depth=6, random_state=0))]), throughput=True),
+        Case("scaler + one-hot + logistic regression", "synthetic",
+             lambda t: Pipeline([("columns", columns(t)), ("model", LogisticRegression(max_iter=2000))])),
+        Case("scaler + PCA(5) + logistic regression", "breast_cancer",
+             lambda t: make_pipeline(StandardScaler(), PCA(5), LogisticRegression(max_iter=2000))),
+        Case("scaler + gradient boosting (30 trees, depth 2)", "breast_cancer",
+             lambda t: make_pipeline(StandardScaler(), GradientBoostingClassifier(
+                 n_estimators=30, max_depth=2, random_state=0))),
+    ]  # fmt: skip
+
+
+def _table(name: str, rows: int) -> Any:
+    from windtunnel.datasets import breast_cancer, synthetic_tabular
+
+    return synthetic_tabular(rows, seed=0) if name == "synthetic" else breast_cancer()
+
+
+def _splits(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    order = np.random.default_rng(seed).permutation(n)
+    a, b = int(0.6 * n), int(0.8 * n)
+    return order[:a], order[a:b], order[b:]
+
+
+def accuracy(case: Case, args: argparse.Namespace) -> dict[str, Any]:
+    from sklearn.metrics import roc_auc_score
+
+    from windtunnel import translate
+    from windtunnel.finetune import FineTuneConfig, Split, auc, cold_start, fine_tune
+
+    t = _table(case.dataset, args.rows)
+    train_i, valid_i, test_i = _splits(len(t.y))
+    pipeline = case.build(t).fit(t.X[train_i], t.y[train_i])
+    model = translate(pipeline, t.columns)
+
+    def split(index: np.ndarray) -> Split:
+        return Split(*model.encode_array(t.X[index]), t.y[index])
+
+    train, valid, test = split(train_i), split(valid_i), split(test_i)
+    original = float(roc_auc_score(t.y[test_i], pipeline.predict_proba(t.X[test_i])[:, 1]))
+    translated = auc(model, test)
+    warm, cold, epochs = [], [], []
+    for seed in range(args.seeds):
+        config = FineTuneConfig(epochs=args.epochs, seed=seed)
+        tuned = fine_tune(model, train, valid, config)
+        warm.append(auc(tuned.model, test))
+        epochs.append(tuned.best_epoch)
+        cold.append(auc(fine_tune(cold_start(model, train, seed), train, valid, config).model, test))
+    return {
+        "pipeline": case.name, "dataset": case.dataset, "rows": len(t.y), "original_auc": original,
+        "translated_auc": translated, "warm_auc": statistics.median(warm), "warm_range": [min(warm), max(warm)],
+        "cold_auc": statistics.median(cold), "cold_range": [min(cold), max(cold)], "warm_best_epochs": epochs,
+    }  # fmt: skip
+
+
+def _time_per_batch(fn: Any, min_seconds: float) -> float:
+    fn()  # warm-up
+    times = []
+    started = time.perf_counter()
+    while time.perf_counter() - started < min_seconds or len(times) < 3:
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def throughput(case: Case, args: argparse.Namespace, batches: list[int]) -> list[dict[str, Any]]:
+    from windtunnel import translate
+
+    t = _table(case.dataset, max(args.rows, max(batches)))
+    pipeline = case.build(t).fit(t.X[: args.rows * 6 // 10], t.y[: args.rows * 6 // 10])
+    model = translate(pipeline, t.columns).eval()
+    devices = ["cpu"] + (["cuda"] if args.device == "cuda" and torch.cuda.is_available() else [])
+    out = []
+    for b in tqdm(batches, desc=f"throughput: {case.name[:40]}", unit="batch size"):
+        X = t.X[:b]
+        rows = [dict(zip(t.columns, r.tolist(), strict=True)) for r in X]
+        numeric, codes = model.encode_rows(rows)
+        row: dict[str, Any] = {"pipeline": case.name, "batch": b}
+        row["sklearn_ms"] = 1e3 * _time_per_batch(lambda X=X: pipeline.predict_proba(X), args.min_seconds)
+        with torch.inference_mode():
+            for device in devices:
+                m = model.to(device)
+                x, c = numeric.to(device), codes.to(device)
+
+                def forward(m: Any = m, x: Any = x, c: Any = c, device: str = device) -> None:
+                    m(x, c)
+                    if device == "cuda":
+                        torch.cuda.synchronize()
+
+                row[f"tensor_{device}_ms"] = 1e3 * _time_per_batch(forward, args.min_seconds)
+            model.to("cpu")
+            row["tensor_cpu_with_encoding_ms"] = 1e3 * _time_per_batch(
+                lambda rows=rows: model(*model.encode_rows(rows)), args.min_seconds
+            )
+        out.append(row)
+    return out
+
+
+def render(data: dict[str, Any], stem: str) -> str:
+    def rng(r: list[float]) -> str:
+        return f"{r[0]:.4f}-{r[1]:.4f}"
+
+    acc = markdown_table(
+        ["pipeline", "data (rows)", "original AUC", "translated (hard)", "WindTunnel warm start (range)",
+         "cold start (range)", "warm − original", "warm − cold"],
+        [[r["pipeline"], f"{r['dataset']} ({r['rows']})", f"{r['original_auc']:.4f}", f"{r['translated_auc']:.4f}",
+          f"{r['warm_auc']:.4f} ({rng(r['warm_range'])})", f"{r['cold_auc']:.4f} ({rng(r['cold_range'])})",
+          f"{r['warm_auc'] - r['original_auc']:+.4f}", f"{r['warm_auc'] - r['cold_auc']:+.4f}"]
+         for r in data["accuracy"]],
+    )  # fmt: skip
+    devices = [k for k in data["throughput"][0] if k.startswith("tensor_") and k != "tensor_cpu_with_encoding_ms"]
+    thr = markdown_table(
+        ["pipeline", "batch", "scikit-learn ms", *[f"{k[7:-3]} ms" for k in devices], "scikit-learn ÷ tensor (cpu)",
+         "cpu ms incl. encoding rows"],
+        [[r["pipeline"], r["batch"], f"{r['sklearn_ms']:.3f}", *[f"{r[k]:.3f}" for k in devices],
+          f"{r['sklearn_ms'] / r['tensor_cpu_ms']:.2f}×", f"{r['tensor_cpu_with_encoding_ms']:.3f}"]
+         for r in data["throughput"]],
+    )  # fmt: skip
+    return (
+        "# WindTunnel: scikit-learn pipelines as tensor programs\n\n"
+        f"Test-set ROC AUC (60/20/20 split, seed 0; fine-tuning {data['epochs']} epochs at most, early-stopped on "
+        f"validation AUC, median over {data['seeds']} seeds):\n\n{acc}\n\n"
+        f"Time per batch (median; torch {data['torch_threads']} threads; scikit-learn's predict_proba on the same "
+        "rows as a numpy object array; the tensor program on rows already encoded as tensors, and with the "
+        f"handler's encoding of JSON-like rows):\n\n{thr}\n\n![windtunnel]({stem}.png)\n\n"
+        f"{provenance_block(data['provenance'])}"
+    )
+
+
+def plot(data: dict[str, Any], path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    rows = data["accuracy"]
+    xs = np.arange(len(rows))
+    for i, (key, label) in enumerate((("original_auc", "pipeline"), ("warm_auc", "warm start"),
+                                      ("cold_auc", "cold start"))):  # fmt: skip
+        left.bar(xs + 0.27 * (i - 1), [r[key] for r in rows], 0.27, label=label)
+    left.set_xticks(xs, [f"{r['dataset'][:9]}\n{r['pipeline'].split(' + ')[-1][:18]}" for r in rows], fontsize=7)
+    left.set_ylim(min(min(r["cold_auc"], r["original_auc"]) for r in rows) - 0.05, 1.0)
+    left.set_ylabel("test ROC AUC")
+    left.legend(fontsize=8)
+    for name in dict.fromkeys(r["pipeline"] for r in data["throughput"]):
+        pts = [r for r in data["throughput"] if r["pipeline"] == name]
+        right.plot([r["batch"] for r in pts], [r["sklearn_ms"] / r["tensor_cpu_ms"] for r in pts], marker="o",
+                   label=name.split(" + ")[-1][:28])  # fmt: skip
+    right.axhline(1.0, color="grey", lw=0.8)
+    right.set_xscale("log", base=2)
+    right.set_xlabel("batch (rows)")
+    right.set_ylabel("scikit-learn ÷ tensor program time (CPU)")
+    right.legend(fontsize=8)
+    fig.suptitle("WindTunnel")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rows", type=int, default=4000, help="rows of the synthetic table")
+    parser.add_argument("--seeds", type=int, default=3, help="fine-tuning repeats")
+    parser.add_argument("--epochs", type=int, default=60)
+    parser.add_argument("--batches", default="1,16,64,256,1024")
+    parser.add_argument("--min-seconds", type=float, default=1.0, help="time each batch size at least this long")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    add_output_arguments(parser)
+    args = parser.parse_args(argv)
+    prov = provenance("bench.windtunnel")
+    cases = _cases()
+    batches = [int(b) for b in args.batches.split(",")]
+    accuracy_rows = [accuracy(c, args) for c in tqdm(cases, desc="fine-tuning", unit="pipeline")]
+    throughput_rows = [r for c in cases if c.throughput for r in throughput(c, args, batches)]
+    data = {"accuracy": accuracy_rows, "throughput": throughput_rows, "seeds": args.seeds, "epochs": args.epochs,
+            "torch_threads": torch.get_num_threads(), "provenance": prov}  # fmt: skip
+    print(publish("windtunnel", data, lambda d: render(d, "windtunnel"), plot, args.out_dir, args.json))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
