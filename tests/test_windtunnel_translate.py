@@ -181,3 +181,16 @@ def test_one_hot_settings_that_change_the_encoding_are_refused():
         pipeline = Pipeline([("columns", columns), ("model", LogisticRegression())]).fit(data.X, data.y)
         with pytest.raises(UntranslatableError, match=message):
             translate(pipeline, data.columns)
+
+
+def test_the_tree_walk_and_the_gemm_form_reach_the_same_leaves(cancer):
+    X, y, held_out = cancer
+    for estimator in (RandomForestClassifier(n_estimators=8, max_depth=9, random_state=0),
+                      GradientBoostingClassifier(n_estimators=8, max_depth=3, random_state=0)):  # fmt: skip
+        model = translate(make_pipeline(StandardScaler(), estimator).fit(X, y))
+        (forest,) = model.trees()
+        with torch.no_grad():
+            x = model.features(*model.encode_array(held_out))
+            gemm = forest.leaf_weights(x)  # one-hot over leaves in hard mode
+            assert torch.equal(gemm.sum(dim=2), torch.ones_like(gemm[:, :, 0]))
+            assert torch.equal(gemm.argmax(dim=2), forest.leaves(x))

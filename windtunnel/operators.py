@@ -123,6 +123,12 @@ class TreeArrays:
     path: np.ndarray  # [I, L]: +1 if the leaf is under the node's left child, -1 right, 0 not below
     lefts: np.ndarray  # [L] number of left turns on the leaf's path
     values: np.ndarray  # [L, K] leaf outputs
+    # For traversal: each internal node's children, an internal node as its
+    # index i ≥ 0 and a leaf j as -(j + 1); the root's code; the tree's depth.
+    left_code: np.ndarray  # [I]
+    right_code: np.ndarray  # [I]
+    root: int
+    depth: int
 
     @classmethod
     def from_sklearn(cls, tree: object, values: np.ndarray) -> TreeArrays:
@@ -147,7 +153,14 @@ class TreeArrays:
             stack.append((right[node], [*turns, (col[node], -1)]))
         features = np.array([tree.feature[n] for n in internal] or [0], dtype=np.int64)
         thresholds = np.array([tree.threshold[n] for n in internal] or [np.inf], dtype=np.float64)
-        return cls(features, thresholds, path, lefts, values[leaves])
+
+        def code(n: int) -> int:
+            return col[n] if left[n] != -1 else -(leaf_col[n] + 1)
+
+        left_code = np.array([code(left[n]) for n in internal] or [-1], dtype=np.int64)
+        right_code = np.array([code(right[n]) for n in internal] or [-1], dtype=np.int64)
+        return cls(features, thresholds, path, lefts, values[leaves], left_code, right_code, code(0),
+                   int(tree.max_depth))  # fmt: skip
 
 
 def float32_at_or_below(x: np.ndarray) -> np.ndarray:
@@ -195,6 +208,13 @@ class TreeEnsemble(nn.Module):
             path[k, :i, :leaves], lefts[k, :leaves], values[k, :leaves] = t.path, t.lefts, t.values
         if features.max(initial=0) >= n_features:
             raise ValueError(f"a tree reads feature {features.max()} of {n_features}")
+        left_code, right_code = np.full((T, I), -1, dtype=np.int64), np.full((T, I), -1, dtype=np.int64)
+        for k, t in enumerate(trees):
+            left_code[k, : len(t.left_code)], right_code[k, : len(t.right_code)] = t.left_code, t.right_code
+        self.register_buffer("left_code", torch.as_tensor(left_code.reshape(-1)))
+        self.register_buffer("right_code", torch.as_tensor(right_code.reshape(-1)))
+        self.register_buffer("root", torch.as_tensor([t.root for t in trees], dtype=torch.long))
+        self.depth = max(t.depth for t in trees)
         self.register_buffer("features", torch.as_tensor(features.reshape(-1)))
         self.thresholds = nn.Parameter(torch.as_tensor(float32_at_or_below(thresholds).astype(np.float64)))
         self.register_buffer("path", torch.as_tensor(path))
@@ -215,6 +235,26 @@ class TreeEnsemble(nn.Module):
         spread = x.std(dim=0).clamp_min(1e-6) if x.shape[0] > 1 else torch.ones(x.shape[1], dtype=x.dtype)
         self.temperature = (factor * spread.index_select(0, self.features)).view(trees, nodes).to(self.values.dtype)
 
+    def leaves(self, x: torch.Tensor) -> torch.Tensor:
+        """``[N, T]``: the leaf each sample reaches in each tree, by walking the
+        trees level by level (``depth`` gathers of ``[N, T]``): the hard mode's
+        fast path, O(depth) per tree where the GEMM form is O(nodes × leaves)."""
+        trees, nodes, _, _ = self.shape
+        n = x.shape[0]
+        offset = (torch.arange(trees, device=x.device) * nodes).expand(n, trees).reshape(-1)
+        code = self.root.expand(n, trees).reshape(-1).clone()
+        rows = torch.arange(n, device=x.device).repeat_interleave(trees) * x.shape[1]
+        flat_x = x.float().reshape(-1)
+        thresholds = self.thresholds.float().reshape(-1)
+        for _ in range(self.depth):
+            at = code.clamp(min=0) + offset
+            value = flat_x.index_select(0, rows + self.features.index_select(0, at))
+            went_left = value <= thresholds.index_select(0, at)
+            step = torch.where(went_left, self.left_code.index_select(0, at), self.right_code.index_select(0, at))
+            code = torch.where(code >= 0, step, code)
+        code = code.view(n, trees)
+        return -code - 1
+
     def leaf_weights(self, x: torch.Tensor) -> torch.Tensor:
         """``[N, T, L]``: which leaf each sample reaches in each tree (0/1 hard, probabilities soft)."""
         trees, nodes, _, _ = self.shape
@@ -234,7 +274,12 @@ class TreeEnsemble(nn.Module):
         return torch.exp(log_p) * (self.lefts >= 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        per_tree = torch.einsum("ntl,tlk->ntk", self.leaf_weights(x), self.values)
+        if self.soft:
+            per_tree = torch.einsum("ntl,tlk->ntk", self.leaf_weights(x), self.values)
+        else:  # hard: walk the trees, then read each reached leaf's values
+            trees, _, leaves, _ = self.shape
+            reached = self.leaves(x) + torch.arange(trees, device=x.device) * leaves
+            per_tree = self.values.reshape(trees * leaves, -1)[reached]
         if self.combine == "mean":
             # A forest's mean of class distributions; after fine-tuning the leaf
             # values may leave the simplex, so the answer is put back on it.

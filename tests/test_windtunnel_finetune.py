@@ -1,0 +1,64 @@
+"""WindTunnel's soft trees and fine-tuning, on small seeded data."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from sklearn.compose import ColumnTransformer
+from sklearn.ensemble import GradientBoostingClassifier, RandomForestClassifier
+from sklearn.pipeline import Pipeline
+from sklearn.preprocessing import OneHotEncoder, StandardScaler
+
+from windtunnel import translate
+from windtunnel.datasets import synthetic_tabular
+from windtunnel.finetune import FineTuneConfig, Split, auc, cold_start, fine_tune
+
+
+@pytest.fixture(scope="module", params=["boosting", "forest"])
+def setup(request):
+    t = synthetic_tabular(900, seed=7)
+    estimator = (GradientBoostingClassifier(n_estimators=15, max_depth=3, random_state=0) if request.param == "boosting"
+                 else RandomForestClassifier(n_estimators=10, max_depth=5, random_state=0))  # fmt: skip
+    columns = ColumnTransformer([("num", StandardScaler(), t.numeric), ("cat", OneHotEncoder(), t.categorical)])
+    pipeline = Pipeline([("columns", columns), ("model", estimator)]).fit(t.X[:600], t.y[:600])
+    model = translate(pipeline, t.columns)
+    train = Split(*model.encode_array(t.X[:600]), t.y[:600])
+    valid = Split(*model.encode_array(t.X[600:]), t.y[600:])
+    return pipeline, model, train, valid
+
+
+def test_soft_splits_approach_the_hard_trees_as_they_narrow(setup):
+    _, model, train, valid = setup
+    with torch.no_grad():
+        hard = model(valid.numeric, valid.codes).numpy()
+        gaps = []
+        for factor in (0.3, 0.03, 1e-6):
+            model.set_temperature(train.numeric, train.codes, factor)
+            model.set_soft(True)
+            gaps.append(np.abs(model(valid.numeric, valid.codes).numpy() - hard).max())
+            model.set_soft(False)
+    assert gaps[0] > gaps[1] > gaps[2] and gaps[2] < 1e-3, gaps
+
+
+def test_fine_tuning_trains_a_copy_and_never_returns_worse_on_validation(setup):
+    _, model, train, valid = setup
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    result = fine_tune(model, train, valid, FineTuneConfig(epochs=4, seed=0))
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # the original is untouched
+    assert result.valid_auc >= max(result.history[0], auc(model, valid)) - 1e-12
+    assert result.valid_auc == pytest.approx(auc(result.model, valid))  # the returned model is the one scored
+    assert len(result.history) == 5 and 0 <= result.best_epoch <= 4
+    changed = [k for k, v in result.model.state_dict().items() if k in before and not torch.equal(before[k], v)]
+    assert any("thresholds" in k for k in changed) and any("values" in k for k in changed), changed
+
+
+def test_cold_start_keeps_the_structure_and_redraws_the_numbers(setup):
+    _, model, train, _ = setup
+    cold = cold_start(model, train, seed=0)
+    for (name, a), (_, b) in zip(model.state_dict().items(), cold.state_dict().items(), strict=True):
+        assert a.shape == b.shape, name
+        if name.endswith(("features", "path", "lefts", "indices")):
+            assert torch.equal(a, b), name  # the network: which feature each split reads, the tree shapes
+    assert not torch.equal(model.trees()[0].thresholds, cold.trees()[0].thresholds)
+    assert not torch.equal(model.trees()[0].values, cold.trees()[0].values)
