@@ -54,7 +54,9 @@ class Column:
     unknown_ok: bool = False  # handle_unknown='ignore': an unseen category encodes as all zeros
 
     def code(self, value: Any) -> int:
-        lookup = {_plain(c): i for i, c in enumerate(self.categories)}
+        lookup = self.__dict__.get("_lookup")
+        if lookup is None:  # built on first use: the translation sets the categories after construction
+            lookup = self.__dict__["_lookup"] = {_plain(c): i for i, c in enumerate(self.categories)}
         try:
             return lookup[_plain(value)]
         except (KeyError, TypeError):
