@@ -194,3 +194,27 @@ def test_the_tree_walk_and_the_gemm_form_reach_the_same_leaves(cancer):
             gemm = forest.leaf_weights(x)  # one-hot over leaves in hard mode
             assert torch.equal(gemm.sum(dim=2), torch.ones_like(gemm[:, :, 0]))
             assert torch.equal(gemm.argmax(dim=2), forest.leaves(x))
+
+
+def test_the_archive_command_refuses_an_untranslatable_pipeline_and_archives_a_good_one(cancer, tmp_path):
+    import subprocess
+    import sys
+    import zipfile
+
+    import joblib
+    import yaml
+
+    X, y, _ = cancer
+    bad, good = tmp_path / "bad.joblib", tmp_path / "good.joblib"
+    joblib.dump(make_pipeline(Normalizer(), LogisticRegression()).fit(X, y), bad)
+    joblib.dump(make_pipeline(StandardScaler(), LogisticRegression(max_iter=5000)).fit(X, y), good)
+    cmd = [sys.executable, "-m", "packrat_plugin.cli", "sklearn-archive", "--out-dir", str(tmp_path)]
+    refused = subprocess.run([*cmd, str(bad), "--name", "bad"], capture_output=True, text=True)
+    assert refused.returncode == 2 and "Normalizer is not translatable" in refused.stderr
+    assert not (tmp_path / "bad.mar").exists()
+    built = subprocess.run([*cmd, str(good), "--name", "good", "--max-rows", "10"], capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr
+    with zipfile.ZipFile(tmp_path / "good.mar") as mar:
+        config = yaml.safe_load(mar.read("model-config.yaml"))
+        assert "pipeline.joblib" in mar.namelist()
+    assert config["handler"]["windtunnel"] == {"soft": False, "max_rows": 10, "max_payload_bytes": 4 * 1024 * 1024}
