@@ -218,3 +218,46 @@ def test_the_archive_command_refuses_an_untranslatable_pipeline_and_archives_a_g
         config = yaml.safe_load(mar.read("model-config.yaml"))
         assert "pipeline.joblib" in mar.namelist()
     assert config["handler"]["windtunnel"] == {"soft": False, "max_rows": 10, "max_payload_bytes": 4 * 1024 * 1024}
+
+
+def test_missing_values_are_imputed_as_the_pipeline_imputes_them():
+    from sklearn.impute import SimpleImputer
+
+    data = synthetic_tabular(700, seed=6)
+    X = data.X.copy()
+    holes = np.random.default_rng(0).random(X.shape) < 0.1
+    X[holes] = np.nan
+    numeric = make_pipeline(SimpleImputer(strategy="median"), StandardScaler())
+    categorical = make_pipeline(SimpleImputer(strategy="most_frequent"), OneHotEncoder(handle_unknown="ignore"))
+    columns = ColumnTransformer([("num", numeric, data.numeric), ("cat", categorical, data.categorical)])
+    for estimator in (LogisticRegression(max_iter=2000), GradientBoostingClassifier(n_estimators=20, random_state=0)):
+        pipeline = Pipeline([("columns", columns), ("model", estimator)]).fit(X[:500], data.y[:500])
+        assert_same(pipeline, X[500:], data.columns)
+        model = translate(pipeline, data.columns)
+        row = {
+            c: (None if isinstance(v, float) and np.isnan(v) else v) for c, v in zip(data.columns, X[500], strict=True)
+        }
+        with torch.no_grad():  # JSON null is a missing value too
+            np.testing.assert_allclose(model(*model.encode_rows([row])).numpy(), pipeline.predict_proba(X[500:501]),
+                                       atol=TOL)  # fmt: skip
+    # Without an imputer a missing value is still an error naming the column.
+    plain = Pipeline([("columns", ColumnTransformer([("num", StandardScaler(), data.numeric)])),
+                      ("model", LogisticRegression())]).fit(data.X[:500], data.y[:500])  # fmt: skip
+    row = dict(zip(data.columns, data.X[0].tolist(), strict=True))
+    with pytest.raises(RowError, match=f"column '{data.columns[data.numeric[0]]}' must be a finite number"):
+        translate(plain, data.columns).encode_rows([{**row, data.columns[data.numeric[0]]: None}])
+
+
+def test_a_top_level_imputer_and_imputer_settings_it_cannot_express():
+    from sklearn.impute import SimpleImputer
+
+    clean, y = load_breast_cancer(return_X_y=True)
+    X = clean.copy()
+    X[np.random.default_rng(1).random(X.shape) < 0.05] = np.nan
+    pipeline = make_pipeline(SimpleImputer(), StandardScaler(), LogisticRegression(max_iter=5000)).fit(X[:400], y[:400])
+    assert_same(pipeline, X[400:])
+    for imputer, message in [(SimpleImputer(add_indicator=True), "add_indicator=True"),
+                             (SimpleImputer(missing_values=-1.0), "missing_values=-1.0")]:  # fmt: skip
+        fitted = make_pipeline(imputer, LogisticRegression(max_iter=5000)).fit(clean[:400], y[:400])
+        with pytest.raises(UntranslatableError, match=message):
+            translate(fitted)

@@ -48,6 +48,17 @@ class Affine(nn.Module):
         return y.clamp(*self.clip) if self.clip is not None else y
 
 
+class Impute(nn.Module):
+    """SimpleImputer: each column's NaNs become its fill value (a parameter: fine-tuning may move it)."""
+
+    def __init__(self, fills: list[float]) -> None:
+        super().__init__()
+        self.fills = nn.Parameter(torch.as_tensor(fills, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.where(torch.isnan(x), self.fills, x)
+
+
 class Projection(nn.Module):
     """``x @ weight.T + bias``: PCA (centring and whitening folded in)."""
 

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from windtunnel.operators import Affine, LinearHead, OneHot, Projection, TreeArrays, TreeEnsemble
+from windtunnel.operators import Affine, Impute, LinearHead, OneHot, Projection, TreeArrays, TreeEnsemble
 
 
 class UntranslatableError(ValueError):
@@ -52,6 +52,7 @@ class Column:
     kind: str = NUMERIC
     categories: list[Any] = field(default_factory=list)  # a categorical column's, in the encoder's order
     unknown_ok: bool = False  # handle_unknown='ignore': an unseen category encodes as all zeros
+    fill: Any = None  # a SimpleImputer's value for a missing one (null or NaN); None: a value is required
 
     def code(self, value: Any) -> int:
         lookup = self.__dict__.get("_lookup")
@@ -65,6 +66,11 @@ class Column:
             shown = ", ".join(repr(_plain(c)) for c in self.categories[:8])
             more = ", …" if len(self.categories) > 8 else ""
             raise RowError(f"column {self.name!r}: unknown category {value!r} (known: {shown}{more})") from None
+
+
+def _missing(value: Any) -> bool:
+    """JSON null, or a NaN (what a SimpleImputer with missing_values=NaN fills)."""
+    return value is None or (isinstance(value, float) and math.isnan(value))
 
 
 def _plain(value: Any) -> Any:
@@ -141,11 +147,16 @@ class TranslatedPipeline(nn.Module):
                 raise RowError(f"row {r}: missing column(s) {missing}")
             for j, col in enumerate(self.numeric):
                 value = row[col.name]
+                if col.fill is not None and _missing(value):
+                    numeric[r, j] = math.nan  # the module's Impute step fills it
+                    continue
                 if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                     raise RowError(f"row {r}: column {col.name!r} must be a finite number, got {value!r}")
                 numeric[r, j] = value
             for j, col in enumerate(self.categorical):
                 value = row[col.name]
+                if col.fill is not None and _missing(value):
+                    value = col.fill
                 if not isinstance(value, (str, int, float)) or isinstance(value, bool):
                     raise RowError(f"row {r}: column {col.name!r} must be a category (string or number), "
                                    f"got {value!r}")  # fmt: skip
@@ -166,6 +177,7 @@ class TranslatedPipeline(nn.Module):
 
 def _numeric_op(op: Any, where: str) -> nn.Module:
     from sklearn.decomposition import PCA
+    from sklearn.impute import SimpleImputer
     from sklearn.preprocessing import MinMaxScaler, StandardScaler
 
     if isinstance(op, StandardScaler):
@@ -174,13 +186,29 @@ def _numeric_op(op: Any, where: str) -> nn.Module:
         return Affine(1.0 / scale, -mean / scale)
     if isinstance(op, MinMaxScaler):
         return Affine(op.scale_, op.min_, tuple(op.feature_range) if op.clip else None)
+    if isinstance(op, SimpleImputer):
+        return Impute(_imputer_fills(op, where))
     if isinstance(op, PCA):
         weight = op.components_
         if op.whiten:
             weight = weight / np.sqrt(op.explained_variance_)[:, None]
         return Projection(weight, -weight @ op.mean_)
-    raise UntranslatableError(f"{where}: {_name(op)} is not translatable (numeric steps: StandardScaler, "
-                              f"MinMaxScaler, PCA)")  # fmt: skip
+    raise UntranslatableError(f"{where}: {_name(op)} is not translatable (numeric steps: SimpleImputer, "
+                              f"StandardScaler, MinMaxScaler, PCA)")  # fmt: skip
+
+
+def _imputer_fills(op: Any, where: str) -> list[Any]:
+    """A SimpleImputer's fill value per column, or why it cannot be translated."""
+    if not (isinstance(op.missing_values, float) and math.isnan(op.missing_values)):
+        raise UntranslatableError(f"{where}: SimpleImputer(missing_values={op.missing_values!r}) is not "
+                                  f"translatable; use the default (NaN)")  # fmt: skip
+    if op.add_indicator:
+        raise UntranslatableError(f"{where}: SimpleImputer(add_indicator=True) is not translatable")
+    fills = [_plain(v) for v in op.statistics_]
+    if any(isinstance(v, float) and math.isnan(v) for v in fills):
+        raise UntranslatableError(f"{where}: SimpleImputer learned no value for a column that was all "
+                                  f"missing (it drops it); drop the column first")  # fmt: skip
+    return fills
 
 
 def _one_hot(op: Any, where: str) -> tuple[OneHot, list[list[Any]], bool]:
@@ -276,25 +304,55 @@ def _resolve(selector: Any, names: list[str], where: str) -> list[int]:
     return out
 
 
-def _branch_ops(transformer: Any, where: str) -> tuple[bool, list[nn.Module], OneHot | None, list, bool]:
-    """A branch's operators: (categorical?, numeric ops after, the encoder, its categories, unknown ok)."""
+@dataclass
+class BranchPlan:
+    """What one branch does to its columns."""
+
+    categorical: bool = False
+    ops: list[nn.Module] = field(default_factory=list)  # the encoder first, if any
+    categories: list[list[Any]] = field(default_factory=list)  # per column, a categorical branch's
+    unknown_ok: bool = False
+    fills: list[Any] | None = None  # per column, a leading SimpleImputer's fill values
+
+    def mark(self, cols: list[Column], positions: list[int]) -> None:
+        """Tell the input columns what this branch makes of them."""
+        for k, p in enumerate(positions):
+            if self.categorical:
+                cols[p].kind, cols[p].categories, cols[p].unknown_ok = CATEGORICAL, self.categories[k], self.unknown_ok
+            if self.fills is not None:
+                cols[p].fill = self.fills[k]
+
+
+def _branch_plan(transformer: Any, where: str) -> BranchPlan:
+    from sklearn.impute import SimpleImputer
     from sklearn.pipeline import Pipeline
     from sklearn.preprocessing import OneHotEncoder
 
+    if transformer == "passthrough":
+        return BranchPlan()
     steps = [s for _, s in transformer.steps] if isinstance(transformer, Pipeline) else [transformer]
     steps = [s for s in steps if s not in (None, "passthrough")]
-    encoder, categories, unknown_ok = None, [], False
+    plan = BranchPlan()
+    if steps and isinstance(steps[0], SimpleImputer):
+        plan.fills = _imputer_fills(steps[0], where)
+        if len(steps) > 1 and isinstance(steps[1], OneHotEncoder):
+            steps = steps[1:]  # categories: the row encoder puts the fill value in (handled in Python)
     if steps and isinstance(steps[0], OneHotEncoder):
-        encoder, categories, unknown_ok = _one_hot(steps[0], where)
+        encoder, plan.categories, plan.unknown_ok = _one_hot(steps[0], where)
+        plan.categorical = True
+        plan.ops.append(encoder)
         steps = steps[1:]
-    return encoder is not None, [_numeric_op(s, where) for s in steps], encoder, categories, unknown_ok
+    plan.ops += [_numeric_op(s, where) for s in steps]
+    return plan
 
 
 def translate(pipeline: Any, columns: Sequence[str] | None = None) -> TranslatedPipeline:
     """Translate a fitted pipeline; ``columns`` names its input columns (default: the names it
     was fitted with, else ``x0, x1, …``)."""
     from sklearn.compose import ColumnTransformer
+    from sklearn.impute import SimpleImputer
     from sklearn.pipeline import Pipeline
+    from sklearn.preprocessing import OneHotEncoder
     from sklearn.utils.validation import check_is_fitted
 
     steps = list(pipeline.steps) if isinstance(pipeline, Pipeline) else [("estimator", pipeline)]
@@ -317,34 +375,41 @@ def translate(pipeline: Any, columns: Sequence[str] | None = None) -> Translated
             positions = _resolve(selector, names, where)
             if not positions:
                 continue
-            if transformer == "passthrough":
-                categorical, ops, encoder, categories, unknown_ok = False, [], None, [], False
-            else:
-                categorical, ops, encoder, categories, unknown_ok = _branch_ops(transformer, where)
-            kind = CATEGORICAL if categorical else NUMERIC
-            for p, cats in zip(positions, categories or [None] * len(positions), strict=True):
+            plan = _branch_plan(transformer, where)
+            kind = CATEGORICAL if plan.categorical else NUMERIC
+            for p in positions:
                 if kinds.get(p, kind) != kind:
                     raise UntranslatableError(f"{where}: column {names[p]!r} is used both as a number and as a "
                                               f"category")  # fmt: skip
                 kinds[p] = kind
-                if categorical:
-                    cols[p].kind, cols[p].categories, cols[p].unknown_ok = CATEGORICAL, cats, unknown_ok
-            branch_specs.append((kind, positions, ([encoder] if encoder is not None else []) + ops))
+            plan.mark(cols, positions)
+            branch_specs.append((kind, positions, plan.ops))
         for p, col in enumerate(cols):
             if p not in kinds:
                 col.kind = DROPPED
         rest = rest[1:]
     else:
-        categorical, ops, encoder, categories, unknown_ok = False, [], None, [], False
-        if rest:
-            categorical, _, encoder, categories, unknown_ok = _branch_ops(rest[0][1], f"step {rest[0][0]!r}")
-            if categorical:
-                rest = rest[1:]
+        # No ColumnTransformer: every column goes the same way.  A leading
+        # OneHotEncoder (after a SimpleImputer, perhaps) makes them categories;
+        # a leading SimpleImputer alone lets numbers be missing.
+        rest = [(n, op) for n, op in rest if op not in (None, "passthrough")]
+        ops = [op for _, op in rest]
         positions = list(range(len(names)))
-        if categorical:
-            for p, cats in zip(positions, categories, strict=True):
-                cols[p].kind, cols[p].categories, cols[p].unknown_ok = CATEGORICAL, cats, unknown_ok
-        branch_specs.append((CATEGORICAL if categorical else NUMERIC, positions, [encoder] if categorical else []))
+        lead = 0
+        if ops and isinstance(ops[0], OneHotEncoder):
+            lead = 1
+        elif len(ops) >= 2 and isinstance(ops[0], SimpleImputer) and isinstance(ops[1], OneHotEncoder):
+            lead = 2
+        if lead:
+            plan = _branch_plan(Pipeline(rest[:lead]), f"step {rest[0][0]!r}")
+            plan.mark(cols, positions)
+            branch_specs.append((CATEGORICAL, positions, plan.ops))
+            rest = rest[lead:]
+        else:
+            if ops and isinstance(ops[0], SimpleImputer):
+                for p, fill in zip(positions, _imputer_fills(ops[0], f"step {rest[0][0]!r}"), strict=True):
+                    cols[p].fill = fill
+            branch_specs.append((NUMERIC, positions, []))
     post = [_numeric_op(op, f"step {name!r}") for name, op in rest if op not in (None, "passthrough")]
     # Each input column's position within its own tensor (numeric, or codes).
     numeric_pos = {p: i for i, p in enumerate(p for p, c in enumerate(cols) if c.kind == NUMERIC)}
