@@ -25,6 +25,15 @@ def _sklearn_archive(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=archive.run)
 
 
+def _sklearn_finetune(sub: argparse._SubParsersAction) -> None:
+    from windtunnel import tune_cli
+
+    p = sub.add_parser("sklearn-finetune", help="fine-tune a scikit-learn pipeline's translation end to end on "
+                                                "labelled CSV rows (WindTunnel)")  # fmt: skip
+    tune_cli.add_arguments(p)
+    p.set_defaults(run=tune_cli.run)
+
+
 def _demo(sub: argparse._SubParsersAction) -> None:
     from packrat_plugin import demo
 
@@ -102,6 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _archive(sub)
     _sklearn_archive(sub)
+    _sklearn_finetune(sub)
     _demo(sub)
     _bench(sub)
     _profile(sub)

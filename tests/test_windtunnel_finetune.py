@@ -62,3 +62,39 @@ def test_cold_start_keeps_the_structure_and_redraws_the_numbers(setup):
             assert torch.equal(a, b), name  # the network: which feature each split reads, the tree shapes
     assert not torch.equal(model.trees()[0].thresholds, cold.trees()[0].thresholds)
     assert not torch.equal(model.trees()[0].values, cold.trees()[0].values)
+
+
+def test_the_finetune_command_reads_a_csv_and_writes_weights_the_archive_can_serve(tmp_path):
+    import csv
+    import re
+    import subprocess
+    import sys
+
+    import joblib
+    from sklearn.impute import SimpleImputer
+    from sklearn.pipeline import make_pipeline
+
+    t = synthetic_tabular(700, seed=8)
+    numeric = make_pipeline(SimpleImputer(), StandardScaler())
+    columns = ColumnTransformer([("num", numeric, t.numeric), ("cat", OneHotEncoder(), t.categorical)])
+    pipeline = Pipeline([("columns", columns), ("model", GradientBoostingClassifier(n_estimators=10))])
+    joblib.dump(pipeline.fit(t.X, t.y), tmp_path / "p.joblib")
+    data = tmp_path / "rows.csv"
+    with data.open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow([*t.columns, "churned"])
+        for i, (row, label) in enumerate(zip(t.X.tolist(), t.y.tolist(), strict=True)):
+            if i % 10 == 0:
+                row[t.numeric[0]] = ""  # a missing number: the imputer's column takes it
+            writer.writerow([*row, label])
+    cmd = [sys.executable, "-m", "packrat_plugin.cli", "sklearn-finetune", str(tmp_path / "p.joblib"),
+           "--data", str(data), "--columns", ",".join(t.columns), "--epochs", "3",
+           "--out", str(tmp_path / "w.pt")]  # fmt: skip
+    done = subprocess.run([*cmd, "--label", "churned"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    before, after = map(float, re.search(r"pipeline ([0-9.]+), fine-tuned ([0-9.]+)", done.stdout).groups())
+    assert after >= before and "packrat sklearn-archive" in done.stdout
+    model = translate(pipeline, t.columns)
+    model.load_state_dict(torch.load(tmp_path / "w.pt", weights_only=True))  # the archive's loading path
+    wrong = subprocess.run([*cmd, "--label", "nope"], capture_output=True, text=True)
+    assert wrong.returncode == 2 and "no column(s) ['nope']" in wrong.stderr

@@ -10,10 +10,10 @@ moves all of them together; the trees train with soft splits
 at the pipeline itself; cold start re-draws every parameter of the same
 network, which is what the translation saves.
 
-Training keeps the epoch with the best validation AUC (epoch 0 included:
-fine-tuning never returns something worse than its start on the
-validation rows), then the better of that soft model and the same weights
-with hard splits.
+Training keeps the epoch with the best validation AUC (epoch 0 included),
+then the better of that soft model and the same weights with hard splits;
+if neither beats the model it was given, that model comes back unchanged:
+fine-tuning never returns something worse on the validation rows.
 """
 
 from __future__ import annotations
@@ -93,6 +93,8 @@ def fine_tune(model: TranslatedPipeline, train: Split, valid: Split,
     """Train a copy of ``model`` on ``train``; ``model`` itself is left as it was."""
     torch.manual_seed(config.seed)
     model = copy.deepcopy(model)
+    start_soft = any(t.soft for t in model.trees())
+    start_state, start_auc = copy.deepcopy(model.state_dict()), auc(model, valid)
     model.set_temperature(train.numeric, train.codes, config.temperature)
     model.set_soft(True)
     optimizer = torch.optim.Adam(model.parameters(), lr=config.lr)
@@ -117,8 +119,13 @@ def fine_tune(model: TranslatedPipeline, train: Split, valid: Split,
     model.set_soft(False)
     hard_auc = auc(model, valid) if model.trees() else -math.inf
     soft = not hard_auc >= best_auc
+    best_auc = max(best_auc, hard_auc)
+    if start_auc > best_auc:  # nothing beat the model as it was given: return it unchanged
+        model.load_state_dict(start_state)
+        model.set_soft(start_soft)
+        return FineTuneResult(model, start_soft, 0, start_auc, history)
     model.set_soft(soft)
-    return FineTuneResult(model, soft, best_epoch, max(best_auc, hard_auc), history)
+    return FineTuneResult(model, soft, best_epoch, best_auc, history)
 
 
 def cold_start(model: TranslatedPipeline, train: Split, seed: int = 0) -> TranslatedPipeline:
