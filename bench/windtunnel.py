@@ -107,17 +107,27 @@ def accuracy(case: Case, args: argparse.Namespace) -> dict[str, Any]:
     train, valid, test = split(train_i), split(valid_i), split(test_i)
     original = float(roc_auc_score(t.y[test_i], pipeline.predict_proba(t.X[test_i])[:, 1]))
     translated = auc(model, test)
-    warm, cold, epochs = [], [], []
+    warm, cold, epochs, warm_lrs, cold_lrs = [], [], [], [], []
+
+    def best_of(start: Any, seed: int) -> tuple[Any, float]:
+        """Fine-tune from ``start`` at each learning rate; the one the validation rows prefer."""
+        runs = [(fine_tune(start, train, valid, FineTuneConfig(epochs=args.epochs, lr=lr, seed=seed)), lr)
+                for lr in args.lrs]  # fmt: skip
+        return max(runs, key=lambda r: r[0].valid_auc)
+
     for seed in range(args.seeds):
-        config = FineTuneConfig(epochs=args.epochs, seed=seed)
-        tuned = fine_tune(model, train, valid, config)
+        tuned, lr = best_of(model, seed)
         warm.append(auc(tuned.model, test))
         epochs.append(tuned.best_epoch)
-        cold.append(auc(fine_tune(cold_start(model, train, seed), train, valid, config).model, test))
+        warm_lrs.append(lr)
+        tuned_cold, lr = best_of(cold_start(model, train, seed), seed)
+        cold.append(auc(tuned_cold.model, test))
+        cold_lrs.append(lr)
     return {
         "pipeline": case.name, "dataset": case.dataset, "rows": len(t.y), "original_auc": original,
         "translated_auc": translated, "warm_auc": statistics.median(warm), "warm_range": [min(warm), max(warm)],
         "cold_auc": statistics.median(cold), "cold_range": [min(cold), max(cold)], "warm_best_epochs": epochs,
+        "warm_lrs": warm_lrs, "cold_lrs": cold_lrs,
     }  # fmt: skip
 
 
@@ -177,6 +187,7 @@ def render(data: dict[str, Any], stem: str) -> str:
           f"{r['warm_auc'] - r['original_auc']:+.4f}", f"{r['warm_auc'] - r['cold_auc']:+.4f}"]
          for r in data["accuracy"]],
     )  # fmt: skip
+    lrs = " / ".join(f"{x:g}" for x in data.get("lrs", [1e-3]))
     devices = [k for k in data["throughput"][0] if k.startswith("tensor_") and k != "tensor_cpu_with_encoding_ms"]
     thr = markdown_table(
         ["pipeline", "batch", "scikit-learn ms", *[f"{k[7:-3]} ms" for k in devices], "scikit-learn ÷ tensor (cpu)",
@@ -188,7 +199,8 @@ def render(data: dict[str, Any], stem: str) -> str:
     return (
         "# WindTunnel: scikit-learn pipelines as tensor programs\n\n"
         f"Test-set ROC AUC (60/20/20 split, seed 0; fine-tuning {data['epochs']} epochs at most, early-stopped on "
-        f"validation AUC, median over {data['seeds']} seeds):\n\n{acc}\n\n"
+        f"validation AUC, Adam learning rate {lrs} chosen per start and seed by validation AUC, median over "
+        f"{data['seeds']} seeds):\n\n{acc}\n\n"
         f"Time per batch (median; torch {data['torch_threads']} threads; scikit-learn's predict_proba on the same "
         "rows as a numpy object array; the tensor program on rows already encoded as tensors, and with the "
         f"handler's encoding of JSON-like rows):\n\n{thr}\n\n![windtunnel]({stem}.png)\n\n"
@@ -229,19 +241,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=4000, help="rows of the synthetic table")
     parser.add_argument("--seeds", type=int, default=3, help="fine-tuning repeats")
     parser.add_argument("--epochs", type=int, default=60)
+    parser.add_argument("--lrs", default="1e-3",
+                        help="Adam learning rates to try; each start (warm, cold) keeps the one its validation AUC "
+                             "prefers, so both are tuned alike")  # fmt: skip
+    parser.add_argument("--suffix", default="", help="appended to the output files' name (windtunnel<suffix>.*)")
     parser.add_argument("--batches", default="1,16,64,256,1024")
     parser.add_argument("--min-seconds", type=float, default=1.0, help="time each batch size at least this long")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     add_output_arguments(parser)
     args = parser.parse_args(argv)
+    args.lrs = [float(x) for x in args.lrs.split(",")]
     prov = provenance("bench.windtunnel")
     cases = _cases()
     batches = [int(b) for b in args.batches.split(",")]
     accuracy_rows = [accuracy(c, args) for c in tqdm(cases, desc="fine-tuning", unit="pipeline")]
     throughput_rows = [r for c in cases if c.throughput for r in throughput(c, args, batches)]
     data = {"accuracy": accuracy_rows, "throughput": throughput_rows, "seeds": args.seeds, "epochs": args.epochs,
-            "torch_threads": torch.get_num_threads(), "provenance": prov}  # fmt: skip
-    print(publish("windtunnel", data, lambda d: render(d, "windtunnel"), plot, args.out_dir, args.json))
+            "lrs": args.lrs, "torch_threads": torch.get_num_threads(), "provenance": prov}  # fmt: skip
+    stem = f"windtunnel{args.suffix}"
+    print(publish(stem, data, lambda d: render(d, stem), plot, args.out_dir, args.json))
     return 0
 
 
