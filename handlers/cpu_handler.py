@@ -150,9 +150,7 @@ class CPUModelHandler(PackratWorkerMixin):
         logger.info("batch of %d requests, %d refused", len(data), len(pre.errors))
         responses: list[Any] = [None] * len(data)
         for index, err in pre.errors.items():
-            context.set_response_status(code=err.status, phrase=err.reason, idx=index)
-            context.set_response_content_type(index, "application/json")
-            responses[index] = err.body()
+            responses[index] = err.answer(context, index)
             logger.info("request %d refused: %d %s", index, err.status, err.reason)
         if pre.inputs:
             decoded = time.perf_counter_ns()

@@ -14,6 +14,7 @@ down, inference failed), so a client may retry.
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from ts.utils.util import PredictionException
 
@@ -36,6 +37,13 @@ class ResponseError(PredictionException):
         super().__init__(reason, status)
         self.status = status
         self.reason = reason
+
+    def answer(self, context: Any, index: int) -> str:
+        """Set request ``index``'s status and content type on TorchServe's
+        context; the body to answer it with."""
+        context.set_response_status(code=self.status, phrase=self.reason, idx=index)
+        context.set_response_content_type(index, "application/json")
+        return self.body()
 
     def body(self) -> str:
         """JSON body in TorchServe's own error shape (code, type, message)."""

@@ -76,19 +76,24 @@ class WindTunnelModelHandler:
             raise RequestError(413, f"{len(rows)} rows exceed the limit of {self.max_rows} per request")
         return rows
 
-    def handle(self, data: list[dict[str, Any]], context: Any) -> list[Any]:
+    def encode(self, request: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One request's rows as the model's tensors, or a RequestError naming what is wrong."""
         from windtunnel.translate import RowError
 
+        try:
+            return self.model.encode_rows(self.rows_of(request))
+        except RowError as exc:
+            raise bad_request(str(exc)) from None
+
+    def handle(self, data: list[dict[str, Any]], context: Any) -> list[Any]:
         responses: list[Any] = [None] * len(data)
         numeric, codes, spans = [], [], []
         for index, request in enumerate(data):
             try:
-                x, c = self.model.encode_rows(self.rows_of(request))
-            except RowError as exc:
-                self._refuse(context, responses, index, bad_request(str(exc)))
-                continue
-            except RequestError as exc:
-                self._refuse(context, responses, index, exc)
+                x, c = self.encode(request)
+            except RequestError as err:
+                responses[index] = err.answer(context, index)
+                logger.info("request %d refused: %d %s", index, err.status, err.reason)
                 continue
             spans.append((index, len(x)))
             numeric.append(x)
@@ -102,10 +107,3 @@ class WindTunnelModelHandler:
                 responses[index] = answer_bytes({"classes": self.model.classes, key: out[start : start + count]})
                 start += count
         return responses
-
-    @staticmethod
-    def _refuse(context: Any, responses: list[Any], index: int, err: RequestError) -> None:
-        context.set_response_status(code=err.status, phrase=err.reason, idx=index)
-        context.set_response_content_type(index, "application/json")
-        responses[index] = err.body()
-        logger.info("request %d refused: %d %s", index, err.status, err.reason)

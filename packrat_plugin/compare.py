@@ -91,16 +91,16 @@ def served_summary(served: ServiceTotals, plan: Plan, profile: Profile) -> dict[
 def _row(
     batch: int,
     plans: dict[str, Plan],
-    profile: Profile,
+    optimizer: KnapsackOptimizer,
     results: dict[str, list[LoadResult]],
     served: dict[str, ServiceTotals],
 ) -> dict[str, Any]:
+    """``optimizer``: the one the plan came from, with the profile's serving costs."""
     fat, packrat = results["fat"], results["packrat"]
     latency = [f.mean_latency_ms() / p.mean_latency_ms() for f, p in zip(fat, packrat, strict=True)]
     throughput = [p.throughput() / f.throughput() for f, p in zip(fat, packrat, strict=True)]
     med, lo, hi = median_and_spread(latency)
-    plan = plans["packrat"]
-    serving, bare = KnapsackOptimizer(profile, serving_costs(profile)), KnapsackOptimizer(profile)
+    plan, profile = plans["packrat"], optimizer.profile
     return {
         "batch": batch,
         "plan": [i.to_dict() for i in plan.instances],
@@ -112,9 +112,9 @@ def _row(
         "throughput_speedup": statistics.median(throughput),
         # Predicted: with the handler's measured per-request cost (the plan was
         # chosen with it), and from the model's profile alone.
-        "expected_speedup": expected_speedup(serving, plan),
-        "expected_speedup_model_only": expected_speedup(bare, plan),
-        "handler_ms_per_request": serving.costs.overhead_ms,
+        "expected_speedup": expected_speedup(optimizer, plan),
+        "expected_speedup_model_only": expected_speedup(KnapsackOptimizer(profile), plan),
+        "handler_ms_per_request": optimizer.costs.overhead_ms,
         "served": {name: served_summary(served[name], plans[name], profile) for name in ("fat", "packrat")},
         "requests": sum(len(r.samples) for r in (*fat, *packrat)),
         "failed": sum(r.failed for r in (*fat, *packrat)),
@@ -170,7 +170,7 @@ def compare_fat_and_plan(
             for r in range(config.repeats):
                 for name in ("fat", "packrat") if r % 2 == 0 else ("packrat", "fat"):
                     results[name].append(load(name, config.seconds))
-            rows.append(_row(B, plans[B], profile, results, served))
+            rows.append(_row(B, plans[B], optimizer, results, served))
     return {
         "model": profile.model,
         "threads": T,

@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import queue
 import time
 
 from model_store.catalog import ModelSpec
+from packrat_plugin.measure import receive
 
 
 def _child(spec_dict: dict, artefact: str, threads: int, cores: tuple[int, ...], requests: int, batch: int,
@@ -61,7 +61,7 @@ def _child(spec_dict: dict, artefact: str, threads: int, cores: tuple[int, ...],
             handler.postprocess(logits)
             spent_s += time.perf_counter() - started
             done += batch
-        results.put(("ok", spent_s * 1000.0 / done))
+        results.put(("cost", spent_s * 1000.0 / done))
     except BaseException as exc:  # report, don't hang the parent
         results.put(("error", f"{type(exc).__name__}: {exc}"))
 
@@ -77,19 +77,7 @@ def measure_handler_cost(
                        daemon=True)  # fmt: skip
     proc.start()
     try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                kind, value = results.get(timeout=1.0)
-                break
-            except queue.Empty:
-                if not proc.is_alive():
-                    raise RuntimeError(f"handler cost process died (exit {proc.exitcode})") from None
-                if time.monotonic() > deadline:
-                    raise RuntimeError("handler cost process timed out") from None
-        if kind == "error":
-            raise RuntimeError(f"measuring the handler's cost failed: {value}")
-        return float(value)
+        return float(receive(results, proc, timeout_s, f"measuring the handler's cost on cores {cores}"))
     finally:
         proc.join(timeout=10)
         if proc.is_alive():

@@ -98,6 +98,26 @@ class InstanceError(RuntimeError):
     pass
 
 
+def receive(results: mp.Queue, proc: Any, timeout_s: float, what: str) -> Any:
+    """The next ``(kind, payload)`` a child process put on ``results``: its payload,
+    or an InstanceError if the child reported an error, died or timed out."""
+    import queue
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            kind, payload = results.get(timeout=1.0)
+        except queue.Empty:
+            if not proc.is_alive():
+                raise InstanceError(f"{what} died (exit {proc.exitcode})") from None
+            if time.monotonic() > deadline:
+                raise InstanceError(f"{what} timed out") from None
+            continue
+        if kind == "error":
+            raise InstanceError(f"{what} failed: {payload}")
+        return payload
+
+
 class InstanceProcess:
     """One pinned model instance; use as a context manager."""
 
@@ -110,23 +130,7 @@ class InstanceProcess:
         self._proc = ctx.Process(target=_child, args=(job, self._commands, self._results), daemon=True)
 
     def _receive(self, timeout_s: float) -> Any:
-        import queue
-
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                kind, payload = self._results.get(timeout=1.0)
-            except queue.Empty:
-                if not self._proc.is_alive():
-                    raise InstanceError(
-                        f"instance on cores {self.job.cores} died (exit {self._proc.exitcode})"
-                    ) from None
-                if time.monotonic() > deadline:
-                    raise InstanceError(f"instance on cores {self.job.cores} timed out") from None
-                continue
-            if kind == "error":
-                raise InstanceError(f"instance on cores {self.job.cores} failed: {payload}")
-            return payload
+        return receive(self._results, self._proc, timeout_s, f"instance on cores {self.job.cores}")
 
     def start(self) -> InstanceProcess:
         self._proc.start()

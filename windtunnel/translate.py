@@ -53,13 +53,15 @@ class Column:
     categories: list[Any] = field(default_factory=list)  # a categorical column's, in the encoder's order
     unknown_ok: bool = False  # handle_unknown='ignore': an unseen category encodes as all zeros
     fill: Any = None  # a SimpleImputer's value for a missing one (null or NaN); None: a value is required
+    codes: dict[Any, int] = field(default_factory=dict, repr=False)  # category → its code
+
+    def make_categorical(self, categories: list[Any], unknown_ok: bool) -> None:
+        self.kind, self.categories, self.unknown_ok = CATEGORICAL, categories, unknown_ok
+        self.codes = {_plain(c): i for i, c in enumerate(categories)}
 
     def code(self, value: Any) -> int:
-        lookup = self.__dict__.get("_lookup")
-        if lookup is None:  # built on first use: the translation sets the categories after construction
-            lookup = self.__dict__["_lookup"] = {_plain(c): i for i, c in enumerate(self.categories)}
         try:
-            return lookup[_plain(value)]
+            return self.codes[_plain(value)]
         except (KeyError, TypeError):
             if self.unknown_ok:
                 return -1
@@ -318,7 +320,7 @@ class BranchPlan:
         """Tell the input columns what this branch makes of them."""
         for k, p in enumerate(positions):
             if self.categorical:
-                cols[p].kind, cols[p].categories, cols[p].unknown_ok = CATEGORICAL, self.categories[k], self.unknown_ok
+                cols[p].make_categorical(self.categories[k], self.unknown_ok)
             if self.fills is not None:
                 cols[p].fill = self.fills[k]
 

@@ -25,10 +25,6 @@ from typing import Any
 import numpy as np
 
 
-def _number(text: str) -> float:
-    return float(text)  # 3.0 == 3 and hashes alike: it finds an integer category too
-
-
 def read_rows(path: Path, model: Any, label: str) -> tuple[list[dict[str, Any]], np.ndarray]:
     """The CSV's rows as the model's encoder takes them, and the labels as class indices."""
     from windtunnel.translate import CATEGORICAL, NUMERIC, RowError
@@ -59,7 +55,7 @@ def read_rows(path: Path, model: Any, label: str) -> tuple[list[dict[str, Any]],
                     and all(isinstance(c, (int, float)) and not isinstance(c, bool) for c in col.categories)
                 ):
                     try:
-                        row[col.name] = _number(text)
+                        row[col.name] = float(text)  # 3.0 == 3 and hashes alike: finds an integer category
                     except ValueError:
                         row[col.name] = text  # refused as an unknown category by the encoder, naming it
                 else:

@@ -108,10 +108,8 @@ class OrcaHandler:
         except Exception as exc:  # a bug or a device fault: this request fails, the worker serves on
             logger.exception("request %d failed", index)
             answer = ServiceUnavailable(f"generation failed: {type(exc).__name__}: {exc}")
-        context.set_response_status(code=answer.status, phrase=answer.reason, idx=index)
-        context.set_response_content_type(index, "application/json")
         logger.info("request %d answered %d: %s", index, answer.status, answer.reason)
-        return answer.body()
+        return answer.answer(context, index)
 
     async def _generate(self, index: int, ids: list, new_tokens: int, stream: bool, context: Any) -> str:
         loop = asyncio.get_running_loop()

@@ -269,10 +269,8 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
         finally:
             if arrival is not None:
                 self.arrivals.leave(arrival)  # refused before admission: a held batch need not wait for it
-        context.set_response_status(code=answer.status, phrase=answer.reason, idx=index)
-        context.set_response_content_type(index, "application/json")
         logger.info("request %d answered %d: %s", index, answer.status, answer.reason)
-        return answer.body()
+        return answer.answer(context, index)
 
     async def infer(self, item: ModelInput) -> torch.Tensor:
         """The model's output row for one decoded input, through the engine."""
