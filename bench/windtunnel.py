@@ -107,27 +107,30 @@ def accuracy(case: Case, args: argparse.Namespace) -> dict[str, Any]:
     train, valid, test = split(train_i), split(valid_i), split(test_i)
     original = float(roc_auc_score(t.y[test_i], pipeline.predict_proba(t.X[test_i])[:, 1]))
     translated = auc(model, test)
-    warm, cold, epochs, warm_lrs, cold_lrs = [], [], [], [], []
+    warm, cold, epochs, warm_settings, cold_settings = [], [], [], [], []
+    # A soft split's width matters only where there are trees.
+    temperatures = args.temperatures if model.trees() else args.temperatures[:1]
 
-    def best_of(start: Any, seed: int) -> tuple[Any, float]:
-        """Fine-tune from ``start`` at each learning rate; the one the validation rows prefer."""
-        runs = [(fine_tune(start, train, valid, FineTuneConfig(epochs=args.epochs, lr=lr, seed=seed)), lr)
-                for lr in args.lrs]  # fmt: skip
+    def best_of(start: Any, seed: int) -> tuple[Any, list[float]]:
+        """Fine-tune from ``start`` at each (learning rate, temperature); the one the validation rows prefer."""
+        runs = [(fine_tune(start, train, valid, FineTuneConfig(epochs=args.epochs, lr=lr, temperature=temperature,
+                                                               seed=seed)), [lr, temperature])
+                for lr in args.lrs for temperature in temperatures]  # fmt: skip
         return max(runs, key=lambda r: r[0].valid_auc)
 
     for seed in range(args.seeds):
-        tuned, lr = best_of(model, seed)
+        tuned, setting = best_of(model, seed)
         warm.append(auc(tuned.model, test))
         epochs.append(tuned.best_epoch)
-        warm_lrs.append(lr)
-        tuned_cold, lr = best_of(cold_start(model, train, seed), seed)
+        warm_settings.append(setting)
+        tuned_cold, setting = best_of(cold_start(model, train, seed), seed)
         cold.append(auc(tuned_cold.model, test))
-        cold_lrs.append(lr)
+        cold_settings.append(setting)
     return {
         "pipeline": case.name, "dataset": case.dataset, "rows": len(t.y), "original_auc": original,
         "translated_auc": translated, "warm_auc": statistics.median(warm), "warm_range": [min(warm), max(warm)],
         "cold_auc": statistics.median(cold), "cold_range": [min(cold), max(cold)], "warm_best_epochs": epochs,
-        "warm_lrs": warm_lrs, "cold_lrs": cold_lrs,
+        "warm_settings": warm_settings, "cold_settings": cold_settings,  # [lr, temperature] per seed
     }  # fmt: skip
 
 
@@ -179,15 +182,21 @@ def render(data: dict[str, Any], stem: str) -> str:
     def rng(r: list[float]) -> str:
         return f"{r[0]:.4f}-{r[1]:.4f}"
 
+    lrs = " / ".join(f"{x:g}" for x in data.get("lrs", [1e-3]))
+    temperatures = " / ".join(f"{x:g}" for x in data.get("temperatures", [0.1]))
+
+    def settings(r: dict[str, Any], start: str) -> str:
+        return ", ".join(f"{lr:g}·{t:g}" for lr, t in r.get(f"{start}_settings", []))
+
     acc = markdown_table(
         ["pipeline", "data (rows)", "original AUC", "translated (hard)", "WindTunnel warm start (range)",
-         "cold start (range)", "warm − original", "warm − cold"],
+         "cold start (range)", "warm − original", "warm − cold", "lr·temperature per seed: warm; cold"],
         [[r["pipeline"], f"{r['dataset']} ({r['rows']})", f"{r['original_auc']:.4f}", f"{r['translated_auc']:.4f}",
           f"{r['warm_auc']:.4f} ({rng(r['warm_range'])})", f"{r['cold_auc']:.4f} ({rng(r['cold_range'])})",
-          f"{r['warm_auc'] - r['original_auc']:+.4f}", f"{r['warm_auc'] - r['cold_auc']:+.4f}"]
+          f"{r['warm_auc'] - r['original_auc']:+.4f}", f"{r['warm_auc'] - r['cold_auc']:+.4f}",
+          f"{settings(r, 'warm')}; {settings(r, 'cold')}"]
          for r in data["accuracy"]],
     )  # fmt: skip
-    lrs = " / ".join(f"{x:g}" for x in data.get("lrs", [1e-3]))
     devices = [k for k in data["throughput"][0] if k.startswith("tensor_") and k != "tensor_cpu_with_encoding_ms"]
     thr = markdown_table(
         ["pipeline", "batch", "scikit-learn ms", *[f"{k[7:-3]} ms" for k in devices], "scikit-learn ÷ tensor (cpu)",
@@ -199,7 +208,8 @@ def render(data: dict[str, Any], stem: str) -> str:
     return (
         "# WindTunnel: scikit-learn pipelines as tensor programs\n\n"
         f"Test-set ROC AUC (60/20/20 split, seed 0; fine-tuning {data['epochs']} epochs at most, early-stopped on "
-        f"validation AUC, Adam learning rate {lrs} chosen per start and seed by validation AUC, median over "
+        f"validation AUC; Adam learning rate {lrs} and soft-split temperature {temperatures} (× each split "
+        "feature's spread; tree pipelines only) chosen per start and seed by validation AUC; median over "
         f"{data['seeds']} seeds):\n\n{acc}\n\n"
         f"Time per batch (median; torch {data['torch_threads']} threads; scikit-learn's predict_proba on the same "
         "rows as a numpy object array; the tensor program on rows already encoded as tensors, and with the "
@@ -244,6 +254,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lrs", default="1e-3",
                         help="Adam learning rates to try; each start (warm, cold) keeps the one its validation AUC "
                              "prefers, so both are tuned alike")  # fmt: skip
+    parser.add_argument(
+        "--temperatures",
+        default="0.1",
+        help="soft-split temperatures to try (× each split feature's spread), tuned like --lrs",
+    )
     parser.add_argument("--suffix", default="", help="appended to the output files' name (windtunnel<suffix>.*)")
     parser.add_argument("--batches", default="1,16,64,256,1024")
     parser.add_argument("--min-seconds", type=float, default=1.0, help="time each batch size at least this long")
@@ -251,13 +266,15 @@ def main(argv: list[str] | None = None) -> int:
     add_output_arguments(parser)
     args = parser.parse_args(argv)
     args.lrs = [float(x) for x in args.lrs.split(",")]
+    args.temperatures = [float(x) for x in args.temperatures.split(",")]
     prov = provenance("bench.windtunnel")
     cases = _cases()
     batches = [int(b) for b in args.batches.split(",")]
     accuracy_rows = [accuracy(c, args) for c in tqdm(cases, desc="fine-tuning", unit="pipeline")]
     throughput_rows = [r for c in cases if c.throughput for r in throughput(c, args, batches)]
     data = {"accuracy": accuracy_rows, "throughput": throughput_rows, "seeds": args.seeds, "epochs": args.epochs,
-            "lrs": args.lrs, "torch_threads": torch.get_num_threads(), "provenance": prov}  # fmt: skip
+            "lrs": args.lrs, "temperatures": args.temperatures,
+            "torch_threads": torch.get_num_threads(), "provenance": prov}  # fmt: skip
     stem = f"windtunnel{args.suffix}"
     print(publish(stem, data, lambda d: render(d, stem), plot, args.out_dir, args.json))
     return 0
