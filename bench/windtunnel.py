@@ -94,7 +94,7 @@ def accuracy(case: Case, args: argparse.Namespace) -> dict[str, Any]:
     from sklearn.metrics import roc_auc_score
 
     from windtunnel import translate
-    from windtunnel.finetune import FineTuneConfig, Split, auc, cold_start, fine_tune
+    from windtunnel.finetune import FineTuneConfig, Split, auc, cold_start, tune
 
     t = _table(case.dataset, args.rows)
     train_i, valid_i, test_i = _splits(len(t.y))
@@ -108,24 +108,15 @@ def accuracy(case: Case, args: argparse.Namespace) -> dict[str, Any]:
     original = float(roc_auc_score(t.y[test_i], pipeline.predict_proba(t.X[test_i])[:, 1]))
     translated = auc(model, test)
     warm, cold, epochs, warm_settings, cold_settings = [], [], [], [], []
-    # A soft split's width matters only where there are trees.
-    temperatures = args.temperatures if model.trees() else args.temperatures[:1]
-
-    def best_of(start: Any, seed: int) -> tuple[Any, list[float]]:
-        """Fine-tune from ``start`` at each (learning rate, temperature); the one the validation rows prefer."""
-        runs = [(fine_tune(start, train, valid, FineTuneConfig(epochs=args.epochs, lr=lr, temperature=temperature,
-                                                               seed=seed)), [lr, temperature])
-                for lr in args.lrs for temperature in temperatures]  # fmt: skip
-        return max(runs, key=lambda r: r[0].valid_auc)
-
     for seed in range(args.seeds):
-        tuned, setting = best_of(model, seed)
-        warm.append(auc(tuned.model, test))
-        epochs.append(tuned.best_epoch)
-        warm_settings.append(setting)
-        tuned_cold, setting = best_of(cold_start(model, train, seed), seed)
-        cold.append(auc(tuned_cold.model, test))
-        cold_settings.append(setting)
+        config = FineTuneConfig(epochs=args.epochs, seed=seed)
+        for start, aucs, settings in ((model, warm, warm_settings),
+                                      (cold_start(model, train, seed), cold, cold_settings)):  # fmt: skip
+            tuned = tune(start, train, valid, args.lrs, args.temperatures, config)
+            aucs.append(auc(tuned.result.model, test))
+            settings.append([tuned.config.lr, tuned.config.temperature])
+            if start is model:
+                epochs.append(tuned.result.best_epoch)
     return {
         "pipeline": case.name, "dataset": case.dataset, "rows": len(t.y), "original_auc": original,
         "translated_auc": translated, "warm_auc": statistics.median(warm), "warm_range": [min(warm), max(warm)],

@@ -12,7 +12,7 @@ from sklearn.preprocessing import OneHotEncoder, StandardScaler
 
 from windtunnel import translate
 from windtunnel.datasets import synthetic_tabular
-from windtunnel.finetune import FineTuneConfig, Split, auc, cold_start, fine_tune
+from windtunnel.finetune import FineTuneConfig, Split, auc, cold_start, fine_tune, tune
 
 
 @pytest.fixture(scope="module", params=["boosting", "forest"])
@@ -53,6 +53,39 @@ def test_fine_tuning_trains_a_copy_and_never_returns_worse_on_validation(setup):
     assert any("thresholds" in k for k in changed) and any("values" in k for k in changed), changed
 
 
+def test_tune_keeps_the_setting_validation_prefers_and_the_weights_carry_its_width(setup):
+    pipeline, model, train, valid = setup
+    lrs, temperatures = (1e-3, 3e-3), (0.1, 1.0)
+    tuned = tune(model, train, valid, lrs, temperatures, FineTuneConfig(epochs=2, seed=0))
+    runs = {(lr, t): fine_tune(model, train, valid, FineTuneConfig(epochs=2, lr=lr, temperature=t, seed=0)).valid_auc
+            for lr in lrs for t in temperatures}  # fmt: skip
+    assert tuned.result.valid_auc == max(runs.values())
+    assert runs[(tuned.config.lr, tuned.config.temperature)] == tuned.result.valid_auc
+    # What an archive serves: a fresh translation loading the saved weights
+    # answers as the tuned model does, soft splits at the width that won.
+    served = translate(pipeline, synthetic_tabular(10).columns)
+    served.load_state_dict(tuned.result.model.state_dict())
+    served.set_soft(tuned.result.soft)
+    with torch.no_grad():
+        expected = tuned.result.model(valid.numeric, valid.codes)
+        assert torch.equal(served(valid.numeric, valid.codes), expected)
+
+
+def test_tune_tries_temperatures_only_where_there_are_trees():
+    from sklearn.linear_model import LogisticRegression
+
+    t = synthetic_tabular(400, seed=3)
+    columns = ColumnTransformer([("num", StandardScaler(), t.numeric), ("cat", OneHotEncoder(), t.categorical)])
+    pipeline = Pipeline([("columns", columns), ("model", LogisticRegression())]).fit(t.X[:300], t.y[:300])
+    model = translate(pipeline, t.columns)
+    train = Split(*model.encode_array(t.X[:300]), t.y[:300])
+    valid = Split(*model.encode_array(t.X[300:]), t.y[300:])
+    tuned = tune(model, train, valid, (1e-3,), (0.5, 2.0), FineTuneConfig(epochs=1))
+    assert tuned.config.temperature == 0.5
+    with pytest.raises(ValueError, match="at least one"):
+        tune(model, train, valid, (), (0.1,))
+
+
 def test_cold_start_keeps_the_structure_and_redraws_the_numbers(setup):
     _, model, train, _ = setup
     cold = cold_start(model, train, seed=0)
@@ -88,13 +121,16 @@ def test_the_finetune_command_reads_a_csv_and_writes_weights_the_archive_can_ser
                 row[t.numeric[0]] = ""  # a missing number: the imputer's column takes it
             writer.writerow([*row, label])
     cmd = [sys.executable, "-m", "packrat_plugin.cli", "sklearn-finetune", str(tmp_path / "p.joblib"),
-           "--data", str(data), "--columns", ",".join(t.columns), "--epochs", "3",
+           "--data", str(data), "--columns", ",".join(t.columns), "--epochs", "3", "--temperatures", "0.1,1",
            "--out", str(tmp_path / "w.pt")]  # fmt: skip
     done = subprocess.run([*cmd, "--label", "churned"], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     before, after = map(float, re.search(r"pipeline ([0-9.]+), fine-tuned ([0-9.]+)", done.stdout).groups())
     assert after >= before and "packrat sklearn-archive" in done.stdout
+    assert re.search(r"learning rate 0\.00[13], temperature (0\.1|1)\)", done.stdout), done.stdout
     model = translate(pipeline, t.columns)
     model.load_state_dict(torch.load(tmp_path / "w.pt", weights_only=True))  # the archive's loading path
     wrong = subprocess.run([*cmd, "--label", "nope"], capture_output=True, text=True)
     assert wrong.returncode == 2 and "no column(s) ['nope']" in wrong.stderr
+    bad = subprocess.run([*cmd, "--label", "churned", "--temperatures", "0.1,-1"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "expected positive numbers" in bad.stderr

@@ -8,7 +8,8 @@ column.  Numbers are read as numbers for numeric columns, categories as
 they appear (or as numbers when the encoder learned numbers); an empty cell
 is a missing value, which only an imputed column accepts.  Rows are shuffled
 with ``--seed`` and split into training and validation
-(``--valid-fraction``); the printout gives the validation AUC of the
+(``--valid-fraction``); each learning rate and soft-split width
+(``--lrs``, ``--temperatures``) is tried and validation AUC picks one; the printout gives the validation AUC of the
 pipeline itself and of the fine-tuned network, and the archive command that
 serves the result.
 """
@@ -79,6 +80,16 @@ def _is_number(text: str) -> bool:
         return False
 
 
+def _floats(text: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    if not all(v > 0 and math.isfinite(v) for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive numbers, got {text!r}")
+    return values
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("pipeline", type=Path, help="a fitted scikit-learn pipeline saved with joblib.dump")
     parser.add_argument("--data", type=Path, required=True, help="CSV with a header: input columns and the label")
@@ -87,7 +98,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--columns", help="comma-separated input column names, as for sklearn-archive")
     parser.add_argument("--valid-fraction", type=float, default=0.2)
     parser.add_argument("--epochs", type=int, default=60)
-    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument(
+        "--lrs",
+        type=_floats,
+        default=_floats("1e-3,3e-3"),
+        help="Adam learning rates to try, comma-separated; validation AUC picks one",
+    )
+    parser.add_argument(
+        "--temperatures",
+        type=_floats,
+        default=_floats("0.1,0.3,1"),
+        help="soft-split widths to try (× each split feature's spread; tree pipelines only)",
+    )
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -95,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
     import joblib
     import torch
 
-    from windtunnel.finetune import FineTuneConfig, Split, auc, fine_tune
+    from windtunnel.finetune import FineTuneConfig, Split, auc, tune
     from windtunnel.translate import RowError, UntranslatableError, translate
 
     if not 0.0 < args.valid_fraction < 1.0:
@@ -117,11 +139,14 @@ def run(args: argparse.Namespace) -> int:
     train = Split(numeric[train_i], codes[train_i], y[order[:cut]])
     valid = Split(numeric[valid_i], codes[valid_i], y[order[cut:]])
     before = auc(model, valid)
-    result = fine_tune(model, train, valid, FineTuneConfig(epochs=args.epochs, lr=args.lr, seed=args.seed))
+    tuned = tune(model, train, valid, args.lrs, args.temperatures, FineTuneConfig(epochs=args.epochs, seed=args.seed))
+    result = tuned.result
     torch.save(result.model.state_dict(), args.out)
     soft = " --soft" if result.soft else ""
     print(f"validation AUC: pipeline {before:.4f}, fine-tuned {result.valid_auc:.4f} "
-          f"(best epoch {result.best_epoch}, {'soft' if result.soft else 'hard'} splits); wrote {args.out}\n"
+          f"(best epoch {result.best_epoch}, {'soft' if result.soft else 'hard'} splits, learning rate "
+          f"{tuned.config.lr:g}" + (f", temperature {tuned.config.temperature:g}" if model.trees() else "")
+          + f"); wrote {args.out}\n"
           f"serve it: packrat sklearn-archive {args.pipeline} --name NAME --weights {args.out}{soft}"
           + (f" --columns {args.columns}" if args.columns else ""))  # fmt: skip
     return 0
