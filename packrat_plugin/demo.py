@@ -89,6 +89,7 @@ def packrat_demo(args: argparse.Namespace) -> int:
         high = run(closed_loop(url, lambda n: payloads[n % 16], args.high, args.high_seconds))
         print(format_status(controller.status()))
         swaps = [s for s in controller.models[spec.name].swaps if s.kind != "initial"]
+        decisions = list(controller.models[spec.name].decisions)
     requests = len(low.samples) + len(high.samples)
     failed = low.failed + high.failed
     print(f"\nrequests: {requests}, failed: {failed}; mean latency {low.mean_latency_ms():.0f} ms at 1 in flight, "
@@ -98,6 +99,8 @@ def packrat_demo(args: argparse.Namespace) -> int:
             f"reconfiguration: {s.kind} {format_instances(s.before)} → {format_instances(s.after)}: "
             f"new plan serving after {s.serving_after_s:.2f} s, old version retired after {s.seconds:.2f} s"
         )
+    for d in decisions:  # why each move was made, in the policy's words
+        print(f"  decided: {d['reason']} → B={d['target_batch']} at {d['rate']:.1f} req/s measured")
     print(f"\nmeasuring Packrat's plan against the fat instance at B={args.high} (interleaved, real TorchServe)")
     config = ComparisonConfig(batches=(args.high,), seconds=6.0, warmup_seconds=3.0, repeats=2)
     with tempfile.TemporaryDirectory(prefix="packrat-demo-") as tmp:
