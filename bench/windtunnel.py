@@ -122,6 +122,7 @@ def accuracy(case: Case, args: argparse.Namespace) -> dict[str, Any]:
         "translated_auc": translated, "warm_auc": statistics.median(warm), "warm_range": [min(warm), max(warm)],
         "cold_auc": statistics.median(cold), "cold_range": [min(cold), max(cold)], "warm_best_epochs": epochs,
         "warm_settings": warm_settings, "cold_settings": cold_settings,  # [lr, temperature] per seed
+        "warm_aucs": warm, "cold_aucs": cold,  # per seed, paired: the same seed's warm and cold runs
     }  # fmt: skip
 
 
@@ -181,10 +182,12 @@ def render(data: dict[str, Any], stem: str) -> str:
 
     acc = markdown_table(
         ["pipeline", "data (rows)", "original AUC", "translated (hard)", "WindTunnel warm start (range)",
-         "cold start (range)", "warm − original", "warm − cold", "lr·temperature per seed: warm; cold"],
+         "cold start (range)", "warm − original", "warm − cold", "warm − cold per seed",
+         "lr·temperature per seed: warm; cold"],
         [[r["pipeline"], f"{r['dataset']} ({r['rows']})", f"{r['original_auc']:.4f}", f"{r['translated_auc']:.4f}",
           f"{r['warm_auc']:.4f} ({rng(r['warm_range'])})", f"{r['cold_auc']:.4f} ({rng(r['cold_range'])})",
           f"{r['warm_auc'] - r['original_auc']:+.4f}", f"{r['warm_auc'] - r['cold_auc']:+.4f}",
+          ", ".join(f"{w - c:+.4f}" for w, c in zip(r.get("warm_aucs", []), r.get("cold_aucs", []), strict=True)),
           f"{settings(r, 'warm')}; {settings(r, 'cold')}"]
          for r in data["accuracy"]],
     )  # fmt: skip
