@@ -78,10 +78,10 @@ def _cases() -> list[Case]:
     ]  # fmt: skip
 
 
-def _table(name: str, rows: int) -> Any:
+def _table(name: str, rows: int, seed: int = 0) -> Any:
     from windtunnel.datasets import breast_cancer, synthetic_tabular
 
-    return synthetic_tabular(rows, seed=0) if name == "synthetic" else breast_cancer()
+    return synthetic_tabular(rows, seed=seed) if name == "synthetic" else breast_cancer()
 
 
 def _splits(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -90,14 +90,15 @@ def _splits(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return order[:a], order[a:b], order[b:]
 
 
-def accuracy(case: Case, args: argparse.Namespace) -> dict[str, Any]:
+def accuracy(case: Case, args: argparse.Namespace, draw: int = 0) -> dict[str, Any]:
+    """``draw`` seeds the synthetic table's recipe and the split (breast cancer: the split only)."""
     from sklearn.metrics import roc_auc_score
 
     from windtunnel import translate
     from windtunnel.finetune import FineTuneConfig, Split, auc, cold_start, tune
 
-    t = _table(case.dataset, args.rows)
-    train_i, valid_i, test_i = _splits(len(t.y))
+    t = _table(case.dataset, args.rows, draw)
+    train_i, valid_i, test_i = _splits(len(t.y), draw)
     pipeline = case.build(t).fit(t.X[train_i], t.y[train_i])
     model = translate(pipeline, t.columns)
 
@@ -118,7 +119,7 @@ def accuracy(case: Case, args: argparse.Namespace) -> dict[str, Any]:
             if start is model:
                 epochs.append(tuned.result.best_epoch)
     return {
-        "pipeline": case.name, "dataset": case.dataset, "rows": len(t.y), "original_auc": original,
+        "pipeline": case.name, "dataset": case.dataset, "rows": len(t.y), "draw": draw, "original_auc": original,
         "translated_auc": translated, "warm_auc": statistics.median(warm), "warm_range": [min(warm), max(warm)],
         "cold_auc": statistics.median(cold), "cold_range": [min(cold), max(cold)], "warm_best_epochs": epochs,
         "warm_settings": warm_settings, "cold_settings": cold_settings,  # [lr, temperature] per seed
@@ -177,6 +178,9 @@ def render(data: dict[str, Any], stem: str) -> str:
     lrs = " / ".join(f"{x:g}" for x in data.get("lrs", [1e-3]))
     temperatures = " / ".join(f"{x:g}" for x in data.get("temperatures", [0.1]))
 
+    def draw(r: dict[str, Any]) -> str:
+        return f", draw {r['draw']}" if r.get("draw", 0) else ""
+
     def settings(r: dict[str, Any], start: str) -> str:
         return ", ".join(f"{lr:g}·{t:g}" for lr, t in r.get(f"{start}_settings", []))
 
@@ -184,7 +188,8 @@ def render(data: dict[str, Any], stem: str) -> str:
         ["pipeline", "data (rows)", "original AUC", "translated (hard)", "WindTunnel warm start (range)",
          "cold start (range)", "warm − original", "warm − cold", "warm − cold per seed",
          "lr·temperature per seed: warm; cold"],
-        [[r["pipeline"], f"{r['dataset']} ({r['rows']})", f"{r['original_auc']:.4f}", f"{r['translated_auc']:.4f}",
+        [[r["pipeline"], f"{r['dataset']} ({r['rows']}{draw(r)})", f"{r['original_auc']:.4f}",
+          f"{r['translated_auc']:.4f}",
           f"{r['warm_auc']:.4f} ({rng(r['warm_range'])})", f"{r['cold_auc']:.4f} ({rng(r['cold_range'])})",
           f"{r['warm_auc'] - r['original_auc']:+.4f}", f"{r['warm_auc'] - r['cold_auc']:+.4f}",
           ", ".join(f"{w - c:+.4f}" for w, c in zip(r.get("warm_aucs", []), r.get("cold_aucs", []), strict=True)),
@@ -201,7 +206,8 @@ def render(data: dict[str, Any], stem: str) -> str:
     )  # fmt: skip
     return (
         "# WindTunnel: scikit-learn pipelines as tensor programs\n\n"
-        f"Test-set ROC AUC (60/20/20 split, seed 0; fine-tuning {data['epochs']} epochs at most, early-stopped on "
+        "Test-set ROC AUC (60/20/20 split seeded by the draw, 0 unless named; "
+        f"fine-tuning {data['epochs']} epochs at most, early-stopped on "
         f"validation AUC; Adam learning rate {lrs} and soft-split temperature {temperatures} (× each split "
         "feature's spread; tree pipelines only) chosen per start and seed by validation AUC; median over "
         f"{data['seeds']} seeds):\n\n{acc}\n\n"
@@ -221,7 +227,9 @@ def plot(data: dict[str, Any], path: Path) -> None:
     for i, (key, label) in enumerate((("original_auc", "pipeline"), ("warm_auc", "warm start"),
                                       ("cold_auc", "cold start"))):  # fmt: skip
         left.bar(xs + 0.27 * (i - 1), [r[key] for r in rows], 0.27, label=label)
-    left.set_xticks(xs, [f"{r['dataset'][:9]}\n{r['pipeline'].split(' + ')[-1][:18]}" for r in rows], fontsize=7)
+    labels = [f"{r['dataset'][:9]}{' d' + str(r['draw']) if r.get('draw') else ''}\n"
+              f"{r['pipeline'].split(' + ')[-1][:18]}" for r in rows]  # fmt: skip
+    left.set_xticks(xs, labels, fontsize=7)
     left.set_ylim(min(min(r["cold_auc"], r["original_auc"]) for r in rows) - 0.05, 1.0)
     left.set_ylabel("test ROC AUC")
     left.legend(fontsize=8)
@@ -253,6 +261,9 @@ def main(argv: list[str] | None = None) -> int:
         default="0.1",
         help="soft-split temperatures to try (× each split feature's spread), tuned like --lrs",
     )
+    parser.add_argument("--data-seeds", default="0",
+                        help="draws of the data: the synthetic recipe's seed and the 60/20/20 split's, one table "
+                             "row per pipeline and draw")  # fmt: skip
     parser.add_argument("--suffix", default="", help="appended to the output files' name (windtunnel<suffix>.*)")
     parser.add_argument("--batches", default="1,16,64,256,1024")
     parser.add_argument("--min-seconds", type=float, default=1.0, help="time each batch size at least this long")
@@ -261,10 +272,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.lrs = [float(x) for x in args.lrs.split(",")]
     args.temperatures = [float(x) for x in args.temperatures.split(",")]
+    args.data_seeds = [int(x) for x in args.data_seeds.split(",")]
     prov = provenance("bench.windtunnel")
     cases = _cases()
     batches = [int(b) for b in args.batches.split(",")]
-    accuracy_rows = [accuracy(c, args) for c in tqdm(cases, desc="fine-tuning", unit="pipeline")]
+    runs = [(c, d) for d in args.data_seeds for c in cases]
+    accuracy_rows = [accuracy(c, args, d) for c, d in tqdm(runs, desc="fine-tuning", unit="pipeline")]
     throughput_rows = [r for c in cases if c.throughput for r in throughput(c, args, batches)]
     data = {"accuracy": accuracy_rows, "throughput": throughput_rows, "seeds": args.seeds, "epochs": args.epochs,
             "lrs": args.lrs, "temperatures": args.temperatures,
