@@ -221,15 +221,16 @@ def render(data: dict[str, Any], stem: str) -> str:
 def plot(data: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     rows = data["accuracy"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11 + 0.4 * max(0, len(rows) - 5), 4.5),
+                                      gridspec_kw={"width_ratios": [max(1.0, len(rows) / 5), 1.0]})  # fmt: skip
     xs = np.arange(len(rows))
     for i, (key, label) in enumerate((("original_auc", "pipeline"), ("warm_auc", "warm start"),
                                       ("cold_auc", "cold start"))):  # fmt: skip
         left.bar(xs + 0.27 * (i - 1), [r[key] for r in rows], 0.27, label=label)
     labels = [f"{r['dataset'][:9]}{' d' + str(r['draw']) if r.get('draw') else ''}\n"
               f"{r['pipeline'].split(' + ')[-1][:18]}" for r in rows]  # fmt: skip
-    left.set_xticks(xs, labels, fontsize=7)
+    left.set_xticks(xs, labels, fontsize=7, rotation=40, ha="right")
     left.set_ylim(min(min(r["cold_auc"], r["original_auc"]) for r in rows) - 0.05, 1.0)
     left.set_ylabel("test ROC AUC")
     left.legend(fontsize=8)
