@@ -39,6 +39,7 @@ import torch
 from tqdm import tqdm
 
 from bench.report import add_output_arguments, markdown_table, provenance, provenance_block, publish
+from windtunnel.tune_cli import positive_floats
 
 
 @dataclass(frozen=True)
@@ -254,12 +255,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=4000, help="rows of the synthetic table")
     parser.add_argument("--seeds", type=int, default=3, help="fine-tuning repeats")
     parser.add_argument("--epochs", type=int, default=60)
-    parser.add_argument("--lrs", default="1e-3",
+    parser.add_argument("--lrs", type=positive_floats, default=[1e-3],
                         help="Adam learning rates to try; each start (warm, cold) keeps the one its validation AUC "
                              "prefers, so both are tuned alike")  # fmt: skip
     parser.add_argument(
         "--temperatures",
-        default="0.1",
+        type=positive_floats,
+        default=[0.1],
         help="soft-split temperatures to try (× each split feature's spread), tuned like --lrs",
     )
     parser.add_argument("--data-seeds", default="0",
@@ -271,8 +273,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     add_output_arguments(parser)
     args = parser.parse_args(argv)
-    args.lrs = [float(x) for x in args.lrs.split(",")]
-    args.temperatures = [float(x) for x in args.temperatures.split(",")]
     args.data_seeds = [int(x) for x in args.data_seeds.split(",")]
     prov = provenance("bench.windtunnel")
     cases = _cases()

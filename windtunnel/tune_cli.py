@@ -80,7 +80,7 @@ def _is_number(text: str) -> bool:
         return False
 
 
-def _floats(text: str) -> list[float]:
+def positive_floats(text: str) -> list[float]:
     try:
         values = [float(x) for x in text.split(",")]
     except ValueError:
@@ -100,14 +100,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--epochs", type=int, default=60)
     parser.add_argument(
         "--lrs",
-        type=_floats,
-        default=_floats("1e-3,3e-3"),
+        type=positive_floats,
+        default=positive_floats("1e-3,3e-3"),
         help="Adam learning rates to try, comma-separated; validation AUC picks one",
     )
     parser.add_argument(
         "--temperatures",
-        type=_floats,
-        default=_floats("0.1,0.3,1"),
+        type=positive_floats,
+        default=positive_floats("0.1,0.3,1"),
         help="soft-split widths to try (× each split feature's spread; tree pipelines only)",
     )
     parser.add_argument("--seed", type=int, default=0)
