@@ -1,7 +1,12 @@
 """Orca against request-level batching: throughput and latency under Poisson arrivals, in one run.
 
-    python -m bench.orca                       # GPT-2, max batch 4 and 8, four loads: about 12 minutes on 2 cores
+    python -m bench.orca                       # GPT-2, max batch 8 and 16, six loads: about 20 minutes on 2 cores
     python -m bench.orca --quick               # two loads, shorter runs
+
+The default request mix is the Orca paper's, scaled to a 2-core CPU: the
+paper draws prompts of U(32, 512) tokens and U(1, 128) new tokens; here
+both are divided by 4 (``--prompt 8-128 --output 1-32``), so a request's
+output length varies as widely against its mean as in the paper.
 
 Both systems are the same engine (``handlers/orca/engine.py``) on the
 catalog GPT-2, driven in-process (no HTTP: both would pay it alike):
@@ -24,7 +29,9 @@ second from the first arrival to the last answer.  *At equal median
 latency*: for each point of the request-level curve, the most answers/s
 Orca served at a load where its median latency was no higher (measured
 points only, no interpolation).  Each system's closed-loop capacity is
-measured too.
+measured too, and so is what one iteration costs at each batch size
+(decode steps, and a prompt's initiation), since that decides how much a
+fuller batch is worth.
 """
 
 from __future__ import annotations
@@ -132,6 +139,29 @@ def capacity(engine: Any, clients: int, seconds: float, prompt: tuple[int, int],
     return count / (time.perf_counter() - started)
 
 
+def iteration_costs(model: Any, batches: list[int], context: int, prompt: int, repeats: int = 15) -> dict[str, Any]:
+    """Median ms of one decode iteration at each batch size (``context`` positions cached each) and of one prompt."""
+    from handlers.orca.gpt2 import Step
+    from handlers.orca.kv_cache import KVCache
+
+    kv = KVCache(model.kv_shape(max(batches), max(context + 1, prompt)))
+    rng = random.Random(2)
+
+    def median_ms(steps: list) -> float:
+        for _ in range(3):
+            model.iterate(steps, kv)
+        times = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            model.iterate(steps, kv)
+            times.append(time.perf_counter() - started)
+        return 1e3 * statistics.median(times)
+
+    decode = {b: median_ms([Step([rng.randrange(VOCAB)], slot, context) for slot in range(b)]) for b in batches}
+    initiation = median_ms([Step([rng.randrange(VOCAB) for _ in range(prompt)], 0, 0)])
+    return {"context": context, "prompt": prompt, "decode_ms": decode, "initiation_ms": initiation}
+
+
 def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     import torch
 
@@ -153,6 +183,9 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         for engine in engines.values():  # warm-up: the first iterations pay lazy initialisation
             engine.submit([0] * args.prompt[1], 2).result()
         biggest = max(args.max_batches)
+        sizes = sorted({1, 2, 4, *args.max_batches})
+        costs = iteration_costs(model, sizes, context=sum(args.prompt) // 2 + sum(args.output) // 4,
+                                prompt=sum(args.prompt) // 2)  # fmt: skip
         # Each system's sustainable throughput, twice its max batch in flight; Orca's at the largest sets the loads.
         capacities = {f"{policy}-{b}": capacity(engines[(policy, b)], 2 * b, args.capacity_seconds, args.prompt,
                                                 args.output) for policy, b in systems}  # fmt: skip
@@ -182,6 +215,7 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "threads": torch.get_num_threads(),
         "capacity": cap,
         "capacities": capacities,
+        "iteration_costs": costs,
         "prompt": list(args.prompt),
         "output": list(args.output),
         "seconds": args.seconds,
@@ -214,6 +248,22 @@ def summary(data: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def _cost_lines(costs: dict[str, Any] | None) -> list[str]:
+    """The iteration-cost table: what one more request in a decode iteration costs."""
+    if not costs:
+        return []
+    one = costs["decode_ms"].get("1") or costs["decode_ms"].get(1)
+    rows = [[b, f"{ms:.1f}", f"{ms / int(b):.1f}", f"{ms / one:.2f}×" if one else "-"]
+            for b, ms in costs["decode_ms"].items()]  # fmt: skip
+    return [
+        "## What an iteration costs\n",
+        f"Median of 15 iterations, measured in the run: a decode iteration with every request at "
+        f"{costs['context']} cached positions, and one request's initiation ({costs['prompt']} prompt tokens, alone): "
+        f"{costs['initiation_ms']:.1f} ms.\n",
+        markdown_table(["requests in the iteration", "ms", "ms per request", "÷ one request"], rows) + "\n",
+    ]
+
+
 def render(data: dict[str, Any], stem: str) -> str:
     lines = [
         f"# Orca vs request-level batching, GPT-2 on {data['threads']} CPU threads\n",
@@ -224,6 +274,7 @@ def render(data: dict[str, Any], stem: str) -> str:
         "## Sustainable throughput\n",
         "Answers/s with twice the max batch always in flight (closed loop), measured first in the run:\n",
         markdown_table(["system", "answers/s"], [[k, f"{v:.2f}"] for k, v in data["capacities"].items()]) + "\n",
+        *_cost_lines(data.get("iteration_costs")),
         "## Throughput at equal median latency\n",
         "For each request-level point: the most answers/s Orca (same max batch) served at any load of this run with "
         "a median latency no higher, ÷ request-level's answers/s. Measured points only; '-': Orca's median was "
@@ -265,14 +316,16 @@ def plot(data: dict[str, Any], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--max-batches", default="4,8", help="comma-separated max batch sizes")
-    parser.add_argument("--fractions", default="0.2,0.45,0.7,0.95", help="loads as fractions of Orca's capacity")
+    parser.add_argument("--max-batches", default="8,16", help="comma-separated max batch sizes")
+    parser.add_argument("--fractions", default="0.15,0.3,0.45,0.6,0.75,0.9",
+                        help="loads as fractions of Orca's capacity")  # fmt: skip
     parser.add_argument("--seconds", type=float, default=30.0, help="arrivals per run")
-    parser.add_argument("--prompt", default="4-32", help="prompt lengths, LOW-HIGH tokens")
-    parser.add_argument("--output", default="4-16", help="new tokens per request, LOW-HIGH")
+    parser.add_argument("--prompt", default="8-128", help="prompt lengths, LOW-HIGH tokens (paper: 32-512)")
+    parser.add_argument("--output", default="1-32", help="new tokens per request, LOW-HIGH (paper: 1-128)")
     parser.add_argument("--capacity-seconds", type=float, default=15.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="loads 0.3 and 0.7, 8 s runs")
+    parser.add_argument("--suffix", default="", help="appended to the output files' name (orca_gpt2<suffix>.*)")
     add_output_arguments(parser)
     args = parser.parse_args(argv)
     if args.quick:
@@ -287,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("the longest prompt plus the most new tokens must fit GPT-2's 1024 positions")
     except ValueError as exc:
         parser.error(str(exc))
-    return run_benchmark("bench.orca", args, measure, summary, lambda d: "orca_gpt2", render, plot)
+    return run_benchmark("bench.orca", args, measure, summary, lambda d: f"orca_gpt2{args.suffix}", render, plot)
 
 
 if __name__ == "__main__":
