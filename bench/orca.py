@@ -1,6 +1,6 @@
 """Orca against request-level batching: throughput and latency under Poisson arrivals, in one run.
 
-    python -m bench.orca                       # GPT-2, max batch 8 and 16, six loads: about 20 minutes on 2 cores
+    python -m bench.orca                       # GPT-2, max batch 8 and 16, six loads: about 15 minutes on 2 cores
     python -m bench.orca --quick               # two loads, shorter runs
 
 The default request mix is the Orca paper's, scaled to a 2-core CPU: the
