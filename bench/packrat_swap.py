@@ -52,7 +52,7 @@ from packrat_plugin.loadgen import LoadResult, Sample, open_loop, run
 from packrat_plugin.optimizer import KnapsackOptimizer, serving_costs
 from packrat_plugin.plan_types import Plan, PlanItem, format_instances
 from packrat_plugin.plans import PLAN_DIR_ENV, PlanStore
-from packrat_plugin.policy import levels_for
+from packrat_plugin.policy import UP_RULES, PolicyConfig, levels_for
 from packrat_plugin.profiler import profile_for_this_machine
 from packrat_plugin.swapper import ActivePassiveSwapper, SwapperConfig
 from packrat_plugin.topology import CpuTopology
@@ -111,7 +111,7 @@ def speedups(baseline: list[dict], packrat: list[dict]) -> dict:
     return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
 
 
-def run_all(spec, archive, profile, shapes, payloads, repeats: int, workdir: Path) -> dict:
+def run_all(spec, archive, profile, shapes, payloads, repeats: int, workdir: Path, policy: PolicyConfig) -> dict:
     """Every load, ``repeats`` times, the three systems interleaved (P F S, then S F P, …).
 
     All three stay up for the whole run (Packrat under its controller; fat and
@@ -121,7 +121,8 @@ def run_all(spec, archive, profile, shapes, payloads, repeats: int, workdir: Pat
     """
     topology = CpuTopology.from_system()
     plans = PlanStore(workdir / "plans")
-    controller = PackratController(workdir / "packrat", [ModelTarget(spec.name, archive, profile)], ControllerConfig(),
+    controller = PackratController(workdir / "packrat", [ModelTarget(spec.name, archive, profile)],
+                                   ControllerConfig(policy=policy),
                                    status_port=None)  # fmt: skip
     static_server = TorchServeProcess(workdir / "ts", workdir / "store", env={PLAN_DIR_ENV: str(plans.root)})
     runs: dict[str, dict[str, list[dict]]] = {system: {name: [] for name in shapes} for system in SYSTEMS}
@@ -275,13 +276,14 @@ def render(data: dict) -> str:
         f"{name}: " + ", ".join(f"{sec:.0f} s at {rate:.1f}/s" for sec, rate in phases[:4])
         + (" …" if len(phases) > 4 else "") for name, phases in data["loads"].items()
     )  # fmt: skip
+    rule = f", growing rule `{data['up_rule']}`" if data.get("up_rule", "bound") != "bound" else ""
     return (
         f"# Packrat under changing load: {data['model']} ({data['mode']}), T={data['threads']}\n\n"
         f"Open-loop Poisson loads between {data['low']:.1f} and {data['high']:.1f} req/s "
         f"({data['low_fraction']:.0%} and {data['high_fraction']:.0%} of the profile's largest capacity, "
         f"{data['capacity']:.1f} req/s). {loads}.\n\n"
         f"Systems, all up for the whole run and loaded in turn, {data['repeats']} runs of each load per system "
-        f"interleaved (P F S, S F P, …): Packrat (controller defaults, standby workers warm); "
+        f"interleaved (P F S, S F P, …): Packrat (controller defaults{rule}, standby workers warm); "
         f"fat = TorchServe's default, one worker with all {data['threads']} cores ⟨1,{data['threads']},1⟩; "
         f"static = one pinned worker per core, batch 1 ⟨{data['threads']},1,1⟩ (the CPU tuning guides' even split). "
         f"Each run starts after 8 s at its opening rate. Latencies are medians over the runs; a speedup is "
@@ -302,6 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--loads", default="step,spike,diurnal")
     parser.add_argument("--quick", action="store_true", help="halve the phases (a smoke run)")
     parser.add_argument("--repeats", type=int, default=2, help="runs of each load per system, interleaved")
+    parser.add_argument("--up-rule", choices=UP_RULES, default=PolicyConfig().up_rule, help="Packrat's growing rule")
     parser.add_argument("--stem", default=None, help="output file stem (default packrat_swap_MODEL)")
     add_output_arguments(parser)
     args = parser.parse_args(argv)
@@ -317,11 +320,13 @@ def main(argv: list[str] | None = None) -> int:
     payloads = [client_payload(spec, seed=i) for i in range(32)]
     prov = provenance("bench.packrat_swap")
     with tempfile.TemporaryDirectory(prefix="packrat-swap-") as tmp:
-        results = run_all(spec, archive, profile, shapes, payloads, args.repeats, Path(tmp))
+        policy = PolicyConfig(up_rule=args.up_rule)
+        results = run_all(spec, archive, profile, shapes, payloads, args.repeats, Path(tmp), policy)
     stem = args.stem or f"packrat_swap_{spec.name}"
     data = {
         "model": spec.name, "mode": spec.mode, "threads": threads, "capacity": capacity, "low": low, "high": high,
-        "low_fraction": args.low, "high_fraction": args.high, "loads": shapes, "repeats": args.repeats, **results,
+        "low_fraction": args.low, "high_fraction": args.high, "up_rule": args.up_rule,
+        "loads": shapes, "repeats": args.repeats, **results,
         "profile_path": str(profile_path), "stem": stem, "provenance": prov,
     }  # fmt: skip
     print(publish(stem, data, render, plot, args.out_dir, args.json))

@@ -48,7 +48,21 @@ A move happens only when all of these hold:
   move after 4 of 16 steps and moves under 6 of 30 constant loads.  The *target* is the best
   level at the upper bound of the short-window rate (a larger cap costs
   little), so one step of load gives one move, not a walk through the
-  levels in between;
+  levels in between.
+  With ``up_rule="expected"`` a move to another split of the cores (say
+  one 2-thread worker → two 1-thread workers) may also grow when the long
+  window says so *in expectation*: each level's latency is averaged over
+  what the rate may really be (the Poisson noise of the long window's
+  count), with the latency past a level's capacity taken as the backlog the
+  expected stay at the load would build (finite, so it can be averaged).
+  Why: the cost of being wrong is lopsided.  Below the crossover the split
+  costs a few tens of ms per request; above it the fat worker's queue grows
+  without bound.  Waiting for the lower bound waits, on a slow rise, until
+  the fat worker is nearly saturated (the diurnal bench moved at 52.6 s of
+  a 60 s rise).  Moves between batch caps of one split keep the bound rule:
+  the model credits a larger cap for free, and in expectation would always
+  drift to the largest.  The *worth it* test below still reads the measured
+  rate, so a move still needs the split to be better at the rate as measured;
 - **persistence.** The same direction has been wanted for ``up_confirm_s``
   (growing) or ``down_confirm_s`` (shrinking): noise does not flap;
 - **clean signal.** For ``depth_settle_s`` after a swap the queue-depth
@@ -90,6 +104,8 @@ from packrat_plugin.optimizer import InfeasibleError, KnapsackOptimizer
 from packrat_plugin.plan_types import Plan, PlanItem
 from packrat_plugin.profile import Profile
 
+UP_RULES = ("bound", "expected")
+
 
 @dataclass(frozen=True)
 class PolicyConfig:
@@ -100,6 +116,7 @@ class PolicyConfig:
     confirm_grace_s: float = 0.5  # a gap this short does not restart a confirmation
     noise_z: float = 2.0  # width of the Poisson confidence bound that gates shrinking
     up_z: float = 2.0  # ... and growing
+    up_rule: str = "bound"  # or "expected": a new split of the cores may also grow on expected latency
     depth_settle_s: float = 6.0  # after a swap, queue-depth rules wait this long (one long window)
     min_gain: float = 0.10  # relative latency improvement a move must promise
     horizon_s: float = 30.0  # expected time at a load, until swaps measure it
@@ -119,6 +136,8 @@ class PolicyConfig:
             raise ValueError(f"min_gain must be in [0, 1), got {self.min_gain}")
         if self.horizon_s <= 0 or self.min_horizon_s <= 0:
             raise ValueError("horizons must be positive")
+        if self.up_rule not in UP_RULES:
+            raise ValueError(f"up_rule must be one of {', '.join(UP_RULES)}, got {self.up_rule!r}")
         if self.warm_swap_s < 0 or self.cold_swap_s < 0:
             raise ValueError("swap times must be non-negative")
         if not 0.0 < self.learning_rate <= 1.0:
@@ -168,6 +187,40 @@ class Level:
                 wait = erlang_c(i, i * rho) / (2.0 * i * (1.0 - rho))
                 best = min(best, round_s * (1.0 + wait))
         return best
+
+    def latency_within_s(self, rate: float, horizon_s: float) -> float:
+        """Mean latency at ``rate`` over ``horizon_s`` seconds: the steady state,
+        but no worse than the backlog that ``horizon_s`` can build.
+
+        Past capacity the steady state is infinite; over a finite stay at a
+        load the queue grows at ``rate − capacity`` (half of that on average
+        over the stay) plus the ``√(rate·horizon)`` that Poisson arrivals
+        wander near capacity.  Finite, so levels can be compared in
+        expectation over a rate that is only known within its noise.
+        """
+        mu = self.capacity
+        backlog = max(0.0, rate - mu) * horizon_s / 2.0 + math.sqrt(max(rate, 0.0) * horizon_s)
+        return min(self.predicted_latency_s(rate), self.round_s + backlog / mu)
+
+    def expected_latency_s(self, rate: float, span_s: float, horizon_s: float) -> float:
+        """:meth:`latency_within_s` averaged over what a rate measured as
+        ``rate·span_s`` arrivals may really be (normal approximation of the
+        Poisson count, five-point Gauss–Hermite quadrature)."""
+        sd = math.sqrt(max(rate * span_s, 1.0)) / span_s if span_s > 0 else 0.0
+        return sum(w * self.latency_within_s(max(0.0, rate + z * sd), horizon_s) for z, w in _NORMAL_NODES)
+
+
+# Five-point Gauss–Hermite rule for a standard normal: E[f(Z)] ≈ Σ w·f(z).
+_NORMAL_NODES = (
+    (0.0, 0.533333333),
+    (-1.355626180, 0.222075922), (1.355626180, 0.222075922),
+    (-2.856970014, 0.011257411), (2.856970014, 0.011257411),
+)  # fmt: skip
+
+
+def _worker_class(level: Level) -> tuple[int, int]:
+    item = level.plan.instances[0]
+    return item.count, item.threads
 
 
 def erlang_c(servers: int, offered: float) -> float:
@@ -333,6 +386,19 @@ class ReconfigurationPolicy:
             return math.isfinite(w_new) or new.capacity > cur.capacity
         return w_new < w_cur * (1.0 - self.config.min_gain)
 
+    def _wants_up(self, up: Level, cur: Level, obs: Observation, rate_low: float) -> bool:
+        """Growing: at the low end of the rate's noise, the target beats the current level;
+        or (``up_rule="expected"``, a move to another split of the cores) it does in
+        expectation over the long window's noise."""
+        if self._clearly_better(up, cur, rate_low):
+            return True
+        if self.config.up_rule == "bound" or _worker_class(up) == _worker_class(cur):
+            return False
+        h, rate, span = self.costs.horizon_s, obs.rate_long, obs.long_span_s
+        return up.expected_latency_s(rate, span, h) < cur.expected_latency_s(rate, span, h) * (
+            1.0 - self.config.min_gain
+        )
+
     @staticmethod
     def _no_worse(new: Level, ref: Level, rate: float) -> bool:
         w_new, w_ref = new.predicted_latency_s(rate), ref.predicted_latency_s(rate)
@@ -359,8 +425,7 @@ class ReconfigurationPolicy:
             obs = dataclasses.replace(obs, backlog_growing=False, concurrency=0.0)
         floor = self.floor_level(obs.concurrency)
         up = self.best(short_high)
-        # Growing: even at the low end of the rate's noise, the target beats the current level.
-        if up.batch > cur.batch and self._clearly_better(up, cur, rate_low):
+        if up.batch > cur.batch and self._wants_up(up, cur, obs, rate_low):
             # The larger of the two, unless the rate model calls the floor worse.
             target = floor if floor.batch > up.batch and self._no_worse(floor, up, short_high) else up
             return target, rate, "load rose"

@@ -14,7 +14,7 @@ from packrat_plugin.controller import ControllerConfig, ModelTarget, PackratCont
 from packrat_plugin.division import OBJECTIVES, DivisionConfig
 from packrat_plugin.load_monitor import MonitorConfig
 from packrat_plugin.plan_types import format_instances
-from packrat_plugin.policy import PolicyConfig
+from packrat_plugin.policy import UP_RULES, PolicyConfig
 from packrat_plugin.profiler import profile_for_this_machine
 from packrat_plugin.swapper import SwapperConfig
 from packrat_plugin.torchserve import REPO_CONFIG, Ports, read_properties
@@ -72,6 +72,10 @@ def add_policy_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--down-confirm", type=float, default=pol.down_confirm_s, help="a fall must last this long (s)")
     g.add_argument("--noise-z", type=float, default=pol.noise_z, help="Poisson confidence bound that gates a move")
     g.add_argument("--up-z", type=float, default=pol.up_z, help="... and that gates growing (narrower)")
+    g.add_argument(
+        "--up-rule", choices=UP_RULES, default=pol.up_rule,
+        help="expected: a new split of the cores may also grow on expected latency over the rate's noise",
+    )  # fmt: skip
     g.add_argument("--min-gain", type=float, default=pol.min_gain, help="least relative latency gain worth a swap")
     g.add_argument("--horizon", type=float, default=pol.horizon_s, help="expected seconds at a load, until measured")
     g.add_argument("--standby-workers", type=int, default=ctl.standby_workers,
@@ -127,7 +131,7 @@ def config_from(args: argparse.Namespace) -> ControllerConfig:
     return ControllerConfig(
         policy=PolicyConfig(
             up_confirm_s=args.up_confirm, down_confirm_s=args.down_confirm, noise_z=args.noise_z, up_z=args.up_z,
-            min_gain=args.min_gain, horizon_s=args.horizon,
+            up_rule=args.up_rule, min_gain=args.min_gain, horizon_s=args.horizon,
         ),
         monitor=MonitorConfig(
             period_s=args.sample_ms / 1000, short_window_s=args.short_window, long_window_s=args.long_window

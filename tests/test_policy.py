@@ -91,6 +91,26 @@ def test_a_larger_batch_cap_is_never_predicted_slower_in_the_same_instance_class
     assert lv[3].predicted_latency_s(0.1) == pytest.approx(lv[1].predicted_latency_s(0.1))  # batches of one
 
 
+def test_latency_within_a_stay_is_the_steady_state_until_the_backlog_bounds_it():
+    one = levels()[0]  # 1×⟨2,1⟩, 11.35 req/s
+    for rate in (0.0, 5.0, 10.0):
+        assert one.latency_within_s(rate, 30.0) == pytest.approx(one.predicted_latency_s(rate))
+    past = [one.latency_within_s(rate, 30.0) for rate in (one.capacity, 15.0, 20.0)]
+    assert all(math.isfinite(w) for w in past) and past == sorted(past)
+    # Past capacity the queue grows for the whole stay: a longer stay, a longer wait.
+    assert one.latency_within_s(15.0, 60.0) > one.latency_within_s(15.0, 30.0) + 1.0
+
+
+def test_expected_latency_averages_over_the_rates_noise():
+    one = levels()[0]
+    # A tightly measured rate: the latency at that rate.
+    assert one.expected_latency_s(10.0, 1e6, 30.0) == pytest.approx(one.latency_within_s(10.0, 30.0), rel=1e-4)
+    # Six seconds of arrivals at 10/s leave room for rates near capacity, where the wait soars.
+    assert one.expected_latency_s(10.0, 6.0, 30.0) > 1.5 * one.latency_within_s(10.0, 30.0)
+    # Far from capacity the noise hardly matters.
+    assert one.expected_latency_s(2.0, 6.0, 30.0) == pytest.approx(one.latency_within_s(2.0, 30.0), rel=0.02)
+
+
 def test_best_level_rises_with_load_and_saturates_at_the_largest_capacity():
     policy = ReconfigurationPolicy(levels())
     chosen = [policy.best(rate).batch for rate in (0.5, 5.0, 11.0, 18.0, 50.0)]
@@ -181,6 +201,8 @@ def test_bad_policy_config_is_refused():
         PolicyConfig(min_gain=1.5)
     with pytest.raises(ValueError):
         PolicyConfig(up_confirm_s=-1)
+    with pytest.raises(ValueError, match="up_rule"):
+        PolicyConfig(up_rule="sometimes")
     with pytest.raises(ValueError):
         ReconfigurationPolicy([])
 
@@ -282,6 +304,33 @@ def test_a_slow_rise_is_acted_on_once_and_mostly_before_the_fat_worker_saturates
         assert len(moves) == 1 and moves[0][1] == 1 and moves[0][3] == "load rose", moves
         first_moves.append(moves[0][0])
     assert min(first_moves) > 10 + 24 and statistics.median(first_moves) < 10 + 37.4 and max(first_moves) < 10 + 50
+
+
+def test_the_expected_rule_moves_sooner_on_a_slow_rise_and_before_the_fat_worker_saturates():
+    # The ramp above: the bound rule's first move came at 40.75-58 s; on expected
+    # latency the lopsided cost of staying (the fat worker's queue past 11.35/s)
+    # moves it at 28.75-42.75 s, each seed no later than under the bound rule.
+    ramp = [(1.0, 2.0 + 15.0 * (t + 0.5) / 60) for t in range(60)]
+    for seed in range(12):
+        first = {}
+        for rule in ("bound", "expected"):
+            policy = ReconfigurationPolicy(levels(), PolicyConfig(up_rule=rule))
+            moves = simulate(policy, [(10, 2.0), *ramp], seed=seed, warm={1, 2, 4, 8, 16, 32})
+            assert all(after > before for _, before, after, _ in moves), moves  # never back down on a rise
+            first[rule] = moves[0][0]
+        assert first["expected"] <= first["bound"]
+        assert 10 + 15 < first["expected"] < 10 + 37.4  # the rate past 5.75/s; the fat worker not yet saturated
+
+
+@pytest.mark.parametrize("rate", [1.0, 4.0, 6.5, 8.0, 10.0, 13.0, 19.0])
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_the_expected_rule_moves_at_most_once_under_a_constant_load(rate, seed):
+    # From the fat worker: where the split is the safer bet it moves once, and stays.
+    policy = ReconfigurationPolicy(levels(), PolicyConfig(up_rule="expected"))
+    moves = simulate(policy, [(60, rate)], start_batch=1, seed=seed, warm={1, 2, 4, 8, 16, 32})
+    assert len(moves) <= 1, moves
+    if rate <= 4.0:
+        assert moves == []
 
 
 def test_a_queue_that_outlives_a_peak_does_not_move_an_open_loop_for_nothing():
