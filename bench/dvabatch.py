@@ -38,10 +38,10 @@ from __future__ import annotations
 import argparse
 import random
 import shutil
-import statistics
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +65,7 @@ from bench.batching_compare import (
 from bench.report import (
     add_output_arguments,
     markdown_table,
+    median_seconds,
     new_figure,
     provenance_block,
     save_figure,
@@ -140,14 +141,8 @@ def stage_scaling(spec: ModelSpec, segments: int, repeats: int = 8) -> dict[str,
         for segment in list(sliced)[:-1]:
             states.append(segment(states[-1]))
 
-        def median_ms(fn) -> float:  # noqa: ANN001
-            fn()
-            times = []
-            for _ in range(repeats):
-                began = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - began)
-            return 1e3 * statistics.median(times)
+        def median_ms(fn: Callable[[], object]) -> float:
+            return 1e3 * median_seconds(fn, repeats=repeats)
 
         out = {"threads": torch.get_num_threads(), "whole_all_cores_ms": median_ms(lambda: model(*one))}
         lanes = CpuLanes(segments, 1)

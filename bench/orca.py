@@ -53,6 +53,7 @@ if __package__ in (None, ""):  # `python bench/NAME.py` from the repository root
 from bench.report import (
     add_output_arguments,
     markdown_table,
+    median_seconds,
     new_figure,
     provenance_block,
     run_benchmark,
@@ -148,14 +149,7 @@ def iteration_costs(model: Any, batches: list[int], context: int, prompt: int, r
     rng = random.Random(2)
 
     def median_ms(steps: list) -> float:
-        for _ in range(3):
-            model.iterate(steps, kv)
-        times = []
-        for _ in range(repeats):
-            started = time.perf_counter()
-            model.iterate(steps, kv)
-            times.append(time.perf_counter() - started)
-        return 1e3 * statistics.median(times)
+        return 1e3 * median_seconds(lambda: model.iterate(steps, kv), repeats=repeats, warmup=3)
 
     decode = {b: median_ms([Step([rng.randrange(VOCAB)], slot, context) for slot in range(b)]) for b in batches}
     initiation = median_ms([Step([rng.randrange(VOCAB) for _ in range(prompt)], 0, 0)])

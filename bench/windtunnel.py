@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,7 +37,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from bench.report import add_output_arguments, markdown_table, provenance, provenance_block, publish
+from bench.report import add_output_arguments, markdown_table, median_seconds, provenance, provenance_block, publish
 from windtunnel.tune_cli import positive_floats
 
 
@@ -128,17 +127,6 @@ def accuracy(case: Case, args: argparse.Namespace, draw: int = 0) -> dict[str, A
     }  # fmt: skip
 
 
-def _time_per_batch(fn: Any, min_seconds: float) -> float:
-    fn()  # warm-up
-    times = []
-    started = time.perf_counter()
-    while time.perf_counter() - started < min_seconds or len(times) < 3:
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def throughput(case: Case, args: argparse.Namespace, batches: list[int]) -> list[dict[str, Any]]:
     from windtunnel import translate
 
@@ -152,7 +140,7 @@ def throughput(case: Case, args: argparse.Namespace, batches: list[int]) -> list
         rows = [dict(zip(t.columns, r.tolist(), strict=True)) for r in X]
         numeric, codes = model.encode_rows(rows)
         row: dict[str, Any] = {"pipeline": case.name, "batch": b}
-        row["sklearn_ms"] = 1e3 * _time_per_batch(lambda X=X: pipeline.predict_proba(X), args.min_seconds)
+        row["sklearn_ms"] = 1e3 * median_seconds(lambda X=X: pipeline.predict_proba(X), min_seconds=args.min_seconds)
         with torch.inference_mode():
             for device in devices:
                 m = model.to(device)
@@ -163,10 +151,10 @@ def throughput(case: Case, args: argparse.Namespace, batches: list[int]) -> list
                     if device == "cuda":
                         torch.cuda.synchronize()
 
-                row[f"tensor_{device}_ms"] = 1e3 * _time_per_batch(forward, args.min_seconds)
+                row[f"tensor_{device}_ms"] = 1e3 * median_seconds(forward, min_seconds=args.min_seconds)
             model.to("cpu")
-            row["tensor_cpu_with_encoding_ms"] = 1e3 * _time_per_batch(
-                lambda rows=rows: model(*model.encode_rows(rows)), args.min_seconds
+            row["tensor_cpu_with_encoding_ms"] = 1e3 * median_seconds(
+                lambda rows=rows: model(*model.encode_rows(rows)), min_seconds=args.min_seconds
             )
         out.append(row)
     return out
