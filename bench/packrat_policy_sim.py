@@ -21,6 +21,9 @@ Systems:
   below it, at the best threshold of a grid: no policy that reads arrivals
   can beat it by much.
 
+And, for each growing rule, how often a *constant* load moves Packrat after
+its first 15 s: the price of reacting early to a rise.
+
 Why per-thread slowdowns: a 2-thread worker loses more to the frontend and
 the clients on a 2-core machine than a 1-thread one (its intra-op team waits
 for its slowest thread).  ``--true-slowdown`` sets them; the policy itself
@@ -225,13 +228,28 @@ def run(args: argparse.Namespace, profile: Profile) -> dict[str, Any]:
         for s in systems
     ]  # fmt: skip
     oracles = [r for r in rows if r["system"].startswith("oracle")]
+    constant = {rule: [late_moves(rate, rule, args, machine, levels) for rate in args.constant_rates]
+                for rule in ("bound", "expected")}  # fmt: skip
     return {
         "profile_path": str(args.profile), "cores": cores, "capacity": capacity, "seeds": args.seeds,
         "low": args.low * capacity, "high": args.high * capacity, "diurnal_seconds": args.diurnal_seconds,
         "true_slowdown": {str(t): s for t, s in args.true_slowdown.items()}, "overhead_ms": args.overhead_ms,
         "rows": rows, "best_oracle": min(oracles, key=lambda r: r["mean_ms"])["system"] if oracles else None,
         "per_seed": means, "provenance": provenance("bench.packrat_policy_sim"),
+        "constant_rates": args.constant_rates, "constant_seconds": args.constant_seconds, "constant": constant,
     }  # fmt: skip
+
+
+def late_moves(rate: float, rule: str, args: argparse.Namespace, machine: Machine, levels: dict[int, Level]) -> int:
+    """Seeds, of ``args.seeds``, in which a constant load at ``rate`` moved Packrat after its first
+    15 s (the integration test's allowance for leaving the initial B=1)."""
+    count = 0
+    for seed in range(args.seeds):
+        arrivals = poisson_arrivals([(args.constant_seconds, rate)], random.Random(1000 + seed))
+        policy = ReconfigurationPolicy(list(levels.values()), PolicyConfig(up_rule=rule))
+        _, swaps = simulate(arrivals, machine, policy=policy, levels=levels)
+        count += any(t > 15.0 - LEAD_S for t, _, _ in swaps)
+    return count
 
 
 def render(data: dict[str, Any]) -> str:
@@ -241,6 +259,10 @@ def render(data: dict[str, Any]) -> str:
           f"{r['min_ms']:.0f}-{r['max_ms']:.0f}", f"{r['vs_static']:.2f}×", f"{r['swaps']:g}"]
          for r in data["rows"]],
     )  # fmt: skip
+    constant = markdown_table(
+        ["growing rule", *(f"{r:g} req/s" for r in data["constant_rates"])],
+        [[rule, *(f"{n} of {data['seeds']}" for n in counts)] for rule, counts in data["constant"].items()],
+    )
     slow = ", ".join(f"{t} thread(s) {s:g}×" for t, s in data["true_slowdown"].items())
     return (
         f"# Packrat's policy in a queue model: diurnal load, T={data['cores']}\n\n"
@@ -249,6 +271,8 @@ def render(data: dict[str, Any]) -> str:
         f"serves one version. Diurnal sine between {data['low']:.1f} and {data['high']:.1f} req/s over "
         f"{data['diurnal_seconds']:.0f} s, {data['seeds']} seeds of Poisson arrivals, the same arrivals for every "
         f"system. Oracle t: the split above t req/s of the true rate, the fat worker below.\n\n{table}\n\n"
+        f"Constant loads of {data['constant_seconds']:.0f} s from the fat worker (B=1): seeds in which Packrat "
+        f"moved after the first 15 s.\n\n{constant}\n\n"
         f"Profile: `{data['profile_path']}` (largest capacity {data['capacity']:.1f} req/s).\n\n"
         f"![mean latency per seed]({data['stem']}.png)\n\n{provenance_block(data['provenance'])}"
     )
@@ -286,10 +310,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--diurnal-seconds", type=float, default=120.0)
     parser.add_argument("--seeds", type=int, default=12)
     parser.add_argument("--thresholds", default="6,8,9,10,11,12,13", help="oracle thresholds, req/s")
+    parser.add_argument("--constant-rates", default="6,7,8,9,10", help="constant loads to count late moves at, req/s")
+    parser.add_argument("--constant-seconds", type=float, default=75.0)
     parser.add_argument("--stem", default=None, help="output file stem (default packrat_policy_sim_MODEL)")
     add_output_arguments(parser)
     args = parser.parse_args(argv)
     args.thresholds = [float(t) for t in args.thresholds.split(",") if t]
+    args.constant_rates = [float(r) for r in args.constant_rates.split(",") if r]
     if not args.profile.is_file():
         parser.error(f"no profile at {args.profile}: `packrat profile --model resnet50` measures one")
     profile = load_profile(args.profile, check_machine=False)  # a model of the machine the profile was taken on
