@@ -62,7 +62,11 @@ A move happens only when all of these hold:
   a 60 s rise).  Moves between batch caps of one split keep the bound rule:
   the model credits a larger cap for free, and in expectation would always
   drift to the largest.  The *worth it* test below still reads the measured
-  rate, so a move still needs the split to be better at the rate as measured;
+  rate, so a move still needs the split to be better at the rate as measured.
+  Not the default: near the crossover a constant load's noisy long window
+  sooner or later reads high enough, and the rule moves once under a load
+  that did not change (bench/packrat_policy_sim.py: 11 of 24 seeds at a
+  constant 8 req/s on the 2-core VM's profile, 0 under the bound rule);
 - **persistence.** The same direction has been wanted for ``up_confirm_s``
   (growing) or ``down_confirm_s`` (shrinking): noise does not flap;
 - **clean signal.** For ``depth_settle_s`` after a swap the queue-depth
