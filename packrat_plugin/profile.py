@@ -89,15 +89,6 @@ class HandlerCost:
     per_request_ms: dict[int, float]
     requests: int = 0  # requests timed per thread count
 
-    def ms(self, threads: int) -> float:
-        """At ``threads``; a count not measured takes the nearest one below (else above)."""
-        if not self.per_request_ms:
-            return 0.0
-        if threads in self.per_request_ms:
-            return self.per_request_ms[threads]
-        below = [t for t in self.per_request_ms if t < threads]
-        return self.per_request_ms[max(below) if below else min(self.per_request_ms)]
-
     def to_dict(self) -> dict[str, Any]:
         return {
             "per_request_ms": {str(t): round(ms, 3) for t, ms in sorted(self.per_request_ms.items())},

@@ -57,13 +57,12 @@ def test_profile_round_trips(tmp_path):
     assert load_profile(out, check_machine=False) == profile
 
 
-def test_the_handlers_cost_round_trips_and_fills_thread_counts_not_measured(tmp_path):
+def test_the_handlers_cost_round_trips(tmp_path):
     assert load_profile(write(tmp_path, GOOD), check_machine=False).handler is None  # the model alone
     data = dict(GOOD, handler={"per_request_ms": {"1": 6.5, "4": 5.0}, "requests": 32})
     profile = load_profile(write(tmp_path, data), check_machine=False)
     handler = profile.handler
     assert handler.per_request_ms == {1: 6.5, 4: 5.0} and handler.requests == 32
-    assert [handler.ms(t) for t in (1, 2, 4, 8)] == [6.5, 6.5, 5.0, 5.0]  # nearest measured count below
     out = tmp_path / "out.json"
     profile.save(out)
     assert load_profile(out, check_machine=False).handler == handler
