@@ -1,0 +1,57 @@
+"""The queue model behind bench/packrat_policy_sim.py, on arrivals worked out by hand."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from bench.packrat_policy_sim import LEAD_S, Machine, TrueRate, diurnal, parse_slowdowns, simulate
+
+# Rounds of 100 ms for one request and 150 ms for two, on one thread; no overhead, no slowdown.
+MACHINE = Machine({(1, 1): 100.0, (1, 2): 150.0}, {1: 1.0}, 0.0)
+
+
+def test_one_worker_serves_in_arrival_order_and_a_late_arrival_waits():
+    t = LEAD_S
+    # 100 ms; the second waits 50 ms for the first, then 100 ms; the third finds it idle.
+    mean, swaps = simulate([t, t + 0.05, t + 0.5], MACHINE, (1, 1, 1))
+    assert mean == pytest.approx((100 + 150 + 100) / 3) and swaps == []
+
+
+def test_workers_of_one_setting_share_one_queue():
+    t = LEAD_S
+    mean, _ = simulate([t, t, t], MACHINE, (2, 1, 1))  # two at once, the third after the first round
+    assert mean == pytest.approx((100 + 100 + 200) / 3)
+
+
+def test_a_worker_takes_what_is_queued_up_to_its_cap():
+    t = LEAD_S
+    # The first runs alone (nothing else queued yet); the next two, queued meanwhile, run as one round of 2.
+    mean, _ = simulate([t, t + 0.01, t + 0.02], MACHINE, (1, 1, 2))
+    assert mean == pytest.approx((100 + (250 - 10) + (250 - 20)) / 3)
+
+
+def test_requests_in_the_lead_are_served_but_not_counted():
+    mean, _ = simulate([0.0, LEAD_S + 1.0], MACHINE, (1, 1, 1))
+    assert mean == pytest.approx(100.0)
+
+
+def test_slowdown_and_overhead_scale_a_round():
+    machine = Machine({(2, 2): 100.0}, {2: 1.5}, 4.0)
+    assert machine.round_s(2, 2) == pytest.approx((150.0 + 8.0) / 1000)
+
+
+def test_the_true_rate_follows_the_diurnal_pieces():
+    phases = diurnal(2.0, 14.0, 120.0)
+    assert len(phases) == 24 and sum(s for s, _ in phases) == pytest.approx(120.0)
+    rate = TrueRate(phases)
+    assert rate.at(0.0) == phases[0][1]  # the lead plays the opening rate
+    assert rate.at(LEAD_S + 60.0) == max(r for _, r in phases)
+
+
+def test_bad_slowdowns_are_refused():
+    assert parse_slowdowns("1=1.0,2=1.1") == {1: 1.0, 2: 1.1}
+    for bad in ("1=0", "x=1", "0=1.0", "1"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_slowdowns(bad)
