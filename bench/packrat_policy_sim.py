@@ -17,9 +17,10 @@ Systems:
 - **packrat (bound / expected)**: the real ``ReconfigurationPolicy`` and
   ``LoadMonitor`` with each growing rule, deciding every 0.25 s; a swap is
   warm (the new set takes the queue when the old set's batches end);
-- **oracle**: the split above a threshold of the *true* rate, the fat worker
-  below it, at the best threshold of a grid: no policy that reads arrivals
-  can beat it by much.
+- **oracles**: the level the policy's own model calls best at the *true*
+  rate, and the split of most capacity above a threshold of the true rate
+  (the fat worker below it), at each threshold of a grid: no policy that
+  reads arrivals can beat the best of them by much.
 
 And, for each growing rule, how often a *constant* load moves Packrat after
 its first 15 s: the price of reacting early to a rise.
@@ -42,6 +43,7 @@ import math
 import random
 import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +56,7 @@ from bench.report import add_output_arguments, markdown_table, new_figure, prove
 from packrat_plugin.calibration import Calibration
 from packrat_plugin.load_monitor import LoadMonitor, MonitorConfig
 from packrat_plugin.optimizer import KnapsackOptimizer
+from packrat_plugin.plan_types import format_instances
 from packrat_plugin.policy import Decision, Level, PolicyConfig, ReconfigurationPolicy, levels_for
 from packrat_plugin.profile import Profile, load_profile
 
@@ -71,7 +74,20 @@ class Machine:
     overhead_ms: float
 
     def round_s(self, threads: int, k: int) -> float:
-        return (self.latency_ms[(threads, k)] * self.slowdown.get(threads, 1.0) + k * self.overhead_ms) / 1000.0
+        return (self.model_ms(threads, k) * self.slowdown.get(threads, 1.0) + k * self.overhead_ms) / 1000.0
+
+    def model_ms(self, threads: int, k: int) -> float:
+        """The profiled round of ``k``; between two profiled batch sizes (a profile of powers of
+        two), on the straight line between them: a worker takes whatever is queued."""
+        if (threads, k) in self.latency_ms:
+            return self.latency_ms[(threads, k)]
+        sizes = sorted(b for t, b in self.latency_ms if t == threads)
+        below = max((b for b in sizes if b < k), default=None)
+        above = min((b for b in sizes if b > k), default=None)
+        if below is None or above is None:
+            raise KeyError(f"no profiled batch around {k} at {threads} thread(s): {sizes}")
+        lo, hi = self.latency_ms[(threads, below)], self.latency_ms[(threads, above)]
+        return lo + (hi - lo) * (k - below) / (above - below)
 
 
 def diurnal(low: float, high: float, period_s: float) -> list[tuple[float, float]]:
@@ -115,14 +131,15 @@ class TrueRate:
 
 
 class Oracle:
-    """The split above ``threshold`` req/s of the true rate, the fat level below."""
+    """Serves at every tick the level ``choose`` picks for the true rate: no noise, no delay."""
 
-    def __init__(self, fat: Level, split: Level, threshold: float, rate: TrueRate) -> None:
-        self.fat, self.split, self.threshold, self.rate = fat, split, threshold, rate
+    def __init__(self, choose: Callable[[float], Level], rate: TrueRate) -> None:
+        self.choose, self.rate = choose, rate
 
     def observe(self, obs: Any, current: int, warm: Any) -> Decision | None:
-        want = self.split if self.rate.at(obs.now) >= self.threshold else self.fat
-        return None if want.batch == current else Decision(want, self.rate.at(obs.now), "oracle", 0.0, 0.0, True)
+        rate = self.rate.at(obs.now)
+        want = self.choose(rate)
+        return None if want.batch == current else Decision(want, rate, "oracle", 0.0, 0.0, True)
 
     def record_swap(self, *_: Any) -> None:
         pass
@@ -200,9 +217,13 @@ def run(args: argparse.Namespace, profile: Profile) -> dict[str, Any]:
     # The controller plans with the slowdown measured on the set it serves on: the fat worker, at first.
     calibration = Calibration(slowdown=args.true_slowdown.get(cores, 1.0), overhead_ms=args.overhead_ms, updates=1)
     levels = {b: dataclasses.replace(lv, calibration=calibration) for b, lv in bare.items()}
-    split = min((lv for lv in levels.values() if lv.plan.instances[0].threads == 1), key=lambda lv: lv.batch)
+    # The threshold oracles' split: the level of most capacity among those with fewer threads a worker.
+    split = max((lv for lv in levels.values() if lv.plan.instances[0].threads < cores),
+                key=lambda lv: (lv.capacity, -lv.batch))  # fmt: skip
+    model = ReconfigurationPolicy(list(levels.values()))
     phases = diurnal(args.low * capacity, args.high * capacity, args.diurnal_seconds)
-    systems = ["fat", "static", "packrat (bound)", "packrat (expected)"] + [f"oracle {t:g}" for t in args.thresholds]
+    systems = ["fat", "static", "packrat (bound)", "packrat (expected)", "oracle best"]
+    systems += [f"oracle {t:g}" for t in args.thresholds]
     means: dict[str, list[float]] = {s: [] for s in systems}
     moves: dict[str, list[int]] = {s: [] for s in systems}
     for seed in tqdm(range(args.seeds), desc="seeds", unit="seed"):
@@ -217,7 +238,12 @@ def run(args: argparse.Namespace, profile: Profile) -> dict[str, Any]:
                 policy = ReconfigurationPolicy(list(levels.values()), PolicyConfig(up_rule=rule))
                 mean, swaps = simulate(arrivals, machine, policy=policy, levels=levels)
             else:
-                oracle = Oracle(levels[1], split, float(system.split()[1]), TrueRate(phases))
+                if system == "oracle best":
+                    choose = model.best
+                else:
+                    threshold = float(system.split()[1])
+                    choose = lambda rate, t=threshold: split if rate >= t else levels[1]  # noqa: E731
+                oracle = Oracle(choose, TrueRate(phases))
                 mean, swaps = simulate(arrivals, machine, policy=oracle, levels=levels)
             means[system].append(mean)
             moves[system].append(len(swaps))
@@ -234,6 +260,7 @@ def run(args: argparse.Namespace, profile: Profile) -> dict[str, Any]:
         "profile_path": str(args.profile), "cores": cores, "capacity": capacity, "seeds": args.seeds,
         "low": args.low * capacity, "high": args.high * capacity, "diurnal_seconds": args.diurnal_seconds,
         "true_slowdown": {str(t): s for t, s in args.true_slowdown.items()}, "overhead_ms": args.overhead_ms,
+        "split": format_instances([dataclasses.asdict(i) for i in split.plan.instances]),
         "rows": rows, "best_oracle": min(oracles, key=lambda r: r["mean_ms"])["system"] if oracles else None,
         "per_seed": means, "provenance": provenance("bench.packrat_policy_sim"),
         "constant_rates": args.constant_rates, "constant_seconds": args.constant_seconds, "constant": constant,
@@ -270,7 +297,8 @@ def render(data: dict[str, Any]) -> str:
         f"slowdown per thread count ({slow}) + {data['overhead_ms']:g} ms per request, served as TorchServe "
         f"serves one version. Diurnal sine between {data['low']:.1f} and {data['high']:.1f} req/s over "
         f"{data['diurnal_seconds']:.0f} s, {data['seeds']} seeds of Poisson arrivals, the same arrivals for every "
-        f"system. Oracle t: the split above t req/s of the true rate, the fat worker below.\n\n{table}\n\n"
+        f"system. Oracle best: the level the policy's own (calibrated) model calls best at the true rate; oracle "
+        f"t: {data['split']} above t req/s of the true rate, the fat worker below.\n\n{table}\n\n"
         f"Constant loads of {data['constant_seconds']:.0f} s from the fat worker (B=1): seeds in which Packrat "
         f"moved after the first 15 s.\n\n{constant}\n\n"
         f"Profile: `{data['profile_path']}` (largest capacity {data['capacity']:.1f} req/s).\n\n"

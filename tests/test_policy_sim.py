@@ -42,6 +42,13 @@ def test_slowdown_and_overhead_scale_a_round():
     assert machine.round_s(2, 2) == pytest.approx((150.0 + 8.0) / 1000)
 
 
+def test_a_batch_between_two_profiled_sizes_is_interpolated():
+    machine = Machine({(1, 2): 200.0, (1, 4): 400.0, (1, 8): 700.0}, {1: 1.0}, 0.0)
+    assert machine.round_s(1, 3) == pytest.approx(0.3) and machine.round_s(1, 6) == pytest.approx(0.55)
+    with pytest.raises(KeyError):
+        machine.round_s(1, 16)  # past the profile: no cap of a level goes there
+
+
 def test_the_true_rate_follows_the_diurnal_pieces():
     phases = diurnal(2.0, 14.0, 120.0)
     assert len(phases) == 24 and sum(s for s, _ in phases) == pytest.approx(120.0)
