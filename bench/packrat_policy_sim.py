@@ -40,7 +40,6 @@ import argparse
 import dataclasses
 import heapq
 import math
-import random
 import statistics
 import sys
 from collections.abc import Callable
@@ -52,9 +51,11 @@ if __package__ in (None, ""):  # `python bench/packrat_policy_sim.py` from the r
 
 from tqdm import tqdm
 
+from bench.packrat_swap import diurnal_phases
 from bench.report import add_output_arguments, markdown_table, new_figure, provenance, provenance_block, publish
-from packrat_plugin.calibration import Calibration
+from packrat_plugin.calibration import Calibration, profiled_round_ms
 from packrat_plugin.load_monitor import LoadMonitor, MonitorConfig
+from packrat_plugin.loadgen import arrival_times
 from packrat_plugin.optimizer import KnapsackOptimizer
 from packrat_plugin.plan_types import format_instances
 from packrat_plugin.policy import Decision, Level, PolicyConfig, ReconfigurationPolicy, levels_for
@@ -79,39 +80,15 @@ class Machine:
     def model_ms(self, threads: int, k: int) -> float:
         """The profiled round of ``k``; between two profiled batch sizes (a profile of powers of
         two), on the straight line between them: a worker takes whatever is queued."""
-        if (threads, k) in self.latency_ms:
-            return self.latency_ms[(threads, k)]
-        sizes = sorted(b for t, b in self.latency_ms if t == threads)
-        below = max((b for b in sizes if b < k), default=None)
-        above = min((b for b in sizes if b > k), default=None)
-        if below is None or above is None:
-            raise KeyError(f"no profiled batch around {k} at {threads} thread(s): {sizes}")
-        lo, hi = self.latency_ms[(threads, below)], self.latency_ms[(threads, above)]
-        return lo + (hi - lo) * (k - below) / (above - below)
+        rounds = tuple((b, ms) for (t, b), ms in self.latency_ms.items() if t == threads)
+        if not rounds or k > max(b for b, _ in rounds):
+            raise KeyError(f"no profiled batch around {k} at {threads} thread(s): {sorted(b for b, _ in rounds)}")
+        return profiled_round_ms(rounds, k)
 
 
-def diurnal(low: float, high: float, period_s: float) -> list[tuple[float, float]]:
-    """``bench/packrat_swap.py``'s diurnal load: [(seconds, rate)] pieces of a sine."""
-    pieces = max(8, int(period_s / 5))
-    return [
-        (period_s / pieces, low + (high - low) * 0.5 * (1 - math.cos(2 * math.pi * (i + 0.5) / pieces)))
-        for i in range(pieces)
-    ]
-
-
-def poisson_arrivals(phases: list[tuple[float, float]], rng: random.Random) -> list[float]:
+def poisson_arrivals(phases: list[tuple[float, float]], rng_seed: int) -> list[float]:
     """Arrival times; the first phase's rate is also played for ``LEAD_S`` before it."""
-    out: list[float] = []
-    t = 0.0
-    for seconds, rate in [(LEAD_S, phases[0][1]), *phases]:
-        end = t + seconds
-        while True:
-            t += rng.expovariate(rate)
-            if t >= end:
-                t = end
-                break
-            out.append(t)
-    return out
+    return arrival_times([(LEAD_S, phases[0][1]), *phases], seed=rng_seed)
 
 
 class TrueRate:
@@ -221,13 +198,13 @@ def run(args: argparse.Namespace, profile: Profile) -> dict[str, Any]:
     split = max((lv for lv in levels.values() if lv.plan.instances[0].threads < cores),
                 key=lambda lv: (lv.capacity, -lv.batch))  # fmt: skip
     model = ReconfigurationPolicy(list(levels.values()))
-    phases = diurnal(args.low * capacity, args.high * capacity, args.diurnal_seconds)
+    phases = diurnal_phases(args.low * capacity, args.high * capacity, args.diurnal_seconds)
     systems = ["fat", "static", "packrat (bound)", "packrat (expected)", "oracle best"]
     systems += [f"oracle {t:g}" for t in args.thresholds]
     means: dict[str, list[float]] = {s: [] for s in systems}
     moves: dict[str, list[int]] = {s: [] for s in systems}
     for seed in tqdm(range(args.seeds), desc="seeds", unit="seed"):
-        arrivals = poisson_arrivals(phases, random.Random(seed))
+        arrivals = poisson_arrivals(phases, seed)
         for system in systems:
             if system == "fat":
                 mean, swaps = simulate(arrivals, machine, (1, cores, 1))
@@ -272,7 +249,7 @@ def late_moves(rate: float, rule: str, args: argparse.Namespace, machine: Machin
     15 s (the integration test's allowance for leaving the initial B=1)."""
     count = 0
     for seed in range(args.seeds):
-        arrivals = poisson_arrivals([(args.constant_seconds, rate)], random.Random(1000 + seed))
+        arrivals = poisson_arrivals([(args.constant_seconds, rate)], 1000 + seed)
         policy = ReconfigurationPolicy(list(levels.values()), PolicyConfig(up_rule=rule))
         _, swaps = simulate(arrivals, machine, policy=policy, levels=levels)
         count += any(t > 15.0 - LEAD_S for t, _, _ in swaps)

@@ -66,13 +66,16 @@ def load_shapes(low: float, high: float, args: argparse.Namespace) -> dict[str, 
     scale = 0.5 if args.quick else 1.0
     step = [(15 * scale, low), (30 * scale, high)]
     spike = [(15 * scale, low), (10.0, high), (20 * scale, low)]
-    period = args.diurnal_seconds * scale
-    pieces = max(8, int(period / 5))
-    diurnal = [
-        (period / pieces, low + (high - low) * 0.5 * (1 - math.cos(2 * math.pi * (i + 0.5) / pieces)))
+    return {"step": step, "spike": spike, "diurnal": diurnal_phases(low, high, args.diurnal_seconds * scale)}
+
+
+def diurnal_phases(low: float, high: float, period_s: float) -> list[tuple[float, float]]:
+    """A slow sine from ``low`` up to ``high`` and back over ``period_s``, in ~5 s pieces."""
+    pieces = max(8, int(period_s / 5))
+    return [
+        (period_s / pieces, low + (high - low) * 0.5 * (1 - math.cos(2 * math.pi * (i + 0.5) / pieces)))
         for i in range(pieces)
     ]
-    return {"step": step, "spike": spike, "diurnal": diurnal}
 
 
 LOAD_CHANGES = {"step": 1, "spike": 2, "diurnal": 2}  # diurnal: up, then down

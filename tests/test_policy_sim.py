@@ -6,7 +6,8 @@ import argparse
 
 import pytest
 
-from bench.packrat_policy_sim import LEAD_S, Machine, TrueRate, diurnal, parse_slowdowns, simulate
+from bench.packrat_policy_sim import LEAD_S, Machine, TrueRate, parse_slowdowns, simulate
+from bench.packrat_swap import diurnal_phases
 
 # Rounds of 100 ms for one request and 150 ms for two, on one thread; no overhead, no slowdown.
 MACHINE = Machine({(1, 1): 100.0, (1, 2): 150.0}, {1: 1.0}, 0.0)
@@ -50,7 +51,7 @@ def test_a_batch_between_two_profiled_sizes_is_interpolated():
 
 
 def test_the_true_rate_follows_the_diurnal_pieces():
-    phases = diurnal(2.0, 14.0, 120.0)
+    phases = diurnal_phases(2.0, 14.0, 120.0)
     assert len(phases) == 24 and sum(s for s, _ in phases) == pytest.approx(120.0)
     rate = TrueRate(phases)
     assert rate.at(0.0) == phases[0][1]  # the lead plays the opening rate
