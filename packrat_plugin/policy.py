@@ -48,7 +48,10 @@ A move happens only when all of these hold:
   move after 4 of 16 steps and moves under 6 of 30 constant loads.  The *target* is the best
   level at the upper bound of the short-window rate (a larger cap costs
   little), so one step of load gives one move, not a walk through the
-  levels in between.
+  levels in between; unless a smaller level is better by ``min_gain`` in
+  expectation over the rate's noise (on 16 cores the level best at the
+  upper bound, 8×⟨2,1⟩, can be half again as slow per request as 2×⟨8,1⟩,
+  which keeps up with all but the tail: ``growing_target``).
   With ``up_rule="expected"`` a move to another split of the cores (say
   one 2-thread worker → two 1-thread workers) may also grow when the long
   window says so *in expectation*: each level's latency is averaged over
@@ -349,6 +352,33 @@ class ReconfigurationPolicy:
             return max(self.levels, key=lambda lv: (lv.capacity, -lv.batch))
         return min(finite, key=lambda lv: (lv.predicted_latency_s(rate), lv.batch))
 
+    def growing_target(self, rate: float, span_s: float, high: float) -> Level:
+        """The level to grow to at a rate measured as ``rate·span_s`` arrivals,
+        ``high`` its upper bound: :meth:`best` at ``high``, unless a smaller
+        level is better by ``min_gain`` in expectation over the rate's noise.
+
+        Choosing at the upper bound keeps one move per change of load: a
+        target that copes with the high end is not left behind by the next
+        burst.  But on many cores the level that copes best with the high end
+        (8×⟨2,1⟩ of 16 cores, by its capacity) can be much slower per request
+        than one that copes with all but the tail (2×⟨8,1⟩); growing to it
+        overshot, and either stayed or came back.  In expectation a level the
+        tail would overload still pays for the backlog it would build
+        (:meth:`Level.latency_within_s`), so the smaller one wins only where
+        it keeps up.
+        """
+        robust = self.best(high)
+        h = self.costs.horizon_s
+        smaller = [lv for lv in self.levels if lv.batch < robust.batch]
+        if not smaller:
+            return robust
+        lighter = min(smaller, key=lambda lv: (lv.expected_latency_s(rate, span_s, h), lv.batch))
+        if lighter.expected_latency_s(rate, span_s, h) < robust.expected_latency_s(rate, span_s, h) * (
+            1.0 - self.config.min_gain
+        ):
+            return lighter
+        return robust
+
     def record_swap(self, now: float, serving_after_s: float, warm: bool) -> None:
         self.costs.record_swap(now, serving_after_s, warm, self.config.min_horizon_s)
         self._direction, self._last_wanted = 0, -math.inf
@@ -428,7 +458,7 @@ class ReconfigurationPolicy:
         if obs.now < self._depth_quiet_until:
             obs = dataclasses.replace(obs, backlog_growing=False, concurrency=0.0)
         floor = self.floor_level(obs.concurrency)
-        up = self.best(short_high)
+        up = self.growing_target(rate, obs.short_span_s, short_high)
         if up.batch > cur.batch and self._wants_up(up, cur, obs, rate_low):
             # The larger of the two, unless the rate model calls the floor worse.
             target = floor if floor.batch > up.batch and self._no_worse(floor, up, short_high) else up
