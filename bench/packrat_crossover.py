@@ -7,7 +7,7 @@ batch 1) and ``static`` (one pinned 1-thread worker per core, batch 1), the
 two settings Packrat chooses between on a small machine.  At each open-loop
 Poisson rate the two take turns (same arrival sequence).  Beside each
 measured mean latency stands what Packrat's policy predicts for that setting
-(``policy.Level``: an M/D/i queue over the profiled round time), calibrated
+(``levels.Level``: an M/D/i queue over the profiled round time), calibrated
 with what the workers' own counters measured in that run (the model's time
 and the handler's time outside it), so the table shows how good the
 queueing model is once the service time is known.
@@ -41,9 +41,9 @@ from model_store.build import ARCHIVE_DIR, build_archive
 from model_store.catalog import get_spec
 from model_store.samples import client_payload
 from packrat_plugin.calibration import Calibration
+from packrat_plugin.levels import Level
 from packrat_plugin.loadgen import open_loop, run
 from packrat_plugin.plans import PLAN_DIR_ENV, PlanStore
-from packrat_plugin.policy import Level
 from packrat_plugin.profiler import profile_for_this_machine
 from packrat_plugin.swapper import ActivePassiveSwapper, SwapperConfig, version_name
 from packrat_plugin.topology import CpuTopology

@@ -54,11 +54,12 @@ from tqdm import tqdm
 from bench.packrat_swap import diurnal_phases
 from bench.report import add_output_arguments, markdown_table, new_figure, provenance, provenance_block, publish
 from packrat_plugin.calibration import Calibration, profiled_round_ms
+from packrat_plugin.levels import Level, levels_for
 from packrat_plugin.load_monitor import LoadMonitor, MonitorConfig
 from packrat_plugin.loadgen import arrival_times
 from packrat_plugin.optimizer import KnapsackOptimizer
 from packrat_plugin.plan_types import format_instances
-from packrat_plugin.policy import Decision, Level, PolicyConfig, ReconfigurationPolicy, levels_for
+from packrat_plugin.policy import Decision, PolicyConfig, ReconfigurationPolicy
 from packrat_plugin.profile import Profile, load_profile
 
 PERIOD_S = 0.25

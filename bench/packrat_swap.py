@@ -48,11 +48,12 @@ from model_store.build import ARCHIVE_DIR, build_archive
 from model_store.catalog import get_spec
 from model_store.samples import client_payload
 from packrat_plugin.controller import ControllerConfig, ModelTarget, PackratController
+from packrat_plugin.levels import levels_for
 from packrat_plugin.loadgen import LoadResult, Sample, open_loop, run
 from packrat_plugin.optimizer import KnapsackOptimizer, serving_costs
 from packrat_plugin.plan_types import Plan, PlanItem, format_instances
 from packrat_plugin.plans import PLAN_DIR_ENV, PlanStore
-from packrat_plugin.policy import UP_RULES, PolicyConfig, levels_for
+from packrat_plugin.policy import UP_RULES, PolicyConfig
 from packrat_plugin.profiler import profile_for_this_machine
 from packrat_plugin.swapper import ActivePassiveSwapper, SwapperConfig
 from packrat_plugin.topology import CpuTopology

@@ -2,7 +2,7 @@
 
 Every served model has a predicted mean latency for each number of cores it
 could get, at the arrival rate it has now: ``W_m(c)``, from its profile and
-the reconfiguration policy's queueing model (``policy.Level``; the
+the reconfiguration policy's queueing model (``levels.Level``; the
 controller builds the table, see ``controller.PackratController``).  The
 division gives model ``m`` ``c_m ≥ min_cores`` cores with ``Σ c_m = T`` and
 minimises one of two documented objectives (``packrat serve --share-objective``):

@@ -8,10 +8,11 @@ import statistics
 
 import pytest
 
+from packrat_plugin.levels import Level, levels_for
 from packrat_plugin.load_monitor import LoadMonitor, MonitorConfig
 from packrat_plugin.optimizer import KnapsackOptimizer
 from packrat_plugin.plan_types import Plan, PlanItem
-from packrat_plugin.policy import Level, Observation, PolicyConfig, ReconfigurationPolicy, levels_for
+from packrat_plugin.policy import Observation, PolicyConfig, ReconfigurationPolicy
 from packrat_plugin.profile import Profile, ProfilePoint
 
 PERIOD = 0.25
@@ -291,7 +292,7 @@ def test_queue_growth_right_after_a_swap_is_the_swaps_own_and_is_ignored():
 
 
 def test_erlang_c_matches_its_closed_forms():
-    from packrat_plugin.policy import erlang_c
+    from packrat_plugin.levels import erlang_c
 
     for rho in (0.1, 0.5, 0.9):
         assert erlang_c(1, rho) == pytest.approx(rho)  # one server: wait iff busy
