@@ -261,11 +261,7 @@ class ReconfigurationPolicy:
         if not smaller:
             return robust
         lighter = min(smaller, key=lambda lv: (lv.expected_latency_s(rate, span_s, h), lv.batch))
-        if lighter.expected_latency_s(rate, span_s, h) < robust.expected_latency_s(rate, span_s, h) * (
-            1.0 - self.config.min_gain
-        ):
-            return lighter
-        return robust
+        return lighter if self._better_in_expectation(lighter, robust, rate, span_s) else robust
 
     def record_swap(self, now: float, serving_after_s: float, warm: bool) -> None:
         self.costs.record_swap(now, serving_after_s, warm, self.config.min_horizon_s)
@@ -316,8 +312,12 @@ class ReconfigurationPolicy:
             return True
         if self.config.up_rule == "bound" or worker_class(up) == worker_class(cur):
             return False
-        h, rate, span = self.costs.horizon_s, obs.rate_long, obs.long_span_s
-        return up.expected_latency_s(rate, span, h) < cur.expected_latency_s(rate, span, h) * (
+        return self._better_in_expectation(up, cur, obs.rate_long, obs.long_span_s)
+
+    def _better_in_expectation(self, new: Level, ref: Level, rate: float, span_s: float) -> bool:
+        """:meth:`_clearly_better` averaged over what a rate measured as ``rate·span_s`` arrivals may be."""
+        h = self.costs.horizon_s
+        return new.expected_latency_s(rate, span_s, h) < ref.expected_latency_s(rate, span_s, h) * (
             1.0 - self.config.min_gain
         )
 
