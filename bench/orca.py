@@ -1,6 +1,6 @@
 """Orca against request-level batching: throughput and latency under Poisson arrivals, in one run.
 
-    python -m bench.orca                       # GPT-2, max batch 8 and 16, six loads: about 15 minutes on 2 cores
+    python -m bench.orca                       # GPT-2, max batch 8 and 16, six loads: about 25 minutes on 2 cores
     python -m bench.orca --quick               # two loads, shorter runs
 
 The default request mix is the Orca paper's, scaled to a 2-core CPU: the
@@ -8,17 +8,24 @@ paper draws prompts of U(32, 512) tokens and U(1, 128) new tokens; here
 both are divided by 4 (``--prompt 8-128 --output 1-32``), so a request's
 output length varies as widely against its mean as in the paper.
 
-Both systems are the same engine (``handlers/orca/engine.py``) on the
-catalog GPT-2, driven in-process (no HTTP: both would pay it alike):
+Three systems on the catalog GPT-2, driven in-process (no HTTP: all would
+pay it alike):
 
-- ``orca``: iteration-level scheduling with selective batching; a request
-  joins at the next iteration and is answered when its last token is made;
-- ``request``: request-level batching, the paper's baseline (FasterTransformer
-  behind a batch window): a batch of up to ``max batch`` waiting requests
-  runs until its longest request is done, nobody joins it midway, and its
-  answers are held until then.  It starts as soon as the engine is free
-  (no batching delay) and finished requests stop computing, both in the
-  baseline's favour.
+- ``orca``: iteration-level scheduling with selective batching
+  (``handlers/orca/engine.py``); a request joins at the next iteration and
+  is answered when its last token is made;
+- ``request``: request-level batching, the paper's baseline
+  (FasterTransformer behind a batch window), on the same engine: a batch of
+  up to ``max batch`` waiting requests runs until its longest request is
+  done, nobody joins it midway, and its answers are held until then.  It
+  starts as soon as the engine is free (no batching delay), its prompts are
+  not padded and finished requests stop computing, all in the baseline's
+  favour: it isolates scheduling;
+- ``generate``: request-level batching as a TorchServe user writes it
+  without Orca (``handlers/orca/batch_generate.py``): the same batch window,
+  prompts left-padded to the longest, transformers' ``generate`` with its
+  KV cache computing every row until the batch's longest request is done.
+  ``--baselines request`` leaves it out.
 
 Load: Orca's sustainable throughput at the largest max batch is measured
 first (closed loop, twice that many requests in flight); then each system
@@ -28,7 +35,7 @@ systems' order reversed at every other load.  Throughput is answers per
 second from the first arrival to the last answer.  *At equal median
 latency*: for each point of the request-level curve, the most answers/s
 Orca served at a load where its median latency was no higher (measured
-points only, no interpolation).  Each system's closed-loop capacity is
+points only, no interpolation), against each baseline.  Each system's closed-loop capacity is
 measured too, and so is what one iteration costs at each batch size
 (decode steps, and a prompt's initiation), since that decides how much a
 fuller batch is worth.
@@ -61,6 +68,10 @@ from bench.report import (
 )
 
 VOCAB = 50257
+BASELINES = {
+    "request": "request-level batching on Orca's engine (no padding, finished requests stop computing)",
+    "generate": "request-level batching through transformers' generate (padded, every row runs to the batch's end)",
+}
 
 
 def _range(text: str) -> tuple[int, int]:
@@ -159,19 +170,24 @@ def iteration_costs(model: Any, batches: list[int], context: int, prompt: int, r
 def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     import torch
 
+    from handlers.orca.batch_generate import BatchGenerateEngine
     from handlers.orca.engine import OrcaEngine
     from handlers.orca.gpt2 import SelectiveGPT2
     from model_store.catalog import get_spec
     from model_store.factory import build_model
 
-    model = SelectiveGPT2(build_model(get_spec("gpt2")).model)
+    hf = build_model(get_spec("gpt2")).model
+    model = SelectiveGPT2(hf)  # shares hf's weights
     max_tokens = args.prompt[1] + args.output[1]
-    systems = [(policy, b) for b in args.max_batches for policy in ("orca", "request")]
-    engines = {
-        (policy, b): OrcaEngine(model, slots=max(args.max_batches), max_tokens=max_tokens, max_batch=b,
-                                max_new_tokens=args.output[1], iteration_level=policy == "orca")
-        for policy, b in systems
-    }  # fmt: skip
+    systems = [(policy, b) for b in args.max_batches for policy in ("orca", *args.baselines)]
+
+    def engine_for(policy: str, b: int) -> Any:
+        if policy == "generate":
+            return BatchGenerateEngine(hf, max_batch=b, max_new_tokens=args.output[1], max_tokens=max_tokens)
+        return OrcaEngine(model, slots=max(args.max_batches), max_tokens=max_tokens, max_batch=b,
+                          max_new_tokens=args.output[1], iteration_level=policy == "orca")  # fmt: skip
+
+    engines = {(policy, b): engine_for(policy, b) for policy, b in systems}
     rows = []
     try:
         for engine in engines.values():  # warm-up: the first iterations pay lazy initialisation
@@ -214,6 +230,7 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "output": list(args.output),
         "seconds": args.seconds,
         "max_batches": args.max_batches,
+        "baselines": list(args.baselines),
         "rows": rows,
     }
 
@@ -225,20 +242,22 @@ def _best_within(points: list[dict], median: float) -> float | None:
 
 
 def summary(data: dict[str, Any]) -> list[dict[str, Any]]:
-    """Per max batch and request-level load: the most Orca served at that median latency or better, ÷ request-level's.
+    """Per baseline, max batch and load: the most Orca served at that median latency or better, ÷ the baseline's.
 
     No interpolation: a curve past its capacity is not monotone, and a
     measured point is what a claim can stand on.  None where Orca's median
     was above request-level's at every load.
     """
     out = []
-    for b in data["max_batches"]:
-        orca = [r for r in data["rows"] if r["policy"] == "orca" and r["max_batch"] == b]
-        for req in (r for r in data["rows"] if r["policy"] == "request" and r["max_batch"] == b):
-            best = _best_within(orca, req["median_s"])
-            out.append({"max_batch": b, "fraction": req["fraction"], "median_s": req["median_s"],
-                        "request_throughput": req["throughput"], "orca_throughput": best,
-                        "ratio": best / req["throughput"] if best and req["throughput"] else None})  # fmt: skip
+    for baseline in data.get("baselines", ["request"]):
+        for b in data["max_batches"]:
+            orca = [r for r in data["rows"] if r["policy"] == "orca" and r["max_batch"] == b]
+            for req in (r for r in data["rows"] if r["policy"] == baseline and r["max_batch"] == b):
+                best = _best_within(orca, req["median_s"])
+                out.append({"baseline": baseline, "max_batch": b, "fraction": req["fraction"],
+                            "median_s": req["median_s"], "request_throughput": req["throughput"],
+                            "orca_throughput": best,
+                            "ratio": best / req["throughput"] if best and req["throughput"] else None})  # fmt: skip
     return out
 
 
@@ -270,20 +289,22 @@ def render(data: dict[str, Any], stem: str) -> str:
         markdown_table(["system", "answers/s"], [[k, f"{v:.2f}"] for k, v in data["capacities"].items()]) + "\n",
         *_cost_lines(data.get("iteration_costs")),
         "## Throughput at equal median latency\n",
-        "For each request-level point: the most answers/s Orca (same max batch) served at any load of this run with "
-        "a median latency no higher, ÷ request-level's answers/s. Measured points only; '-': Orca's median was "
+        "For each baseline point: the most answers/s Orca (same max batch) served at any load of this run with "
+        "a median latency no higher, ÷ the baseline's answers/s. Measured points only; '-': Orca's median was "
         "higher at every load. Orca was not pushed past the loads listed, so where its median stayed below at "
-        "every load the ratio is what this run shows, not the most it could serve.\n",
+        "every load the ratio is what this run shows, not the most it could serve. Baselines: "
+        + "; ".join(f"`{b}`, {BASELINES[b]}" for b in data.get("baselines", ["request"]))
+        + ".\n",
     ]
 
     def num(value: float | None, fmt: str) -> str:
         return "-" if value is None else format(value, fmt)
 
-    table = [[s["max_batch"], f"{s['fraction']:.2f}", f"{s['median_s'] * 1e3:.0f}", f"{s['request_throughput']:.2f}",
-              num(s["orca_throughput"], ".2f"), num(s["ratio"], ".2f") + ("×" if s["ratio"] else "")]
-             for s in data["summary"]]  # fmt: skip
-    lines.append(markdown_table(["max batch", "load", "request-level median ms", "request-level answers/s",
-                                 "Orca answers/s at that median", "Orca ÷ request-level"], table) + "\n")  # fmt: skip
+    table = [[s.get("baseline", "request"), s["max_batch"], f"{s['fraction']:.2f}", f"{s['median_s'] * 1e3:.0f}",
+              f"{s['request_throughput']:.2f}", num(s["orca_throughput"], ".2f"),
+              num(s["ratio"], ".2f") + ("×" if s["ratio"] else "")] for s in data["summary"]]  # fmt: skip
+    lines.append(markdown_table(["baseline", "max batch", "load", "baseline median ms", "baseline answers/s",
+                                 "Orca answers/s at that median", "Orca ÷ baseline"], table) + "\n")  # fmt: skip
     lines.append("## Every run\n")
     runs = [[r["policy"], r["max_batch"], f"{r['fraction']:.2f}", f"{r['rate']:.2f}", r["requests"], r["failed"],
              f"{r['throughput']:.2f}", f"{r['tokens_per_s']:.1f}", f"{r['median_s'] * 1e3:.0f}",
@@ -297,12 +318,14 @@ def render(data: dict[str, Any], stem: str) -> str:
 
 def plot(data: dict[str, Any], path: Path) -> None:
     fig, ax = new_figure((6.4, 4.0))
+    names = {"orca": "Orca", "request": "request-level, same engine", "generate": "request-level, generate"}
     for b in data["max_batches"]:
-        for policy, style in (("orca", "o-"), ("request", "s--")):
+        for policy, style in (("orca", "o-"), ("request", "s--"), ("generate", "^:")):
             pts = sorted((r for r in data["rows"] if r["policy"] == policy and r["max_batch"] == b),
                          key=lambda r: r["rate"])  # fmt: skip
-            ax.plot([r["median_s"] for r in pts], [r["throughput"] for r in pts], style,
-                    label=f"{'Orca' if policy == 'orca' else 'request-level'}, max batch {b}")  # fmt: skip
+            if pts:
+                ax.plot([r["median_s"] for r in pts], [r["throughput"] for r in pts], style,
+                        label=f"{names[policy]}, max batch {b}")  # fmt: skip
     ax.set_xscale("log")
     save_figure(fig, ax, path, "median latency (s, log)", "throughput (answers/s)",
                 "GPT-2: throughput against median latency")  # fmt: skip
@@ -318,6 +341,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", default="1-32", help="new tokens per request, LOW-HIGH (paper: 1-128)")
     parser.add_argument("--capacity-seconds", type=float, default=15.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--baselines", default="request,generate",
+                        help=f"comma-separated, from {', '.join(BASELINES)}")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="loads 0.3 and 0.7, 8 s runs")
     parser.add_argument("--suffix", default="", help="appended to the output files' name (orca_gpt2<suffix>.*)")
     add_output_arguments(parser)
@@ -328,6 +353,10 @@ def main(argv: list[str] | None = None) -> int:
         args.max_batches = sorted({int(b) for b in args.max_batches.split(",")})
         args.fractions = [float(f) for f in args.fractions.split(",")]
         args.prompt, args.output = _range(args.prompt), _range(args.output)
+        args.baselines = [b for b in args.baselines.split(",") if b]
+        unknown = sorted(set(args.baselines) - set(BASELINES))
+        if unknown or not args.baselines:
+            raise ValueError(f"baselines must be some of {', '.join(BASELINES)}; got {unknown or 'none'}")
         if min(args.max_batches) < 1 or not all(f > 0 for f in args.fractions):
             raise ValueError("max batches must be ≥ 1 and fractions > 0")
         if args.prompt[1] + args.output[1] > 1024:

@@ -42,6 +42,24 @@ class _Entry:
     on_token: TokenCallback | None
 
 
+def check_request(prompt: Sequence[int], max_new_tokens: int, vocab: int, most_new: int, max_tokens: int) -> None:
+    """Raise ``GenerationError`` naming why a request cannot be served (any engine's admission rule)."""
+    if not prompt:
+        raise GenerationError("input_ids is empty")
+    bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+    if bad:
+        raise GenerationError(f"token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
+        raise GenerationError(f"max_new_tokens must be an integer, got {max_new_tokens!r}")
+    if not 1 <= max_new_tokens <= most_new:
+        raise GenerationError(f"max_new_tokens must be in 1..{most_new}, got {max_new_tokens}")
+    if len(prompt) + max_new_tokens > max_tokens:
+        raise GenerationError(
+            f"prompt of {len(prompt)} tokens + max_new_tokens {max_new_tokens} exceeds the "
+            f"{max_tokens} tokens a request may hold"
+        )
+
+
 class OrcaEngine:
     """Greedy generation for many requests at once, iteration by iteration."""
 
@@ -72,20 +90,7 @@ class OrcaEngine:
 
     def check(self, prompt: Sequence[int], max_new_tokens: int) -> None:
         """Raise ``GenerationError`` with the reason when a request cannot be served."""
-        if not prompt:
-            raise GenerationError("input_ids is empty")
-        bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.model.vocab]
-        if bad:
-            raise GenerationError(f"token id {bad[0]!r} is outside the vocabulary [0, {self.model.vocab})")
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
-            raise GenerationError(f"max_new_tokens must be an integer, got {max_new_tokens!r}")
-        if not 1 <= max_new_tokens <= self.max_new_tokens:
-            raise GenerationError(f"max_new_tokens must be in 1..{self.max_new_tokens}, got {max_new_tokens}")
-        if len(prompt) + max_new_tokens > self.max_tokens:
-            raise GenerationError(
-                f"prompt of {len(prompt)} tokens + max_new_tokens {max_new_tokens} exceeds the "
-                f"{self.max_tokens} tokens a request may hold"
-            )
+        check_request(prompt, max_new_tokens, self.model.vocab, self.max_new_tokens, self.max_tokens)
 
     def submit(self, prompt: Sequence[int], max_new_tokens: int, on_token: TokenCallback | None = None) -> Future:
         """Queue a request; its future gets the generated ids (a list) when it is done."""
