@@ -78,7 +78,7 @@ class BatchGenerateEngine:
         # is asked for explicitly: the catalog builds GPT-2 without one (its
         # plain handler runs one forward pass per request).
         self._pad_id = int(hf.config.eos_token_id)
-        self._config = GenerationConfig(do_sample=False, use_cache=True, pad_token_id=self._pad_id, eos_token_id=None)
+        self._generation_config = GenerationConfig
         self._queue: deque[_Waiting] = deque()
         self._running: list[_Waiting] = []  # the batch generate() is on
         self._cond = threading.Condition()
@@ -133,9 +133,12 @@ class BatchGenerateEngine:
 
     def _generate(self, batch: list[_Waiting]) -> list[list[int]]:
         ids, mask = padded_batch([w.prompt for w in batch], self._pad_id)
-        most = max(w.max_new_tokens for w in batch)
+        config = self._generation_config(
+            max_new_tokens=max(w.max_new_tokens for w in batch),  # every row runs this long
+            do_sample=False, use_cache=True, pad_token_id=self._pad_id, eos_token_id=None,
+        )  # fmt: skip
         with torch.inference_mode():
-            out = self.hf.generate(ids, attention_mask=mask, generation_config=self._config, max_new_tokens=most)
+            out = self.hf.generate(ids, attention_mask=mask, generation_config=config)
         start = ids.shape[1]
         return [out[row, start : start + w.max_new_tokens].tolist() for row, w in enumerate(batch)]
 
