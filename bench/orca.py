@@ -2,6 +2,7 @@
 
     python -m bench.orca                       # GPT-2, max batch 8 and 16, six loads: about 25 minutes on 2 cores
     python -m bench.orca --quick               # two loads, shorter runs
+    python -m bench.orca --device cuda         # on a GPU
 
 The default request mix is the Orca paper's, scaled to a 2-core CPU: the
 paper draws prompts of U(32, 512) tokens and U(1, 128) new tokens; here
@@ -151,16 +152,25 @@ def capacity(engine: Any, clients: int, seconds: float, prompt: tuple[int, int],
     return count / (time.perf_counter() - started)
 
 
-def iteration_costs(model: Any, batches: list[int], context: int, prompt: int, repeats: int = 15) -> dict[str, Any]:
+def iteration_costs(
+    model: Any, batches: list[int], context: int, prompt: int, device: str = "cpu", repeats: int = 15
+) -> dict[str, Any]:
     """Median ms of one decode iteration at each batch size (``context`` positions cached each) and of one prompt."""
+    import torch
+
     from handlers.orca.gpt2 import Step
     from handlers.orca.kv_cache import KVCache
 
-    kv = KVCache(model.kv_shape(max(batches), max(context + 1, prompt)))
+    kv = KVCache(model.kv_shape(max(batches), max(context + 1, prompt)), device=device)
     rng = random.Random(2)
 
     def median_ms(steps: list) -> float:
-        return 1e3 * median_seconds(lambda: model.iterate(steps, kv), repeats=repeats, warmup=3)
+        def iteration() -> None:
+            model.iterate(steps, kv)
+            if device == "cuda":  # a GPU runs it asynchronously: time it to its end
+                torch.cuda.synchronize()
+
+        return 1e3 * median_seconds(iteration, repeats=repeats, warmup=3)
 
     decode = {b: median_ms([Step([rng.randrange(VOCAB)], slot, context) for slot in range(b)]) for b in batches}
     initiation = median_ms([Step([rng.randrange(VOCAB) for _ in range(prompt)], 0, 0)])
@@ -176,7 +186,7 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     from model_store.catalog import get_spec
     from model_store.factory import build_model
 
-    hf = build_model(get_spec("gpt2")).model
+    hf = build_model(get_spec("gpt2")).model.to(args.device)
     model = SelectiveGPT2(hf)  # shares hf's weights
     max_tokens = args.prompt[1] + args.output[1]
     systems = [(policy, b) for b in args.max_batches for policy in ("orca", *args.baselines)]
@@ -185,7 +195,8 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         if policy == "generate":
             return BatchGenerateEngine(hf, max_batch=b, max_new_tokens=args.output[1], max_tokens=max_tokens)
         return OrcaEngine(model, slots=max(args.max_batches), max_tokens=max_tokens, max_batch=b,
-                          max_new_tokens=args.output[1], iteration_level=policy == "orca")  # fmt: skip
+                          max_new_tokens=args.output[1], device=args.device,
+                          iteration_level=policy == "orca")  # fmt: skip
 
     engines = {(policy, b): engine_for(policy, b) for policy, b in systems}
     rows = []
@@ -195,7 +206,7 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         biggest = max(args.max_batches)
         sizes = sorted({1, 2, 4, *args.max_batches})
         costs = iteration_costs(model, sizes, context=sum(args.prompt) // 2 + sum(args.output) // 4,
-                                prompt=sum(args.prompt) // 2)  # fmt: skip
+                                prompt=sum(args.prompt) // 2, device=args.device)  # fmt: skip
         # Each system's sustainable throughput, twice its max batch in flight; Orca's at the largest sets the loads.
         capacities = {f"{policy}-{b}": capacity(engines[(policy, b)], 2 * b, args.capacity_seconds, args.prompt,
                                                 args.output) for policy, b in systems}  # fmt: skip
@@ -223,6 +234,7 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     return {
         "model": "gpt2",
         "threads": torch.get_num_threads(),
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
         "capacity": cap,
         "capacities": capacities,
         "iteration_costs": costs,
@@ -277,9 +289,14 @@ def _cost_lines(costs: dict[str, Any] | None) -> list[str]:
     ]
 
 
+def _where(data: dict[str, Any]) -> str:
+    device = data.get("device", "cpu")
+    return f"{data['threads']} CPU threads" if device == "cpu" else device
+
+
 def render(data: dict[str, Any], stem: str) -> str:
     lines = [
-        f"# Orca vs request-level batching, GPT-2 on {data['threads']} CPU threads\n",
+        f"# Orca vs request-level batching, GPT-2 on {_where(data)}\n",
         f"![throughput against median latency]({stem}.png)\n",
         f"Poisson arrivals for {data['seconds']:g} s per run; prompts of {data['prompt'][0]}-{data['prompt'][1]} "
         f"tokens, {data['output'][0]}-{data['output'][1]} new tokens each (uniform). Loads are fractions of Orca's "
@@ -341,6 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", default="1-32", help="new tokens per request, LOW-HIGH (paper: 1-128)")
     parser.add_argument("--capacity-seconds", type=float, default=15.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--baselines", default="request,generate",
                         help=f"comma-separated, from {', '.join(BASELINES)}")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="loads 0.3 and 0.7, 8 s runs")
@@ -363,7 +381,13 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("the longest prompt plus the most new tokens must fit GPT-2's 1024 positions")
     except ValueError as exc:
         parser.error(str(exc))
-    return run_benchmark("bench.orca", args, measure, summary, lambda d: f"orca_gpt2{args.suffix}", render, plot)
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error("--device cuda: CUDA is not available on this machine (use --device cpu)")
+    stem = f"orca_gpt2{'_cuda' if args.device == 'cuda' else ''}{args.suffix}"
+    return run_benchmark("bench.orca", args, measure, summary, lambda d: stem, render, plot)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from bench.orca import summary
 
 
@@ -31,3 +33,15 @@ def test_a_run_from_before_the_second_baseline_reads_as_request_level_only():
     data = {"max_batches": [8], "rows": [row("orca", 0.3, 1.0, 1.0), row("request", 0.3, 0.8, 1.5)]}
     (only,) = summary(data)
     assert only["baseline"] == "request" and only["ratio"] == 1.0 / 0.8
+
+
+def test_asking_for_cuda_where_there_is_none_is_a_usage_error_not_a_traceback(monkeypatch, capsys):
+    import torch
+
+    from bench.orca import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as exit_:
+        main(["--device", "cuda"])
+    assert exit_.value.code == 2
+    assert "CUDA is not available" in capsys.readouterr().err

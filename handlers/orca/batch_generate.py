@@ -133,6 +133,8 @@ class BatchGenerateEngine:
 
     def _generate(self, batch: list[_Waiting]) -> list[list[int]]:
         ids, mask = padded_batch([w.prompt for w in batch], self._pad_id)
+        device = self.hf.lm_head.weight.device
+        ids, mask = ids.to(device), mask.to(device)
         config = self._generation_config(
             max_new_tokens=max(w.max_new_tokens for w in batch),  # every row runs this long
             do_sample=False, use_cache=True, pad_token_id=self._pad_id, eos_token_id=None,
