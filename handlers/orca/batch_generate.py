@@ -65,8 +65,6 @@ class BatchGenerateEngine:
     def __init__(self, hf: nn.Module, max_batch: int, max_new_tokens: int, max_tokens: int) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be ≥ 1, got {max_batch}")
-        from transformers import GenerationConfig
-
         self.hf = hf
         self.vocab = int(hf.config.vocab_size)
         if max_tokens > hf.config.n_positions:
@@ -74,11 +72,7 @@ class BatchGenerateEngine:
         self.max_batch = max_batch
         self.max_new_tokens = max_new_tokens
         self.max_tokens = max_tokens
-        # GPT-2 has no padding token; end-of-text pads, masked out.  The cache
-        # is asked for explicitly: the catalog builds GPT-2 without one (its
-        # plain handler runs one forward pass per request).
-        self._pad_id = int(hf.config.eos_token_id)
-        self._generation_config = GenerationConfig
+        self._pad_id = int(hf.config.eos_token_id)  # GPT-2 has no padding token: end-of-text pads, masked out
         self._queue: deque[_Waiting] = deque()
         self._running: list[_Waiting] = []  # the batch generate() is on
         self._cond = threading.Condition()
@@ -135,7 +129,11 @@ class BatchGenerateEngine:
         ids, mask = padded_batch([w.prompt for w in batch], self._pad_id)
         device = self.hf.lm_head.weight.device
         ids, mask = ids.to(device), mask.to(device)
-        config = self._generation_config(
+        from transformers import GenerationConfig
+
+        # The cache is asked for explicitly: the catalog builds GPT-2 without one
+        # (its plain handler runs one forward pass per request).
+        config = GenerationConfig(
             max_new_tokens=max(w.max_new_tokens for w in batch),  # every row runs this long
             do_sample=False, use_cache=True, pad_token_id=self._pad_id, eos_token_id=None,
         )  # fmt: skip
