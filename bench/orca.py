@@ -34,12 +34,12 @@ serves Poisson arrivals at fractions of it, identical arrivals for every
 system at a given load (prompt and output lengths drawn uniformly), the
 systems' order reversed at every other load.  Throughput is answers per
 second from the first arrival to the last answer.  *At equal median
-latency*: for each point of the request-level curve, the most answers/s
-Orca served at a load where its median latency was no higher (measured
-points only, no interpolation), against each baseline.  Each system's closed-loop capacity is
-measured too, and so is what one iteration costs at each batch size
-(decode steps, and a prompt's initiation), since that decides how much a
-fuller batch is worth.
+latency*: for each point of a baseline's curve, the most answers/s Orca
+served at a load where its median latency was no higher (measured points
+only, no interpolation).  Each system's closed-loop capacity is measured
+too, and so is what one iteration costs at each batch size (decode steps,
+and a prompt's initiation), since that decides how much a fuller batch is
+worth.
 """
 
 from __future__ import annotations
