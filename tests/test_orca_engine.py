@@ -20,11 +20,12 @@ def gpt2():
 
 
 def greedy(hf, prompt: list[int], new_tokens: int) -> list[int]:
-    """The plain model, no cache: the whole sequence through it for every token."""
+    """The plain model, no cache: the whole sequence through it for every token (on the model's device)."""
     ids = list(prompt)
+    device = hf.lm_head.weight.device
     with torch.inference_mode():
         for _ in range(new_tokens):
-            ids.append(int(hf(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+            ids.append(int(hf(input_ids=torch.tensor([ids], device=device)).logits[0, -1].argmax()))
     return ids[len(prompt) :]
 
 
