@@ -67,6 +67,17 @@ def test_while_inputs_arrive_a_batch_waits_only_if_it_could_still_grow():
     assert plan(s, ready=2, in_flight=6, arriving=3) == [(2, 2)]  # MaxInf allows no more than 2
 
 
+def test_while_inputs_arrive_full_workers_go_at_once_and_only_the_remainder_waits():
+    """A scheduler that looks late sees most of a burst at once: the part that fills workers must not
+    wait, and the part that does not must not run as batches of 1 while the rest is still arriving."""
+    s = ElasticScheduler(workers(1, 1, 2, 4), max_inflight=8)
+    assert plan(s, ready=5, arriving=1) == [(3, 4)]  # not 4 + 1: the fifth waits for the sixth
+    assert plan(s, ready=5, arriving=0) == [(3, 4), (0, 1)]
+    assert plan(s, ready=6, arriving=1) == [(3, 4), (2, 2)]
+    assert plan(s, ready=7, arriving=1) == [(3, 4), (2, 2), (0, 1)]  # every worker full: nothing to wait for
+    assert plan(s, ready=5, in_flight=3, arriving=1) == [(3, 4), (0, 1)]  # MaxInf leaves room for 1 more only
+
+
 @pytest.mark.parametrize(
     "batches, max_inflight, message",
     [((), 8, "at least one"), ((2, 4), 8, "batch 1"), ((1, 3), 8, "powers of two"), ((1, 2), 0, "MaxInf")],

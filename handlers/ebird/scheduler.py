@@ -12,10 +12,13 @@ ready:
 Late binding (CPU): when requests that arrived before this decision are
 still being decoded on the lane the batch would run on
 (``handlers/runtime/arrivals.py``), a batch handed over now would start
-only after those decodes anyway, without them.  So the rule holds (returns
-no assignment) while such requests are ``arriving`` and R is smaller than
-both the largest idle worker and the MaxInf headroom: waiting can only grow
-the batch, not delay it.  The mechanism reports arrivals only while they
+only after those decodes anyway, without them.  So while such requests are
+``arriving`` the rule stops before a worker that the remaining R cannot
+fill, as long as R is also below the MaxInf headroom left: waiting can only
+grow that batch, not delay it.  Full workers are still handed their
+batches at once, so a scheduler that looks late (five of a six-request
+burst ready together) runs 4 now and holds the fifth for the sixth, rather
+than running 4, 1 and 1.  The mechanism reports arrivals only while they
 can still join the ready run (``InputPool.ready_run_can_grow``); otherwise
 the hold would wait for nothing, or, with the pool full, for ever.
 
@@ -98,13 +101,14 @@ class ElasticScheduler:
         budget = min(state.ready, headroom)
         # Largest first; among equal sizes the lower id, so plans are reproducible.
         idle = sorted(state.idle, key=lambda w: (-w.batch, w.worker_id))
-        if state.arriving > 0 and idle and budget < min(idle[0].batch, headroom):
-            return BatchPlan()  # late binding: the batch can still grow at no cost
         assignments = []
         for worker in idle:
             if budget <= 0:
                 break
+            if state.arriving > 0 and budget < min(worker.batch, headroom):
+                break  # late binding: what is left can still grow at no cost
             if worker.batch <= budget:
                 assignments.append(Assignment(worker.worker_id, worker.batch))
                 budget -= worker.batch
+                headroom -= worker.batch
         return BatchPlan(tuple(assignments))
