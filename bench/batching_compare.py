@@ -7,6 +7,7 @@ DVABatch paper's ZeroBatch) or with the best window ("OPT Wait", DelayBatch)?
 This module is the part they share, so both measure the same way:
 
 - ``sustained_throughput``: what a system sustains when closed-loop clients never let it idle;
+  ``sustained_capacity``: that for several systems, taking turns, repeated;
 - ``sweep_batch_delay``: the window with the lowest mean latency over a load
   shape, each candidate registered fresh under one name, run in this process
   so that its result belongs to this run;
@@ -27,6 +28,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -34,7 +36,8 @@ from typing import Any
 from tqdm import tqdm
 
 from bench.report import provenance, publish
-from packrat_plugin.clients import ManagementClient
+from handlers.runtime.metrics import DEFAULT_FLUSH_INTERVAL_S
+from packrat_plugin.clients import ManagementClient, MetricsClient
 from packrat_plugin.loadgen import LoadResult, Payload, closed_loop, open_loop, run
 
 TS_MAX_BATCH = 32  # the baselines' batch_size: larger than any batch these loads form
@@ -52,6 +55,33 @@ def warm(url: str, payloads: Sequence[Payload], seconds: float, clients: int = 4
 def sustained_throughput(url: str, payloads: Sequence[Payload], clients: int, seconds: float) -> float:
     """Answers per second under ``clients`` closed-loop clients: the system is never idle."""
     return run(closed_loop(url, payload_cycle(payloads), clients, seconds)).throughput()
+
+
+def sustained_capacity(
+    urls: dict[str, str], payloads: Sequence[Payload], clients: int, seconds: float, repeats: int
+) -> dict[str, list[float]]:
+    """``sustained_throughput`` of every system, ``repeats`` times, the systems taking turns (AB, BA, …).
+
+    One run per system measured one system early and the other late: on a
+    2-core VM whose speed drifts within minutes, a single pair once read
+    Ebird at 0.84× NO Wait where three interleaved pairs in the same
+    TorchServe read 0.94-1.0×.  Callers use the median.
+    """
+    systems = tuple(urls)
+    runs: dict[str, list[float]] = {name: [] for name in systems}
+    for r in tqdm(range(repeats), desc="capacity", unit="round"):
+        for name in systems if r % 2 == 0 else systems[::-1]:
+            runs[name].append(sustained_throughput(urls[name], payloads, clients, seconds))
+    return runs
+
+
+def capacity_summary(medians: dict[str, float], runs: dict[str, list[float]] | None, labels: dict[str, str]) -> str:
+    """``"A 19.5 (18.5-19.6), B …"``: each system's median req/s and, where its runs are known, their range."""
+    parts = []
+    for name, value in medians.items():
+        seen = (runs or {}).get(name) or []
+        parts.append(f"{labels[name]} {value:.1f}" + (f" ({min(seen):.1f}-{max(seen):.1f})" if len(seen) > 1 else ""))
+    return ", ".join(parts)
 
 
 def run_pattern(url: str, payloads: Sequence[Payload], phases: Phases, seed: int) -> LoadResult:
@@ -122,6 +152,38 @@ def interleaved(
                         after()
                     bar.update()
     return results
+
+
+def batch_counts(metrics: MetricsClient, model: str) -> Counter:
+    """Batches run so far by size, from the handlers' ``HandlerBatches`` counter (plain and async handlers alike)."""
+    out: Counter = Counter()
+    for labels, value in metrics.samples("HandlerBatches"):
+        if labels.get("ModelName") == model:
+            out[int(labels["BatchSize"])] += int(value)
+    return out
+
+
+Counts = dict[str, Counter]
+
+
+def recording_counts(
+    read: Callable[[str], Counts], into: dict[str, dict[str, list[Counts]]]
+) -> Callable[[str, str], Callable[[], None]]:
+    """An ``around_run`` for ``interleaved``: what ``read(system)`` counted during each run, appended to
+    ``into[pattern][system]``.  After a run it waits for the handler's next metrics flush and the
+    frontend's parse of it, so the run's last batches are in."""
+
+    def around_run(pattern: str, name: str) -> Callable[[], None]:
+        before = read(name)
+
+        def after() -> None:
+            time.sleep(DEFAULT_FLUSH_INTERVAL_S + 0.5)
+            now = read(name)
+            into[pattern][name].append({k: now[k] - before[k] for k in now})
+
+        return after
+
+    return around_run
 
 
 def phase_stats(result: LoadResult, start: float, end: float, qos_s: float) -> dict[str, Any]:

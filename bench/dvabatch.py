@@ -38,8 +38,8 @@ from __future__ import annotations
 import argparse
 import random
 import shutil
+import statistics
 import sys
-import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -51,14 +51,17 @@ if __package__ in (None, ""):  # `python bench/NAME.py` from the repository root
 import torch
 
 from bench.batching_compare import (
+    batch_counts,
+    capacity_summary,
     interleaved,
     median_cell,
     payload_cycle,
     phase_stats,
     ratio_spread,
+    recording_counts,
     register_batching,
     run_and_publish,
-    sustained_throughput,
+    sustained_capacity,
     sweep_batch_delay,
     warm,
 )
@@ -71,7 +74,6 @@ from bench.report import (
     save_figure,
 )
 from handlers.runtime.lanes import CpuLanes
-from handlers.runtime.metrics import DEFAULT_FLUSH_INTERVAL_S
 from handlers.runtime.segments import slice_model
 from model_store.build import ServingOptions, build_archive
 from model_store.catalog import ModelSpec, get_spec
@@ -175,10 +177,7 @@ def stage_scaling(spec: ModelSpec, segments: int, repeats: int = 8) -> dict[str,
 
 def handler_counts(metrics: MetricsClient, model: str) -> dict[str, Counter]:
     """The handler's batch sizes and scheduler operations so far (TorchServe's metrics endpoint)."""
-    out: dict[str, Counter] = {"batches": Counter(), "operations": Counter()}
-    for labels, value in metrics.samples("HandlerBatches"):
-        if labels.get("ModelName") == model:
-            out["batches"][int(labels["BatchSize"])] += int(value)
+    out: dict[str, Counter] = {"batches": batch_counts(metrics, model), "operations": Counter()}
     for labels, value in metrics.samples("HandlerOperations"):
         if labels.get("ModelName") == model:
             out["operations"][labels["Operation"]] += int(value)
@@ -218,10 +217,14 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         single = run(closed_loop(url["zerobatch"], payload_cycle(payloads), 1, args.calibrate_seconds))
         l1_ms = single.mean_latency_ms()
 
-        peak = {
-            name: sustained_throughput(url[name], payloads, args.capacity_clients, args.capacity_seconds)
-            for name in (*VARIANTS, "zerobatch")
-        }
+        peak_runs = sustained_capacity(
+            {name: url[name] for name in (*VARIANTS, "zerobatch")},
+            payloads,
+            args.capacity_clients,
+            args.capacity_seconds,
+            args.capacity_repeats,
+        )
+        peak = {name: statistics.median(runs) for name, runs in peak_runs.items()}
         peak_rps = max(peak.values())
         patterns = {load: [(args.seconds, fraction * peak_rps)] for load, fraction in LOADS.items()}
 
@@ -237,17 +240,7 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         register_batching(mgmt, plain.name, "delaybatch", best_delay)
         warm(url["delaybatch"], payloads, args.warmup_seconds)
 
-        def around_run(load: str, name: str):
-            before = handler_counts(metrics, name)
-
-            def after() -> None:
-                # The handler's next metrics flush, then the frontend's parse of it.
-                time.sleep(DEFAULT_FLUSH_INTERVAL_S + 0.5)
-                now = handler_counts(metrics, name)
-                counts[load][name].append({k: now[k] - before[k] for k in now})
-
-            return after
-
+        around_run = recording_counts(lambda name: handler_counts(metrics, name), counts)
         results = interleaved(
             {n: url[n] for n in SYSTEMS}, payloads, patterns, args.repeats, "dvabatch vs baselines", around_run
         )
@@ -292,6 +285,7 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             "l1_ms": l1_ms,
             "peak_rps": peak,
             "capacity_clients": args.capacity_clients,
+            "capacity_runs_rps": peak_runs,
             "rates_rps": {load: patterns[load][0][1] for load in LOADS},
             "fractions": LOADS,
             "seconds": args.seconds,
@@ -369,7 +363,7 @@ def render(data: dict[str, Any], stem: str) -> str:
         f"**{sc['pipeline_gain']:.2f}×**."
     )
     sweep = ", ".join(f"{row['max_batch_delay_ms']} ms → {row['mean_ms']:.0f} ms" for row in data["sweep"])
-    peak = ", ".join(f"{LABELS[n]} {v:.1f}" for n, v in load["peak_rps"].items())
+    peak = capacity_summary(load["peak_rps"], load.get("capacity_runs_rps"), LABELS)
     lengths = data["token_lengths"]
     length_note = (
         ""
@@ -387,7 +381,9 @@ def render(data: dict[str, Any], stem: str) -> str:
     return (
         f"# DVABatch vs TorchServe batching: {data['model']} ({data['mode']})\n\n"
         f"One TorchServe, one worker per system. Peak, measured first in the same run with "
-        f"{load['capacity_clients']} closed-loop clients: {peak} req/s; the better one sets the rates. "
+        f"{load['capacity_clients']} closed-loop clients, the systems taking turns (median (min-max) of "
+        f"{len(next(iter(load.get('capacity_runs_rps', {'': [0]}).values())))} run(s) each): {peak} req/s; "
+        f"the better one sets the rates. "
         f"Poisson arrivals for {load['seconds']:g} s per load, {load['repeats']} interleaved repeat(s); a ratio is "
         f"DVABatch's over the better baseline's in the same repeat, median (min-max). "
         f"DVABatch settings: `{data['dvabatch_settings']}`. DelayBatch = batch 32 with max_batch_delay "
@@ -413,6 +409,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-inflight", type=int, default=64)
     parser.add_argument("--capacity-clients", type=int, default=8, help="closed-loop clients that measure the peak")
     parser.add_argument("--capacity-seconds", type=float, default=12.0)
+    parser.add_argument("--capacity-repeats", type=int, default=3, help="interleaved closed-loop runs per system")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--sweep-delays", default="5,10,25,50", help="DelayBatch candidates (ms)")
     parser.add_argument("--sweep-fraction", type=float, default=0.5, help="a sweep run lasts this share of --seconds")
@@ -430,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     add_arguments(parser)
     args = parser.parse_args(argv)
     if args.quick:
-        args.seconds, args.repeats, args.capacity_seconds = 10.0, 1, 6.0
+        args.seconds, args.repeats, args.capacity_seconds, args.capacity_repeats = 10.0, 1, 6.0, 1
         args.sweep_delays, args.warmup_seconds, args.calibrate_seconds = "10,50", 3.0, 4.0
     args.sweep_delays = [int(d) for d in str(args.sweep_delays).split(",") if d.strip()]
     return run_and_publish(args, "bench.dvabatch", measure, failed_requests, render, plot)
