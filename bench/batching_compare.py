@@ -84,6 +84,11 @@ def capacity_summary(medians: dict[str, float], runs: dict[str, list[float]] | N
     return ", ".join(parts)
 
 
+def runs_per_system(runs: dict[str, list[float]] | None) -> int:
+    """How many capacity runs each system had (1 for results from before ``sustained_capacity``)."""
+    return len(next(iter(runs.values()))) if runs else 1
+
+
 def run_pattern(url: str, payloads: Sequence[Payload], phases: Phases, seed: int) -> LoadResult:
     """Open-loop Poisson arrivals; the same seed gives every system the same schedule."""
     return run(open_loop(url, payload_cycle(payloads), phases, poisson=True, seed=seed))

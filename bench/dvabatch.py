@@ -61,6 +61,7 @@ from bench.batching_compare import (
     recording_counts,
     register_batching,
     run_and_publish,
+    runs_per_system,
     sustained_capacity,
     sweep_batch_delay,
     warm,
@@ -382,7 +383,7 @@ def render(data: dict[str, Any], stem: str) -> str:
         f"# DVABatch vs TorchServe batching: {data['model']} ({data['mode']})\n\n"
         f"One TorchServe, one worker per system. Peak, measured first in the same run with "
         f"{load['capacity_clients']} closed-loop clients, the systems taking turns (median (min-max) of "
-        f"{len(next(iter(load.get('capacity_runs_rps', {'': [0]}).values())))} run(s) each): {peak} req/s; "
+        f"{runs_per_system(load.get('capacity_runs_rps'))} run(s) each): {peak} req/s; "
         f"the better one sets the rates. "
         f"Poisson arrivals for {load['seconds']:g} s per load, {load['repeats']} interleaved repeat(s); a ratio is "
         f"DVABatch's over the better baseline's in the same repeat, median (min-max). "

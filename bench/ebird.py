@@ -55,6 +55,7 @@ from bench.batching_compare import (
     recording_counts,
     register_batching,
     run_and_publish,
+    runs_per_system,
     sustained_capacity,
     sweep_batch_delay,
     warm,
@@ -251,7 +252,7 @@ def render(data: dict[str, Any], stem: str) -> str:
     )  # fmt: skip
     sweep = ", ".join(f"{row['max_batch_delay_ms']} ms → {row['mean_ms']:.0f} ms" for row in data["sweep"])
     capacity = capacity_summary(load["capacity_rps"], load.get("capacity_runs_rps"), LABELS)
-    runs_each = len(next(iter((load.get("capacity_runs_rps") or {"": [0]}).values())))
+    runs_each = runs_per_system(load.get("capacity_runs_rps"))
     batches = markdown_table(
         ["batches run, by size (all repeats)", *(LABELS[n] for n in SYSTEMS)],
         [

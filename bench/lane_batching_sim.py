@@ -128,6 +128,7 @@ def simulate(rule: Rule, costs: dict[int, float], rate: float, requests: int, se
     for _ in range(requests):
         t += rng.expovariate(rate / 1e3)
         arrivals.append(t)
+    batch_ms: dict[int, float] = {}  # by size: interpolated once, not per batch
     latencies: list[float] = []
     now, head, taken = 0.0, 0, 0  # head: first request not yet taken into a batch
     while head < requests:
@@ -136,7 +137,9 @@ def simulate(rule: Rule, costs: dict[int, float], rate: float, requests: int, se
         while taken < requests and arrivals[taken] <= now:
             taken += 1
         for size in rule(taken - head):
-            now += batch_ms_at(costs, size) * slowdown
+            if size not in batch_ms:
+                batch_ms[size] = batch_ms_at(costs, size) * slowdown
+            now += batch_ms[size]
             latencies += [now - a for a in arrivals[head : head + size]]
             head += size
     latencies.sort()

@@ -37,6 +37,7 @@ from tqdm import tqdm
 if __package__ in (None, ""):  # `python bench/NAME.py` from the repository root
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.batching_compare import batch_counts
 from bench.proc_cpu import CpuMeter, java_in_group
 from bench.report import (
     add_output_arguments,
@@ -75,8 +76,8 @@ def stage_totals(server: TorchServeProcess, model: str) -> dict[str, tuple[float
     seconds = {k["Stage"]: v for k, v in metrics.samples("HandlerStageSeconds") if k.get("ModelName") == model}
     counts = {k["Stage"]: v for k, v in metrics.samples("HandlerStageCount") if k.get("ModelName") == model}
     out = {stage: (seconds.get(stage, 0.0), counts.get(stage, 0.0)) for stage in counts}
-    sizes = [(int(k["BatchSize"]), v) for k, v in metrics.samples("HandlerBatches") if k.get("ModelName") == model]
-    out["batches"] = (sum(b * n for b, n in sizes), sum(n for _, n in sizes))
+    sizes = batch_counts(metrics, model)
+    out["batches"] = (sum(b * n for b, n in sizes.items()), sum(sizes.values()))
     return out
 
 
