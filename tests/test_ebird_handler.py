@@ -247,6 +247,34 @@ def test_declared_extra_shape_gets_its_own_pool(make_handler):
     assert outputs_close(torch.tensor(body["logits"]), expected, 1e-4)
 
 
+class _FailsOnce(torch.nn.Module):
+    """The model, except that its first batch raises (a device fault, say)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        self.failed = False
+
+    def forward(self, *inputs):
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("injected fault")
+        return self.model(*inputs)
+
+
+def test_a_failed_batch_answers_its_requests_503_and_the_engine_serves_on(make_handler):
+    handler, ctx = make_handler(worker_batches=[1, 1, 2], pool_slots=4)
+    engine = handler.engines[((3, 224, 224),)]
+    engine.model = _FailsOnce(engine.model)
+    [(status, body)] = serve_all(handler, ctx, [{"body": jpeg_bytes(seed=1)}])
+    assert status == 503 and "injected fault" in json.loads(body)["message"]
+    answers = serve_all(handler, ctx, [{"body": jpeg_bytes(seed=i)} for i in range(5)])
+    assert [status for status, _ in answers] == [200] * 5
+    assert handler.metrics.snapshot()["inflight"] == 0
+    # On a CPU a batch runs on the lane and is answered there: no thread per engine worker.
+    assert not [t for t in threading.enumerate() if t.name.startswith("ebird-worker")]
+
+
 def test_full_pool_makes_requests_wait_not_disappear(make_handler):
     handler, ctx = make_handler(worker_batches=[1, 2], max_inflight=3, pool_slots=2)
     rows = [{"body": jpeg_bytes(seed=i)} for i in range(9)]

@@ -5,11 +5,13 @@ The loop has vLLM's shape: look at the state, ask the policy
 to its worker; a worker runs its batch and, when done, answers its requests,
 frees its pool slots and goes back to the idle set, which wakes the loop.
 
-Threads: requests are admitted from one thread (the handler's event loop),
-one scheduler thread runs the loop, and each engine worker has a thread of
-its own (on CUDA it also has its own stream, so workers overlap on the GPU;
-on CPU workers hand their batches to the runtime's lanes, see
-``handlers/runtime/lanes.py``).
+Threads: requests are admitted from one thread (the handler's event loop)
+and one scheduler thread runs the loop.  On CUDA each engine worker has a
+thread and a stream of its own, so workers overlap on the GPU.  On CPU a
+worker is only a batch size: its batch goes straight to the runtime's lanes
+(``handlers/runtime/lanes.py``) and is answered from the lane thread when it
+finishes, as DVABatch's stages are, so a batch costs no hand-offs through a
+worker thread on the way in or out.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ class Job:
 
 
 class EngineWorker:
-    """One Ebird engine worker: a fixed batch size and a lane of its own."""
+    """One Ebird engine worker: a fixed batch size; on CUDA also a thread and a stream of its own."""
 
     def __init__(self, spec: WorkerSpec, stream: torch.cuda.Stream | None) -> None:
         self.spec = spec
@@ -92,12 +94,11 @@ class EbirdEngine(Engine):
         self._idle = {w.spec.worker_id: w for w in self.workers}
         self._closing = False
         self._stopping = False
-        for worker in self.workers:
-            worker.thread = threading.Thread(
-                target=self._work, args=(worker,), name=f"ebird-worker-{worker.spec.worker_id}-b{worker.spec.batch}",
-                daemon=True,
-            )  # fmt: skip
-            worker.thread.start()
+        if self._lanes is None:
+            for worker in self.workers:
+                name = f"ebird-worker-{worker.spec.worker_id}-b{worker.spec.batch}"
+                worker.thread = threading.Thread(target=self._work, args=(worker,), name=name, daemon=True)
+                worker.thread.start()
         self._scheduler = threading.Thread(target=self._schedule_loop, name="ebird-scheduler", daemon=True)
         self._scheduler.start()
 
@@ -164,24 +165,37 @@ class EbirdEngine(Engine):
                     worker = self._idle.pop(assignment.worker_id)
                     dispatch.append((worker, Job(run, tickets)))
             for worker, job in dispatch:
-                worker.jobs.put(job)
+                if self._lanes is None:
+                    worker.jobs.put(job)
+                else:
+                    done = self._lanes.submit(self._timed_execute, worker, job)
+                    done.add_done_callback(lambda f, w=worker, j=job: self._lane_done(w, j, f))
 
     # -- a worker ------------------------------------------------------------
 
     def _work(self, worker: EngineWorker) -> None:
+        """A CUDA worker's thread: run its batches on its stream, one at a time."""
         while (job := worker.jobs.get()) is not None:
-            if self._lanes is None:
-                outputs, error = self._timed_execute(worker, job)
-            else:
-                outputs, error = self._lanes.submit(self._timed_execute, worker, job).result()
-            self.pool.release(job.run)
-            for i, ticket in enumerate(job.tickets):
-                ticket.settle(result=None if error else outputs[i], error=error)
-            with self._cond:
-                self._outstanding.difference_update(job.tickets)
-                self._idle[worker.spec.worker_id] = worker
-                self._cond.notify_all()
-            self._notify_space()
+            self._finish(worker, job, *self._timed_execute(worker, job))
+
+    def _lane_done(self, worker: EngineWorker, job: Job, done: concurrent.futures.Future) -> None:
+        """A CPU batch's end, on its lane thread (``_timed_execute`` turns model errors into answers)."""
+        error = done.exception()
+        if error is not None:  # not an Exception (``_timed_execute`` answers those): still answer every ticket
+            self._finish(worker, job, None, ServiceUnavailable(f"inference failed: {type(error).__name__}"))
+        else:
+            self._finish(worker, job, *done.result())
+
+    def _finish(self, worker: EngineWorker, job: Job, outputs: torch.Tensor | None, error: Exception | None) -> None:
+        """Answer a finished batch, free its slots and give the worker back (on the thread that ran it)."""
+        self.pool.release(job.run)
+        for i, ticket in enumerate(job.tickets):
+            ticket.settle(result=None if error else outputs[i], error=error)
+        with self._cond:
+            self._outstanding.difference_update(job.tickets)
+            self._idle[worker.spec.worker_id] = worker
+            self._cond.notify_all()
+        self._notify_space()
 
     def _timed_execute(self, worker: EngineWorker, job: Job) -> tuple[torch.Tensor | None, Exception | None]:
         started = time.monotonic()
@@ -240,6 +254,6 @@ class EbirdEngine(Engine):
         drain_then_stop(self._cond, self._outstanding, deadline, self._stop)
         for worker in self.workers:
             worker.jobs.put(None)
-        for thread in [self._scheduler, *(w.thread for w in self.workers)]:
+        for thread in [self._scheduler, *(w.thread for w in self.workers if w.thread is not None)]:
             thread.join(timeout=max(deadline - time.monotonic(), 0.1))
         self._notify_space()
