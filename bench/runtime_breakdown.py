@@ -5,6 +5,8 @@
 One TorchServe serves the model once per system (``--systems``), one
 worker each: ``ebird`` (the async runtime as it ships: decode, admission,
 the engine's queue and batch, the hand-back to the event loop, encode),
+``ebird-ts-pump`` (the same on TorchServe's own async message pump,
+``worker_pump: torchserve``, the runtime before ``worker_pump.py``),
 ``ebird-per-event`` (the same with ``metrics_flush_interval_s: 0``: a
 metrics log line at every event, the runtime before its flush thread),
 ``ebird-loop`` (``decode_threads: 0``: decoded on the event loop while a
@@ -54,13 +56,15 @@ from model_store.samples import client_payload
 from packrat_plugin.loadgen import closed_loop, open_loop, run
 from packrat_plugin.torchserve import TorchServeProcess
 
-ALL_SYSTEMS = ("ebird", "ebird-per-event", "ebird-loop", "nowait")
+ALL_SYSTEMS = ("ebird", "ebird-ts-pump", "ebird-per-event", "ebird-loop", "nowait")
 DEFAULT_SYSTEMS = "ebird,ebird-per-event,nowait"
 ASYNC_STAGES = ("decode", "admission", "queue", "batch", "release", "wakeup", "encode")
 STAGES = {name: ASYNC_STAGES for name in ALL_SYSTEMS} | {"nowait": ("decode", "model", "encode")}
 DESCRIPTIONS = {
     "ebird": "the async runtime as it ships: requests decoded on the CPU lane between batches, metrics handed "
     "to TorchServe once a second",
+    "ebird-ts-pump": "the same with `worker_pump: torchserve`: TorchServe's own async message pump, as the runtime "
+    "ran before `handlers/runtime/worker_pump.py`",
     "ebird-per-event": "the same with `metrics_flush_interval_s: 0`: a metrics log line at every event "
     "(~17 per request), as the runtime did before the flush thread",
     "ebird-loop": "the same with `decode_threads: 0`: decoded on the event loop while batches run, as before the lanes",
@@ -88,6 +92,7 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     settings = tuple(sorted(EBIRD_SETTINGS.items()))
     options = {
         "ebird": ServingOptions(handler="ebird", handler_settings=settings),
+        "ebird-ts-pump": ServingOptions(handler="ebird", handler_settings=settings, worker_pump="torchserve"),
         "ebird-per-event": ServingOptions(handler="ebird", handler_settings=settings, metrics_flush_interval_s=0),
         "ebird-loop": ServingOptions(handler="ebird", handler_settings=settings, decode_threads=0),
         "nowait": ServingOptions(),

@@ -101,6 +101,9 @@ class ServingOptions:
     # into (``handler.token_lengths``, DVABatch's input-diversity policy);
     # empty: every request padded to the sequence length.
     token_lengths: tuple[int, ...] = ()
+    # Async handlers: which message pump runs TorchServe's async worker
+    # (``handlers/runtime/worker_pump.py``): "lean" or "torchserve"; None: lean.
+    worker_pump: str | None = None
 
     def __post_init__(self) -> None:
         if self.handler not in HANDLERS:
@@ -123,6 +126,12 @@ class ServingOptions:
                              "decode_threads and token_lengths do not apply")  # fmt: skip
         if self.decode_threads == "lane" and HANDLERS[self.handler].group:
             raise ValueError(f"the {self.handler} handler has no CPU lanes to decode on; give decode_threads a count")
+        if self.worker_pump is not None:
+            if not HANDLERS[self.handler].asynchronous or self.handler == "orca":
+                raise ValueError(f"worker_pump applies to the scheduling async handlers; {self.handler!r} has none")
+            from handlers.runtime.worker_pump import parse_worker_pump
+
+            parse_worker_pump(self.worker_pump)
         if self.metrics_flush_interval_s is not None:
             from handlers.runtime.metrics import parse_flush_interval
 
@@ -169,6 +178,8 @@ def model_config(spec: ModelSpec, options: ServingOptions) -> dict:
         config["handler"][options.handler] = dict(options.handler_settings)
         if options.decode_threads is not None:
             config["handler"]["decode_threads"] = options.decode_threads
+        if options.worker_pump is not None:
+            config["handler"]["worker_pump"] = options.worker_pump
     if options.metrics_flush_interval_s is not None:
         config["handler"]["metrics_flush_interval_s"] = options.metrics_flush_interval_s
     if options.token_lengths:
@@ -440,6 +451,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         help="seconds between the handler's hand-overs of its metrics to TorchServe; 0: at every event (default: 1)",
     )
+    parser.add_argument(
+        "--worker-pump",
+        choices=("lean", "torchserve"),
+        help="async handlers: the project's lean message pump for TorchServe's async worker, or TorchServe's own "
+        "(default: lean)",
+    )
     parser.add_argument("--force", action="store_true", help="rebuild archives that already exist")
 
 
@@ -457,10 +474,12 @@ def run(args: argparse.Namespace) -> int:
             decode_threads=args.decode_threads,
             metrics_flush_interval_s=args.metrics_flush_interval,
             token_lengths=args.token_lengths,
+            worker_pump=args.worker_pump,
         )
     except (ValueError, AttributeError) as exc:
         print(
-            f"error: bad --handler/--handler-config/--decode-threads/--metrics-flush-interval/--token-lengths: {exc}",
+            "error: bad --handler/--handler-config/--decode-threads/--metrics-flush-interval/--token-lengths/"
+            f"--worker-pump: {exc}",
             file=sys.stderr,
         )
         return 2

@@ -12,6 +12,9 @@ stay recognisable):
 - ``initialize``: read the archive's spec, load the model on the worker's
   device, build one engine per declared input layout (``create_engine``),
   warm it up.
+- ``initialize`` also puts a leaner message pump in place of TorchServe's
+  async worker loop (``worker_pump.py``) unless the archive says
+  ``worker_pump: torchserve``.
 - ``handle``: decode and validate each request on arrival (same codecs and
   4xx answers as the CPU handler; on the CPU lanes, inline or on a few
   threads, see ``decode.py``), admit it into the engine (waiting while
@@ -39,6 +42,7 @@ import torch
 from handlers.codecs import DEFAULT_MAX_PAYLOAD_BYTES, InputCodec, ModelInput, answer_bytes, encode_output
 from handlers.cpu_handler import load_model
 from handlers.errors import ResponseError, ServiceUnavailable, bad_request
+from handlers.runtime import worker_pump
 from handlers.runtime.arrivals import Arrivals
 from handlers.runtime.decode import LANE, RequestDecoder, default_decode_placement, parse_decode_threads
 from handlers.runtime.device import ExecutionDevice
@@ -199,6 +203,7 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
         )
         self.response_timeout_s = float(model_config.get("responseTimeout", DEFAULT_RESPONSE_TIMEOUT_S))
         decode_placement = parse_decode_threads(handler_config.get("decode_threads"))
+        pump = worker_pump.parse_worker_pump(handler_config.get("worker_pump"))
         self.configure(handler_config)
         self.configure_runtime(context)
         self.device = ExecutionDevice.from_context(context)
@@ -221,9 +226,11 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
             engine = self.create_engine(example)
             engine.warm_up()
             self.engines[self.engine_key(example)] = engine
+        # Last: a handler that failed to start must leave TorchServe's worker as it was.
+        lean_pump = worker_pump.install(pump)
         self.initialized = True
         logger.info(
-            "%s serving %s (%s mode) on %s%s with %d input layout(s), decoding %s",
+            "%s serving %s (%s mode) on %s%s with %d input layout(s), decoding %s, %s message pump",
             type(self).__name__,
             self.spec.name,
             self.spec.mode,
@@ -231,6 +238,7 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
             f" ({self.lanes})" if self.lanes else "",
             len(self.engines),
             self.decoder.where,
+            "the lean" if lean_pump else "TorchServe's",
         )
 
     def _make_decoder(self, placement: int | str | None) -> RequestDecoder:

@@ -1,0 +1,89 @@
+"""The frontend's side of TorchServe's worker protocol, to drive a worker's message pump in-process.
+
+TorchServe's Java frontend writes each inference message to the worker's
+socket as ``b"I"``, then each request (id, headers, parameters, each list
+closed by -1) and a closing -1; the worker answers with the frame that
+``ts.protocol.otf_message_handler.create_predict_response`` builds.  The
+worker side here is always TorchServe's own code (``retrieve_msg``,
+``create_predict_response``); only the frontend is written out, so the
+message pump (``handlers/runtime/worker_pump.py``) can be tested and timed
+without Java, and the lent GPU machine, which has none, can run it too.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Request:
+    request_id: str
+    body: bytes
+    content_type: str = "application/octet-stream"
+    headers: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True)
+class Answer:
+    request_id: str
+    status: int
+    phrase: str
+    content_type: str
+    headers: dict[str, str]
+    body: bytes
+
+
+def _sized(data: bytes) -> bytes:
+    return struct.pack("!i", len(data)) + data
+
+
+def inference_frame(requests: list[Request]) -> bytes:
+    """One inference message as the frontend writes it."""
+    out = bytearray(b"I")
+    for request in requests:
+        out += _sized(request.request_id.encode())
+        for name, value in request.headers:
+            out += _sized(name.encode()) + _sized(value.encode())
+        out += struct.pack("!i", -1)
+        out += _sized(b"body") + _sized(request.content_type.encode()) + _sized(request.body)
+        out += struct.pack("!i", -1)
+    out += struct.pack("!i", -1)
+    return bytes(out)
+
+
+def _exactly(sock: socket.socket, n: int) -> bytes:
+    data = bytearray()
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise ConnectionError("the worker closed the socket mid-frame")
+        data += chunk
+    return bytes(data)
+
+
+def _int(sock: socket.socket) -> int:
+    return struct.unpack("!i", _exactly(sock, 4))[0]
+
+
+def _string(sock: socket.socket) -> bytes:
+    return _exactly(sock, _int(sock))
+
+
+def read_answer_frame(sock: socket.socket) -> tuple[int, str, list[Answer]]:
+    """One answer frame: the message's code and text, and each request's answer."""
+    code = _int(sock)
+    message = _string(sock).decode()
+    answers = []
+    while (length := _int(sock)) != -1:
+        request_id = _exactly(sock, length).decode()
+        content_type = _string(sock).decode()
+        status = _int(sock)
+        phrase = _string(sock).decode()
+        headers = {}
+        for _ in range(_int(sock)):
+            name = _string(sock).decode()
+            headers[name] = _string(sock).decode()
+        answers.append(Answer(request_id, status, phrase, content_type, headers, _string(sock)))
+    return code, message, answers

@@ -1,0 +1,227 @@
+"""A leaner message pump for TorchServe's async worker (``asyncCommunication: true``).
+
+In async mode TorchServe 0.12's worker (``ts/async_service.py``) moves every
+message from the frontend through three threads and its event loop, and on
+the way it does work that a handler which schedules requests itself pays for
+on the cores its batches run on:
+
+- the reader thread builds ``f"Putting msg in queue: {msg}"`` for a
+  ``logging.debug`` call, whether or not debug logging is on: the ``repr`` of
+  the whole message, body included.  For a 72 KB JPEG that is ~0.5 ms of
+  CPU per request, holding the GIL, so the thread that runs the batch stops
+  at its next Python step for as long;
+- ``predict`` prints ``self._entry_point=…`` to stdout once per message (one
+  more log line for the frontend to read and write per request);
+- a second thread forwards each message to the loop (its batch size is fixed
+  at 1), and a third asks the loop for each answer in turn
+  (``run_coroutine_threadsafe(out_queue.get())``): four thread hand-offs
+  per request where two do.
+
+``WorkerPump`` speaks the same protocol with one reader thread that hands
+each message straight to the loop and one writer thread fed by a plain
+queue.  Per message it keeps TorchServe's contract: a context of its own
+(``message_context``: concurrent requests must not share request ids or
+response statuses and headers), the entry point awaited once, ``PredictionTime``
+recorded, the answer framed by TorchServe's own ``create_predict_response``,
+507 for ``MemoryError``, the status of a ``PredictionException``, 503 for any
+other failure.  When the frontend disconnects, ``run`` returns, as
+TorchServe's pump does (its reader calls ``sys.exit`` then); a reader or
+writer that fails otherwise ends ``run`` with the traceback, which
+TorchServe's worker raises.
+
+``install`` swaps it in for ``AsyncService.run``; the async handlers call it
+from ``initialize``, which TorchServe runs before it builds its
+``AsyncService``.  It does so only for the TorchServe versions whose pump it
+was checked against (``CHECKED_TORCHSERVE``); on any other it leaves
+TorchServe's pump and says so.  ``worker_pump: torchserve`` in the archive's
+``handler:`` section keeps TorchServe's own (the benchmarks' "before").
+Streaming handlers (Orca) do not use it: their intermediate answers are
+written from the loop, which TorchServe's pump serialises with its final
+answers in its own way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import importlib.metadata
+import logging
+import queue
+import threading
+import time
+import traceback
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+LEAN = "lean"
+TORCHSERVE = "torchserve"
+PUMPS = (LEAN, TORCHSERVE)
+CHECKED_TORCHSERVE = ("0.12.0",)
+
+
+def parse_worker_pump(value: Any) -> str:
+    """The archive's ``worker_pump`` setting: ``lean`` (the default) or ``torchserve``."""
+    if value is None:
+        return LEAN
+    if value not in PUMPS:
+        raise ValueError(f"worker_pump must be one of {', '.join(PUMPS)}, got {value!r}")
+    return value
+
+
+def install(pump: str) -> bool:
+    """Make TorchServe's async worker in this process run ``WorkerPump``; True if it will.
+
+    Outside a TorchServe worker (a handler driven directly) nothing builds an
+    ``AsyncService``, so installing changes nothing there.
+    """
+    if parse_worker_pump(pump) != LEAN:
+        return False
+    try:
+        import ts.async_service as ts_async
+
+        version = importlib.metadata.version("torchserve")
+    except (ImportError, importlib.metadata.PackageNotFoundError):
+        return False
+    if version not in CHECKED_TORCHSERVE:
+        logger.warning(
+            "TorchServe %s: keeping its own async message pump (the lean one was checked against %s)",
+            version,
+            ", ".join(CHECKED_TORCHSERVE),
+        )
+        return False
+    ts_async.AsyncService.run = _run_worker_pump
+    return True
+
+
+def _run_worker_pump(async_service: Any) -> str | None:
+    """``AsyncService.run``'s stand-in: the same service, served by ``WorkerPump``."""
+    return WorkerPump(async_service.service).run()
+
+
+class WorkerPump:
+    """Frontend messages in, answers out, for one TorchServe ``Service`` in async mode."""
+
+    def __init__(self, service: Any) -> None:
+        self.service = service
+        self._answers: queue.SimpleQueue[bytes | bytearray] = queue.SimpleQueue()
+        self._tasks: set[asyncio.Task] = set()  # the loop keeps only weak references to tasks
+
+    def run(self) -> str | None:
+        """Serve until the frontend disconnects (None) or the reader or writer fails (its traceback)."""
+        return asyncio.run(self._main())
+
+    async def _main(self) -> str | None:
+        loop = asyncio.get_running_loop()
+        failed: asyncio.Future[str | None] = loop.create_future()
+
+        def fail(text: str | None) -> None:  # from the reader or the writer thread
+            def settle() -> None:
+                if not failed.done():
+                    failed.set_result(text)
+
+            loop.call_soon_threadsafe(settle)
+
+        for target, name in ((self._read, "ts-pump-reader"), (self._write, "ts-pump-writer")):
+            threading.Thread(target=target, args=(loop, fail), name=name, daemon=True).start()
+        return await failed
+
+    def _read(self, loop: asyncio.AbstractEventLoop, fail: Any) -> None:
+        from ts.protocol.otf_message_handler import retrieve_msg
+
+        try:
+            while True:
+                command, message = retrieve_msg(self.service.cl_socket)
+                if command == b"I":
+                    loop.call_soon_threadsafe(self._start, message)
+                else:
+                    logger.warning("async worker: ignoring frontend command %r", command)
+        except SystemExit:  # TorchServe's reader exits so when the frontend disconnects: a clean end
+            fail(None)
+        except Exception:  # a corrupt frame: the worker must end
+            fail(traceback.format_exc())
+
+    def _write(self, loop: asyncio.AbstractEventLoop, fail: Any) -> None:
+        try:
+            while True:
+                self.service.cl_socket.sendall(self._answers.get())
+        except Exception:
+            fail(traceback.format_exc())
+
+    def _start(self, message: list[dict[str, Any]]) -> None:
+        task = asyncio.get_running_loop().create_task(self._answer(message))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _answer(self, message: list[dict[str, Any]]) -> None:
+        try:
+            response = await self.predict(message)
+        except Exception:  # a frame ``predict`` could not read or answer: 503 for each id it names
+            logger.exception("async worker: could not answer a message")
+            response = _failure_response(message)
+        if response is not None:  # None: a rank other than 0 of a distributed worker, which never answers
+            self._answers.put(response)
+
+    async def predict(self, message: list[dict[str, Any]]) -> bytes | bytearray | None:
+        """One message's answer, framed for the frontend (TorchServe's ``predict`` contract)."""
+        from ts.protocol.otf_message_handler import create_predict_response
+        from ts.service import PREDICTION_METRIC, PredictionException, Service
+
+        headers, rows, request_ids = Service.retrieve_data_for_inference(message)
+        context = message_context(self.service.context)
+        context.request_ids = request_ids
+        context.request_processor = headers
+        context.cl_socket = self.service.cl_socket
+        if context.metrics is not None:
+            context.metrics.request_ids = request_ids
+        started = time.time()
+        try:
+            answers = await self.service._entry_point(rows, context)
+        except MemoryError:
+            logger.exception("async worker: out of memory")
+            return create_predict_response(None, request_ids, "Out of resources", 507)
+        except PredictionException as exc:
+            logger.exception("async worker: prediction error")
+            return create_predict_response(None, request_ids, exc.message, exc.error_code)
+        except Exception:
+            logger.exception("async worker: the handler failed")
+            return create_predict_response(None, request_ids, "Prediction failed", 503)
+        if not isinstance(answers, list) or len(answers) != len(rows):
+            logger.error("async worker: the handler answered %r for %d request(s)", type(answers), len(rows))
+            return create_predict_response(None, request_ids, "Invalid model predict output", 503)
+        context.metrics.add_time(PREDICTION_METRIC, round((time.time() - started) * 1000, 2))
+        return create_predict_response(answers, request_ids, "Prediction success", 200, context=context)
+
+
+def message_context(shared: Any) -> Any:
+    """One message's own ``Context``: what a message writes is its own, the model's settings are shared.
+
+    A message writes its request ids, its request processors (each request's
+    response status and headers; ``retrieve_data_for_inference`` makes new
+    ones per message) and the request ids its metrics are tagged with.  So a
+    shallow copy of the context and of its metrics cache keeps concurrent
+    messages apart, as TorchServe's deep copy does; the manifest, system
+    properties, ``model_yaml_config`` and metric definitions stay shared and
+    are only read (no handler here writes them per request).  The deep copy
+    took ~40 % of the event loop's CPU per request on a 2-core VM (py-spy,
+    ResNet-50 Ebird at 8 requests/s): the whole metrics configuration was
+    copied per message.
+    """
+    context = copy.copy(shared)
+    if shared.metrics is not None:
+        context.metrics = copy.copy(shared.metrics)
+    return context
+
+
+def _failure_response(message: list[dict[str, Any]]) -> bytes | bytearray | None:
+    """503 for every request of ``message`` whose id can be read, so none waits for its timeout."""
+    from ts.protocol.otf_message_handler import create_predict_response
+
+    request_ids = {}
+    for index, row in enumerate(message):
+        with contextlib.suppress(AttributeError, KeyError, TypeError, UnicodeDecodeError):
+            request_ids[index] = row["requestId"].decode("utf-8")
+    if not request_ids:
+        return None
+    return create_predict_response(None, request_ids, "Prediction failed", 503)
