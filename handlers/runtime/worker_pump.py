@@ -127,7 +127,8 @@ class WorkerPump:
                 if not failed.done():
                     failed.set_result(text)
 
-            loop.call_soon_threadsafe(settle)
+            with contextlib.suppress(RuntimeError):  # the loop has closed: the pump has already ended
+                loop.call_soon_threadsafe(settle)
 
         for target, name in ((self._read, "ts-pump-reader"), (self._write, "ts-pump-writer")):
             threading.Thread(target=target, args=(loop, fail), name=name, daemon=True).start()
