@@ -5,7 +5,8 @@
 One TorchServe serves the model once per system (``--systems``), one
 worker each: ``ebird`` (the async runtime as it ships: decode, admission,
 the engine's queue and batch, the hand-back to the event loop, encode),
-``ebird-ts-pump`` (the same on TorchServe's own async message pump,
+``ebird-small`` (the same with worker batches 1, 1, 2, 4, 8: no batch of
+16, the set the README advises for small CPUs), ``ebird-ts-pump`` (the same on TorchServe's own async message pump,
 ``worker_pump: torchserve``, the runtime before ``worker_pump.py``),
 ``ebird-per-event`` (the same with ``metrics_flush_interval_s: 0``: a
 metrics log line at every event, the runtime before its flush thread),
@@ -56,13 +57,15 @@ from model_store.samples import client_payload
 from packrat_plugin.loadgen import closed_loop, open_loop, run
 from packrat_plugin.torchserve import TorchServeProcess
 
-ALL_SYSTEMS = ("ebird", "ebird-ts-pump", "ebird-per-event", "ebird-loop", "nowait")
+ALL_SYSTEMS = ("ebird", "ebird-small", "ebird-ts-pump", "ebird-per-event", "ebird-loop", "nowait")
 DEFAULT_SYSTEMS = "ebird,ebird-per-event,nowait"
 ASYNC_STAGES = ("decode", "admission", "queue", "batch", "release", "wakeup", "encode")
 STAGES = {name: ASYNC_STAGES for name in ALL_SYSTEMS} | {"nowait": ("decode", "model", "encode")}
 DESCRIPTIONS = {
     "ebird": "the async runtime as it ships: requests decoded on the CPU lane between batches, metrics handed "
     "to TorchServe once a second",
+    "ebird-small": "the same with `worker_batches: [1, 1, 2, 4, 8]`, the set the README advises for small CPUs "
+    "(no batch of 16)",
     "ebird-ts-pump": "the same with `worker_pump: torchserve`: TorchServe's own async message pump, as the runtime "
     "ran before `handlers/runtime/worker_pump.py`",
     "ebird-per-event": "the same with `metrics_flush_interval_s: 0`: a metrics log line at every event "
@@ -90,8 +93,10 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     systems = args.systems
     store = workdir / "model_store"
     settings = tuple(sorted(EBIRD_SETTINGS.items()))
+    small = tuple(sorted((EBIRD_SETTINGS | {"worker_batches": [1, 1, 2, 4, 8]}).items()))
     options = {
         "ebird": ServingOptions(handler="ebird", handler_settings=settings),
+        "ebird-small": ServingOptions(handler="ebird", handler_settings=small),
         "ebird-ts-pump": ServingOptions(handler="ebird", handler_settings=settings, worker_pump="torchserve"),
         "ebird-per-event": ServingOptions(handler="ebird", handler_settings=settings, metrics_flush_interval_s=0),
         "ebird-loop": ServingOptions(handler="ebird", handler_settings=settings, decode_threads=0),
