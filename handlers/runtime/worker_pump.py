@@ -197,7 +197,8 @@ class WorkerPump:
         if not isinstance(answers, list) or len(answers) != len(rows):
             logger.error("async worker: the handler answered %r for %d request(s)", type(answers), len(rows))
             return create_predict_response(None, request_ids, "Invalid model predict output", 503)
-        context.metrics.add_time(PREDICTION_METRIC, round((time.time() - started) * 1000, 2))
+        if context.metrics is not None:
+            context.metrics.add_time(PREDICTION_METRIC, round((time.time() - started) * 1000, 2))
         return create_predict_response(answers, request_ids, "Prediction success", 200, context=context)
 
 
@@ -210,10 +211,9 @@ def message_context(shared: Any) -> Any:
     shallow copy of the context and of its metrics cache keeps concurrent
     messages apart, as TorchServe's deep copy does; the manifest, system
     properties, ``model_yaml_config`` and metric definitions stay shared and
-    are only read (no handler here writes them per request).  The deep copy
-    took ~40 % of the event loop's CPU per request on a 2-core VM (py-spy,
-    ResNet-50 Ebird at 8 requests/s): the whole metrics configuration was
-    copied per message.
+    are only read (no handler here writes them per request).  TorchServe's
+    deep copy of all of it was ~40 % of the event loop's py-spy samples in a
+    live Ebird worker (ResNet-50, 8 requests/s, 2-core VM).
     """
     context = copy.copy(shared)
     if shared.metrics is not None:
