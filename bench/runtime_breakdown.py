@@ -6,7 +6,7 @@ One TorchServe serves the model once per system (``--systems``), one
 worker each: ``ebird`` (the async runtime as it ships: decode, admission,
 the engine's queue and batch, the hand-back to the event loop, encode),
 ``ebird-small`` (the same with worker batches 1, 1, 2, 4, 8: no batch of
-16, the set the README advises for small CPUs), ``ebird-ts-pump`` (the same on TorchServe's own async message pump,
+16), ``ebird-ts-pump`` (the same on TorchServe's own async message pump,
 ``worker_pump: torchserve``, the runtime before ``worker_pump.py``),
 ``ebird-per-event`` (the same with ``metrics_flush_interval_s: 0``: a
 metrics log line at every event, the runtime before its flush thread),
@@ -64,8 +64,7 @@ STAGES = {name: ASYNC_STAGES for name in ALL_SYSTEMS} | {"nowait": ("decode", "m
 DESCRIPTIONS = {
     "ebird": "the async runtime as it ships: requests decoded on the CPU lane between batches, metrics handed "
     "to TorchServe once a second",
-    "ebird-small": "the same with `worker_batches: [1, 1, 2, 4, 8]`, the set the README advises for small CPUs "
-    "(no batch of 16)",
+    "ebird-small": "the same with `worker_batches: [1, 1, 2, 4, 8]` (no batch of 16)",
     "ebird-ts-pump": "the same with `worker_pump: torchserve`: TorchServe's own async message pump, as the runtime "
     "ran before `handlers/runtime/worker_pump.py`",
     "ebird-per-event": "the same with `metrics_flush_interval_s: 0`: a metrics log line at every event "

@@ -8,6 +8,8 @@ worker side here is always TorchServe's own code (``retrieve_msg``,
 ``create_predict_response``); only the frontend is written out, so the
 message pump (``handlers/runtime/worker_pump.py``) can be tested and timed
 without Java, and the lent GPU machine, which has none, can run it too.
+``torchserve_service`` builds the worker side's ``Service`` as TorchServe's
+worker does.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from __future__ import annotations
 import socket
 import struct
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -87,3 +91,21 @@ def read_answer_frame(sock: socket.socket) -> tuple[int, str, list[Answer]]:
             headers[name] = _string(sock).decode()
         answers.append(Answer(request_id, status, phrase, content_type, headers, _string(sock)))
     return code, message, answers
+
+
+def torchserve_service(entry_point: Any, cl_socket: socket.socket, model_dir: str, manifest: dict | None = None) -> Any:
+    """TorchServe's own ``Service`` around ``entry_point``, with the metrics cache its worker builds.
+
+    ``manifest`` may name a ``configFile`` in ``model_dir``: the context then
+    carries that model-config.yaml, as a worker's does.
+    """
+    import ts
+    from ts.metrics.metric_cache_yaml_impl import MetricsCacheYamlImpl
+    from ts.service import Service
+
+    metrics = MetricsCacheYamlImpl(config_file_path=str(Path(ts.__file__).parent / "configs" / "metrics.yaml"))
+    metrics.initialize_cache()
+    metrics.model_name = "pumped"
+    service = Service("pumped", model_dir, manifest, entry_point, None, 1, True, metrics)
+    service.set_cl_socket(cl_socket)
+    return service

@@ -38,7 +38,7 @@ if __package__ in (None, ""):  # `python bench/NAME.py` from the repository root
 
 from bench.proc_cpu import thread_cpu_seconds
 from bench.report import add_output_arguments, markdown_table, new_figure, provenance_block, run_benchmark, save_figure
-from bench.ts_frames import Request, inference_frame, read_answer_frame
+from bench.ts_frames import Request, inference_frame, read_answer_frame, torchserve_service
 
 PUMPS = ("torchserve", "lean")
 HEADERS = (
@@ -54,22 +54,14 @@ ANSWER = json.dumps([(i - 500) / 997 * 3.14159 for i in range(1000)], separators
 
 def _worker(pump: str, conn: socket.socket, stdout_fd: int, model_dir: str) -> None:
     """The forked worker: TorchServe's service around a do-nothing entry point, served by ``pump``."""
-    import ts
-    from ts.metrics.metric_cache_yaml_impl import MetricsCacheYamlImpl
-    from ts.service import Service
-
     os.dup2(stdout_fd, 1)
     logging.basicConfig(stream=sys.stdout, format="%(message)s", level=logging.INFO, force=True)  # as ts's worker
 
     async def entry_point(data: list, context: Any) -> list:
         return [ANSWER for _ in data]
 
-    metrics = MetricsCacheYamlImpl(config_file_path=str(Path(ts.__file__).parent / "configs" / "metrics.yaml"))
-    metrics.initialize_cache()
-    metrics.model_name = "pumped"
     manifest = {"model": {"modelName": "pumped", "configFile": "model-config.yaml"}}
-    service = Service("pumped", model_dir, manifest, entry_point, None, 1, True, metrics)
-    service.set_cl_socket(conn)
+    service = torchserve_service(entry_point, conn, model_dir, manifest)
     if pump == "torchserve":
         from ts.async_service import AsyncService
 

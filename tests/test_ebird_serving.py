@@ -7,6 +7,7 @@ workers of batch 1, 1, 2, 4, 8, two CPU lanes and a 16-slot input pool.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import shutil
 import zipfile
@@ -140,26 +141,44 @@ def test_bad_input_gets_its_4xx_and_requests_in_flight_are_unaffected(served, to
     assert_matches_reference(spec, good[:2], [a.body for a in answers])
 
 
+@contextlib.contextmanager
+def registered_apart(torchserve, model_store_dir, tmp_path, options: ServingOptions, model: str):
+    """Register resnet50 built with ``options`` as ``model`` (its archive apart from the session's,
+    which shares its file name) for the ``with`` block; yields the archive's path."""
+    built = build_archive(get_spec("resnet50", "eager"), tmp_path, options)
+    target = model_store_dir / f"resnet50_eager-{model}.mar"
+    shutil.copy(built, target)
+    torchserve.management().register(target.name, model_name=model, initial_workers=1)
+    try:
+        yield target
+    finally:
+        torchserve.management().unregister(model)
+
+
+def archive_config(path) -> dict:
+    with zipfile.ZipFile(path) as mar:
+        return yaml.safe_load(mar.read("model-config.yaml"))
+
+
+def serve_good_and_bad(torchserve, model: str, good: int) -> int:
+    """``good`` requests (JPEG and tensor JSON) with malformed JSON and a wrong shape, all at once:
+    each gets its own answer, the good ones the model's. Returns how many were sent."""
+    spec = get_spec("resnet50", "eager")
+    rows = [{"body": jpeg_bytes(seed=i) if i % 2 else image_tensor_json(spec, seed=i)} for i in range(good)]
+    bad = [b"{not json", {"data": [[[0.0] * 8] * 8] * 3}]
+    answers = post_all(f"{torchserve.inference_url}/predictions/{model}", [r["body"] for r in rows] + bad)
+    assert [status for status, _ in answers] == [200] * len(rows) + [400, 400], answers
+    assert_matches_reference(spec, rows, [json.loads(body) for _, body in answers[: len(rows)]])
+    assert "malformed JSON" in json.loads(answers[-2][1])["message"]
+    assert "wrong tensor shape [3, 8, 8]" in json.loads(answers[-1][1])["message"]
+    return len(answers)
+
+
 def test_decoding_on_a_pool_inside_torchserve_answers_and_refuses_as_inline(torchserve, model_store_dir, tmp_path):
     """The decode pool (the CUDA default) under TorchServe's real async worker, on CPU."""
-    spec = get_spec("resnet50", "eager")
     options = ServingOptions(
         handler="ebird", handler_settings=tuple(sorted(EBIRD_TEST_SETTINGS.items())), decode_threads=2
     )
-    built = build_archive(spec, tmp_path, options)  # same archive name as the session's Ebird: keep it apart
-    target = model_store_dir / "resnet50_eager-ebird-decode2.mar"
-    shutil.copy(built, target)
-    with zipfile.ZipFile(target) as mar:
-        assert yaml.safe_load(mar.read("model-config.yaml"))["handler"]["decode_threads"] == 2
-    model = "ebird-decode2"
-    torchserve.management().register(target.name, model_name=model, initial_workers=1)
-    try:
-        rows = [{"body": jpeg_bytes(seed=i) if i % 2 else image_tensor_json(spec, seed=i)} for i in range(9)]
-        bad = [b"{not json", {"data": [[[0.0] * 8] * 8] * 3}]
-        answers = post_all(f"{torchserve.inference_url}/predictions/{model}", [r["body"] for r in rows] + bad)
-        assert [status for status, _ in answers] == [200] * len(rows) + [400, 400], answers
-        assert_matches_reference(spec, rows, [json.loads(body) for _, body in answers[: len(rows)]])
-        assert "malformed JSON" in json.loads(answers[-2][1])["message"]
-        assert "wrong tensor shape [3, 8, 8]" in json.loads(answers[-1][1])["message"]
-    finally:
-        torchserve.management().unregister(model)
+    with registered_apart(torchserve, model_store_dir, tmp_path, options, "ebird-decode2") as archive:
+        assert archive_config(archive)["handler"]["decode_threads"] == 2
+        serve_good_and_bad(torchserve, "ebird-decode2", good=9)

@@ -13,24 +13,18 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import shutil
 import socket
 import threading
 import time
-import zipfile
-from pathlib import Path
 
 import pytest
-import yaml
 
-from bench.ts_frames import Request, inference_frame, read_answer_frame
+from bench.ts_frames import Request, inference_frame, read_answer_frame, torchserve_service
 from handlers.runtime.worker_pump import LEAN, TORCHSERVE, WorkerPump, parse_worker_pump
-from model_store.build import ServingOptions, build_archive, model_config
+from model_store.build import ServingOptions, model_config
 from model_store.catalog import get_spec
-from model_store.samples import image_tensor_json, jpeg_bytes
 from tests.conftest import EBIRD_TEST_SETTINGS
-from tests.test_ebird_serving import post_all
-from tests.test_serving import assert_matches_reference
+from tests.test_ebird_serving import archive_config, registered_apart, serve_good_and_bad
 
 EBIRD = tuple(sorted(EBIRD_TEST_SETTINGS.items()))
 
@@ -54,20 +48,6 @@ def test_archives_carry_the_setting_only_for_handlers_that_have_the_pump():
         ServingOptions(handler="ebird", worker_pump="fast")
 
 
-def torchserve_service(entry_point, cl_socket: socket.socket):
-    """TorchServe's own ``Service`` around ``entry_point``, with the metrics cache its worker builds."""
-    import ts
-    from ts.metrics.metric_cache_yaml_impl import MetricsCacheYamlImpl
-    from ts.service import Service
-
-    metrics = MetricsCacheYamlImpl(config_file_path=str(Path(ts.__file__).parent / "configs" / "metrics.yaml"))
-    metrics.initialize_cache()
-    metrics.model_name = "pumped"
-    service = Service("pumped", "/nonexistent", None, entry_point, None, 1, True, metrics)
-    service.set_cl_socket(cl_socket)
-    return service
-
-
 async def echo_or_refuse(data, context):
     """Answers each row with its request id, after a random pause (so messages interleave); b"bad": 400."""
     await asyncio.sleep(random.uniform(0, 0.02))
@@ -87,7 +67,7 @@ class PumpUnderTest:
     def __init__(self) -> None:
         self.frontend, worker = socket.socketpair()
         self.frontend.settimeout(30)
-        self.pump = WorkerPump(torchserve_service(echo_or_refuse, worker))
+        self.pump = WorkerPump(torchserve_service(echo_or_refuse, worker, "/nonexistent"))
         self.result: list[str | None] = []
         self.thread = threading.Thread(target=lambda: self.result.append(self.pump.run()), daemon=True)
         self.thread.start()
@@ -147,22 +127,10 @@ def worker_log(torchserve, model: str) -> list[str]:
     return [line for line in lines if f"-{model}_" in line]
 
 
-def serve_and_check(torchserve, model: str) -> int:
-    """Good and bad requests at once through ``model``: each gets its own answer. Returns how many were sent."""
-    spec = get_spec("resnet50", "eager")
-    rows = [{"body": jpeg_bytes(seed=i) if i % 2 else image_tensor_json(spec, seed=i)} for i in range(7)]
-    bad = [b"{not json", {"data": [[[0.0] * 8] * 8] * 3}]
-    answers = post_all(f"{torchserve.inference_url}/predictions/{model}", [r["body"] for r in rows] + bad)
-    assert [status for status, _ in answers] == [200] * len(rows) + [400, 400], answers
-    assert_matches_reference(spec, rows, [json.loads(body) for _, body in answers[: len(rows)]])
-    assert "malformed JSON" in json.loads(answers[-2][1])["message"]
-    return len(answers)
-
-
 @pytest.mark.torchserve
 def test_the_lean_pump_serves_the_default_archive_without_torchserve_per_message_print(served, torchserve):
     model = served("resnet50", "eager", "ebird")
-    serve_and_check(torchserve, model)
+    serve_good_and_bad(torchserve, model, good=7)
     log = worker_log(torchserve, model)
     assert any("the lean message pump" in line for line in log), log[-20:]
     assert not [line for line in log if "_entry_point=" in line]
@@ -170,24 +138,16 @@ def test_the_lean_pump_serves_the_default_archive_without_torchserve_per_message
 
 @pytest.mark.torchserve
 def test_torchserve_pump_when_the_archive_asks_for_it(torchserve, model_store_dir, tmp_path):
-    spec = get_spec("resnet50", "eager")
-    built = build_archive(
-        spec, tmp_path, ServingOptions(handler="ebird", handler_settings=EBIRD, worker_pump="torchserve")
-    )
-    target = model_store_dir / "resnet50_eager-ebird-tspump.mar"  # same archive name as the session's Ebird
-    shutil.copy(built, target)
-    with zipfile.ZipFile(target) as mar:
-        assert yaml.safe_load(mar.read("model-config.yaml"))["handler"]["worker_pump"] == "torchserve"
-    model = "ebird-tspump"
-    torchserve.management().register(target.name, model_name=model, initial_workers=1)
-    try:
-        sent = serve_and_check(torchserve, model)
+    options = ServingOptions(handler="ebird", handler_settings=EBIRD, worker_pump="torchserve")
+    with registered_apart(torchserve, model_store_dir, tmp_path, options, "ebird-tspump") as archive:
+        assert archive_config(archive)["handler"]["worker_pump"] == "torchserve"
+        sent = serve_good_and_bad(torchserve, "ebird-tspump", good=7)
         # TorchServe's pump prints once per message; the lean test above counts none with the same check.
         # The frontend logs a worker's stdout from a thread of its own: give it a moment.
         deadline = time.monotonic() + 10
-        while len(prints := [line for line in worker_log(torchserve, model) if "_entry_point=" in line]) < sent:
+        while (
+            len(prints := [line for line in worker_log(torchserve, "ebird-tspump") if "_entry_point=" in line]) < sent
+        ):
             assert time.monotonic() < deadline, f"{len(prints)} of {sent} messages printed"
             time.sleep(0.2)
-        assert any("TorchServe's message pump" in line for line in worker_log(torchserve, model))
-    finally:
-        torchserve.management().unregister(model)
+        assert any("TorchServe's message pump" in line for line in worker_log(torchserve, "ebird-tspump"))

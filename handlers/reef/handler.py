@@ -22,7 +22,6 @@ from handlers.cpu_handler import load_model
 from handlers.errors import RequestError, bad_request
 from handlers.reef.config import MODEL_HEADER, PRIORITY_HEADER, ReefConfig
 from handlers.reef.engine import Member, ReefEngine, RoutedInput
-from handlers.runtime import worker_pump
 from handlers.runtime.async_handler import DEFAULT_RESPONSE_TIMEOUT_S, AsyncModelHandler, declared_inputs
 from handlers.runtime.decode import LANE, RequestDecoder, default_decode_placement, parse_decode_threads
 from handlers.runtime.device import ExecutionDevice
@@ -93,7 +92,7 @@ class ReefHandler(AsyncModelHandler):
         engine = ReefEngine(members, self.device, self.config, self.metrics, self.cpu_threads)
         engine.warm_up()
         self.engines = {ENGINE_KEY: engine}
-        lean_pump = worker_pump.install(worker_pump.parse_worker_pump(handler_config.get("worker_pump")))
+        pump = self.install_worker_pump(handler_config.get("worker_pump"))
         self.initialized = True
         logger.info(
             "ReefHandler serving %s on %s (%s; real-time by default: %s), decoding %s, %s message pump",
@@ -102,7 +101,7 @@ class ReefHandler(AsyncModelHandler):
             engine,
             ", ".join(self.config.realtime) or "none",
             self.decoder.where,
-            "the lean" if lean_pump else "TorchServe's",
+            pump,
         )
 
     def _reef_decoder(self, setting: Any) -> RequestDecoder:

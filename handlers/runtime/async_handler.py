@@ -226,8 +226,7 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
             engine = self.create_engine(example)
             engine.warm_up()
             self.engines[self.engine_key(example)] = engine
-        # Last: a handler that failed to start must leave TorchServe's worker as it was.
-        lean_pump = worker_pump.install(pump)
+        pump_in_use = self.install_worker_pump(pump)
         self.initialized = True
         logger.info(
             "%s serving %s (%s mode) on %s%s with %d input layout(s), decoding %s, %s message pump",
@@ -238,8 +237,16 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
             f" ({self.lanes})" if self.lanes else "",
             len(self.engines),
             self.decoder.where,
-            "the lean" if lean_pump else "TorchServe's",
+            pump_in_use,
         )
+
+    def install_worker_pump(self, setting: Any) -> str:
+        """Put the archive's message pump in place (``worker_pump.py``); says which runs, for the start-up log.
+
+        Called last in ``initialize``: a handler that failed to start leaves
+        TorchServe's worker as it was.
+        """
+        return "the lean" if worker_pump.install(setting) else "TorchServe's"
 
     def _make_decoder(self, placement: int | str | None) -> RequestDecoder:
         if placement is None:

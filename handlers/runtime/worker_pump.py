@@ -76,13 +76,15 @@ def parse_worker_pump(value: Any) -> str:
     return value
 
 
-def install(pump: str) -> bool:
+def install(setting: Any) -> bool:
     """Make TorchServe's async worker in this process run ``WorkerPump``; True if it will.
+
+    ``setting``: the archive's ``worker_pump`` (None: lean), validated here.
 
     Outside a TorchServe worker (a handler driven directly) nothing builds an
     ``AsyncService``, so installing changes nothing there.
     """
-    if parse_worker_pump(pump) != LEAN:
+    if parse_worker_pump(setting) != LEAN:
         return False
     try:
         import ts.async_service as ts_async
