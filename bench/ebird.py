@@ -35,6 +35,7 @@ target (default 10·L1, L1: one request at a time) per second of that phase.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 from collections import Counter
@@ -83,7 +84,14 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     spec = get_spec(args.model, args.mode)
     store = workdir / "model_store"
     plain = build_archive(spec, store)
-    ebird_settings = {"worker_batches": [1, 1, 2, 4, 8, 16], "max_inflight": 32, "pool_slots": 64, "cpu_lanes": 1}
+    ebird_settings = {
+        "worker_batches": [1, 1, 2, 4, 8, 16],
+        "max_inflight": 32,
+        "pool_slots": 64,
+        "cpu_lanes": 1,
+        "cpu_rule": "lane",
+        "cpu_batch_cap": "auto",
+    } | args.ebird_settings
     ebird = build_archive(
         spec, store, ServingOptions(handler="ebird", handler_settings=tuple(sorted(ebird_settings.items())))
     )
@@ -300,6 +308,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--capacity-repeats", type=int, default=3, help="interleaved closed-loop runs per system")
     parser.add_argument("--qos-ms", type=float, help="QoS target for goodput (default 10·L1)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--ebird-settings",
+        type=json.loads,
+        default={},
+        help="JSON merged into the Ebird archive's settings, e.g. '{\"cpu_rule\": \"plan\"}' for the paper's rule",
+    )
     parser.add_argument("--sweep-delays", default="5,10,25,50,100", help="OPT Wait candidates (ms)")
     parser.add_argument("--sweep-fraction", type=float, default=0.5, help="sweep runs this share of each phase")
     parser.add_argument("--warmup-seconds", type=float, default=5.0)

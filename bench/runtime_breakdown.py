@@ -5,6 +5,8 @@
 One TorchServe serves the model once per system (``--systems``), one
 worker each: ``ebird`` (the async runtime as it ships: decode, admission,
 the engine's queue and batch, the hand-back to the event loop, encode),
+``ebird-plan`` (the same with ``cpu_rule: plan``: the paper's plan over
+every idle worker instead of one batch per free lane),
 ``ebird-small`` (the same with worker batches 1, 1, 2, 4, 8: no batch of
 16), ``ebird-ts-pump`` (the same on TorchServe's own async message pump,
 ``worker_pump: torchserve``, the runtime before ``worker_pump.py``),
@@ -57,13 +59,15 @@ from model_store.samples import client_payload
 from packrat_plugin.loadgen import closed_loop, open_loop, run
 from packrat_plugin.torchserve import TorchServeProcess
 
-ALL_SYSTEMS = ("ebird", "ebird-small", "ebird-ts-pump", "ebird-per-event", "ebird-loop", "nowait")
+ALL_SYSTEMS = ("ebird", "ebird-plan", "ebird-small", "ebird-ts-pump", "ebird-per-event", "ebird-loop", "nowait")
 DEFAULT_SYSTEMS = "ebird,ebird-per-event,nowait"
 ASYNC_STAGES = ("decode", "admission", "queue", "batch", "release", "wakeup", "encode")
 STAGES = {name: ASYNC_STAGES for name in ALL_SYSTEMS} | {"nowait": ("decode", "model", "encode")}
 DESCRIPTIONS = {
     "ebird": "the async runtime as it ships: requests decoded on the CPU lane between batches, metrics handed "
     "to TorchServe once a second",
+    "ebird-plan": "the same with `cpu_rule: plan`: the paper's plan over every idle worker, its batches back to "
+    "back on the lane, as the runtime batched on CPU before the lane rule",
     "ebird-small": "the same with `worker_batches: [1, 1, 2, 4, 8]` (no batch of 16)",
     "ebird-ts-pump": "the same with `worker_pump: torchserve`: TorchServe's own async message pump, as the runtime "
     "ran before `handlers/runtime/worker_pump.py`",
@@ -93,9 +97,11 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     store = workdir / "model_store"
     settings = tuple(sorted(EBIRD_SETTINGS.items()))
     small = tuple(sorted((EBIRD_SETTINGS | {"worker_batches": [1, 1, 2, 4, 8]}).items()))
+    plan = tuple(sorted((EBIRD_SETTINGS | {"cpu_rule": "plan"}).items()))
     options = {
         "ebird": ServingOptions(handler="ebird", handler_settings=settings),
         "ebird-small": ServingOptions(handler="ebird", handler_settings=small),
+        "ebird-plan": ServingOptions(handler="ebird", handler_settings=plan),
         "ebird-ts-pump": ServingOptions(handler="ebird", handler_settings=settings, worker_pump="torchserve"),
         "ebird-per-event": ServingOptions(handler="ebird", handler_settings=settings, metrics_flush_interval_s=0),
         "ebird-loop": ServingOptions(handler="ebird", handler_settings=settings, decode_threads=0),

@@ -20,6 +20,7 @@ import torch
 from handlers.direct import call, load_context, model_dir_for
 from handlers.ebird.config import EbirdConfig, EbirdConfigError
 from handlers.ebird.handler import EbirdHandler
+from handlers.ebird.scheduler import lane_batch_cap
 from handlers.runtime.decode import default_decode_placement
 from model_store.build import ServingOptions, model_config
 from model_store.catalog import get_spec
@@ -174,10 +175,18 @@ def record_batch_sizes(engine, log, sizes):
     engine.model = Intervals(sized, log)
 
 
-def test_on_cpu_a_burst_is_batched_after_its_decodes_not_one_by_one(make_handler):
+@pytest.mark.parametrize(
+    "rule, expected",
+    [
+        ({"cpu_batch_cap": 4}, [4, 2]),
+        ({"cpu_batch_cap": 2}, [2, 2, 2]),  # one batch per free lane, each at most the cap
+        ({"cpu_rule": "plan"}, [4, 2]),
+    ],
+)
+def test_on_cpu_a_burst_is_batched_after_its_decodes_not_one_by_one(make_handler, rule, expected):
     """Late binding: a batch handed to the lane while the burst's decodes are queued there would run after
     them anyway, so the engine waits for them and the burst shares its batches (else: a batch of 1 first)."""
-    handler, ctx = make_handler(worker_batches=[1, 1, 2, 4], pool_slots=8)
+    handler, ctx = make_handler(worker_batches=[1, 1, 2, 4], pool_slots=8, **rule)
     decodes, batches, sizes = [], [], []
     handler.decoder._decode = Intervals(handler.decoder._decode, decodes)
     record_batch_sizes(handler.engines[((3, 224, 224),)], batches, sizes)
@@ -186,12 +195,34 @@ def test_on_cpu_a_burst_is_batched_after_its_decodes_not_one_by_one(make_handler
     assert [status for status, _ in answers] == [200] * 6
     for (_, body), row in zip(answers, reference_logits(SPEC, rows), strict=True):
         assert outputs_close(torch.tensor(body["logits"]), row, 1e-4)
-    assert sorted(sizes, reverse=True) == [4, 2]
+    assert sizes == expected  # in the order they ran: the lane takes the larger batch first
     assert min(b0 for _, b0, _ in batches) >= max(d1 for _, _, d1 in decodes)
 
 
+def test_on_cpu_the_lane_rule_caps_batches_by_their_measured_cost(make_handler):
+    """``cpu_batch_cap: auto``: every worker size is timed on the lane at warm-up, served batches then
+    refine their size's cost, and the cap is always the policy's pick from the costs as they stand."""
+    handler, ctx = make_handler(worker_batches=[1, 1, 2, 4], pool_slots=8)
+    engine = handler.engines[((3, 224, 224),)]
+    guessed = engine.costs.per_input_ms()
+    assert set(guessed) == {1, 2, 4} and min(guessed.values()) > 0
+    assert engine.policy.lane_cap == lane_batch_cap(guessed)
+    batches, sizes = [], []
+    record_batch_sizes(engine, batches, sizes)
+    for burst in range(3):
+        answers = serve_all(handler, ctx, [{"body": jpeg_bytes(seed=10 * burst + i)} for i in range(6)])
+        assert [status for status, _ in answers] == [200] * 6
+    deadline = time.monotonic() + 10  # a batch's cost is recorded just after its answers
+    while sum(engine.costs.served(b) for b in (1, 2, 4)) < len(sizes) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    with engine._cond:
+        assert [engine.costs.served(b) for b in (1, 2, 4)] == [sizes.count(b) for b in (1, 2, 4)]
+        assert engine.policy.lane_cap == lane_batch_cap(engine.costs.per_input_ms())
+    assert sum(sizes) == 18
+
+
 def test_a_request_refused_while_arriving_releases_the_batch_waiting_for_it(make_handler):
-    handler, ctx = make_handler(response_timeout_s=20, worker_batches=[1, 1, 2, 4], pool_slots=8)
+    handler, ctx = make_handler(response_timeout_s=20, worker_batches=[1, 1, 2, 4], pool_slots=8, cpu_batch_cap=4)
     batches, sizes = [], []
     record_batch_sizes(handler.engines[((3, 224, 224),)], batches, sizes)
     rows = [{"body": jpeg_bytes(seed=1)}, {"body": jpeg_bytes(seed=2)}, {"body": b"{not json"}]
@@ -310,6 +341,9 @@ def test_close_finishes_admitted_requests_then_refuses_new_ones(make_handler):
         ({"worker_batches": [1, 32], "pool_slots": 16}, "largest worker batch"),
         ({"max_inflight": 0}, "max_inflight"),
         ({"lanes": 2}, "unknown ebird settings"),
+        ({"cpu_rule": "greedy"}, "cpu_rule"),
+        ({"cpu_batch_cap": 0}, "cpu_batch_cap"),
+        ({"cpu_batch_cap": "big"}, "cpu_batch_cap"),
     ],
 )
 def test_bad_ebird_config_is_refused_at_build_time(settings, message):

@@ -11,15 +11,17 @@ from handlers.ebird.scheduler import (
     SchedulerState,
     WorkerSpec,
     default_worker_batches,
+    lane_batch_cap,
 )
+from handlers.runtime.batch_costs import BatchCosts
 
 
 def workers(*batches: int) -> list[WorkerSpec]:
     return [WorkerSpec(i, b) for i, b in enumerate(batches)]
 
 
-def plan(scheduler, ready, in_flight=0, idle=None, arriving=0):
-    state = SchedulerState(ready, in_flight, idle if idle is not None else scheduler.workers, arriving)
+def plan(scheduler, ready, in_flight=0, idle=None, arriving=0, free_lanes=None):
+    state = SchedulerState(ready, in_flight, idle if idle is not None else scheduler.workers, arriving, free_lanes)
     return [(a.worker_id, a.count) for a in scheduler.next_batch(state).assignments]
 
 
@@ -78,6 +80,71 @@ def test_while_inputs_arrive_full_workers_go_at_once_and_only_the_remainder_wait
     assert plan(s, ready=5, in_flight=3, arriving=1) == [(3, 4), (0, 1)]  # MaxInf leaves room for 1 more only
 
 
+def test_on_a_free_cpu_lane_one_batch_of_at_most_the_cap_runs():
+    """The lane rule: a plan's batches would queue on the lane behind each other; one batch per free lane."""
+    s = ElasticScheduler(workers(1, 1, 2, 4, 8, 16), max_inflight=32, lane_cap=4)
+    assert plan(s, ready=27, free_lanes=1) == [(3, 4)]  # not 16 + 8 + 2 + 1 back to back
+    assert plan(s, ready=3, free_lanes=1) == [(2, 2)]  # the largest idle worker that fits
+    assert plan(s, ready=27, free_lanes=2) == [(3, 4), (2, 2)]  # one batch each; the 4 is taken
+    assert plan(s, ready=27, free_lanes=0) == []  # every lane has its batch
+    assert plan(s, ready=5, in_flight=30, free_lanes=1) == [(2, 2)]  # MaxInf still bounds it
+    busy_four = [w for w in s.workers if w.batch != 4]
+    assert plan(s, ready=27, idle=busy_four, free_lanes=1) == [(2, 2)]  # never a worker above the cap
+    one = ElasticScheduler(workers(1, 1, 2, 4, 8, 16), max_inflight=32, lane_cap=1)
+    assert plan(one, ready=27, free_lanes=1) == [(0, 1)]
+
+
+def test_on_a_free_cpu_lane_a_batch_waits_for_arrivals_only_below_the_cap():
+    s = ElasticScheduler(workers(1, 1, 2, 4, 8), max_inflight=16, lane_cap=4)
+    assert plan(s, ready=2, arriving=3, free_lanes=1) == []  # can grow to 4 at no cost
+    assert plan(s, ready=4, arriving=3, free_lanes=1) == [(3, 4)]  # full at the cap: no wait for an 8
+    assert plan(s, ready=2, arriving=0, free_lanes=1) == [(2, 2)]
+    assert plan(s, ready=2, in_flight=14, arriving=3, free_lanes=1) == [(2, 2)]  # MaxInf: 2 is all it may hold
+
+
+def test_the_lane_cap_is_the_smallest_size_about_as_cheap_per_input_as_the_cheapest():
+    # Intel VM, timed back to back (bench/lane_batching_sim): 4 cheapest; 1 and 2 dearer by 17 % and 7 %.
+    assert lane_batch_cap({1: 54.7, 2: 50.1, 4: 46.7, 8: 47.0, 16: 61.0}) == 4
+    # AMD VM, timed back to back: level from 1 to 8, so 1 ...
+    assert lane_batch_cap({1: 62.9, 2: 63.9, 4: 64.6, 8: 62.6, 16: 77.7}) == 1
+    # ... but served, a batch of 1 took ~77 ms: its per-batch stall makes 4 the size to take.
+    assert lane_batch_cap({1: 76.6, 2: 69.0, 4: 64.6, 8: 62.6, 16: 77.7}) == 4
+    assert lane_batch_cap({1: 10.0, 2: 9.0}, tolerance=0.2) == 1
+    for bad in ({}, {0: 1.0}, {1: 0.0}):
+        with pytest.raises(ValueError, match="per-input cost"):
+            lane_batch_cap(bad)
+
+
+def test_batch_costs_guess_first_then_follow_what_is_served():
+    costs = BatchCosts([1, 1, 2, 4], window=4, min_served=2)
+    assert costs.sizes == (1, 2, 4) and costs.per_input_ms() == {}
+    costs.guess(1, 0.060)
+    costs.guess(2, 0.100)
+    assert costs.per_input_ms() == pytest.approx({1: 60.0, 2: 50.0})
+    costs.record(1, 0.080)
+    assert costs.per_input_ms()[1] == pytest.approx(60.0)  # one served batch is not enough to move it
+    costs.record(1, 0.090)
+    assert costs.per_input_ms()[1] == pytest.approx(85.0)  # the median of the served ones
+    for _ in range(4):
+        costs.record(1, 0.070)
+    assert costs.per_input_ms()[1] == pytest.approx(70.0) and costs.served(1) == 4  # the window forgets
+    costs.record(4, 0.2)
+    costs.record(4, 0.2)
+    assert costs.per_input_ms()[4] == pytest.approx(50.0)  # served without a guess
+
+
+def test_batch_costs_refuse_misuse():
+    with pytest.raises(ValueError, match="sizes"):
+        BatchCosts([])
+    with pytest.raises(ValueError, match="min_served"):
+        BatchCosts([1], window=2, min_served=3)
+    costs = BatchCosts([1, 2])
+    with pytest.raises(ValueError, match="not one of"):
+        costs.record(3, 0.1)
+    with pytest.raises(ValueError, match="positive time"):
+        costs.guess(1, 0.0)
+
+
 @pytest.mark.parametrize(
     "batches, max_inflight, message",
     [((), 8, "at least one"), ((2, 4), 8, "batch 1"), ((1, 3), 8, "powers of two"), ((1, 2), 0, "MaxInf")],
@@ -85,6 +152,13 @@ def test_while_inputs_arrive_full_workers_go_at_once_and_only_the_remainder_wait
 def test_bad_scheduler_config_is_refused(batches, max_inflight, message):
     with pytest.raises(ValueError, match=message):
         ElasticScheduler(workers(*batches), max_inflight)
+
+
+def test_a_lane_cap_below_one_is_refused():
+    with pytest.raises(ValueError, match="lane cap"):
+        ElasticScheduler(workers(1, 2), 4, lane_cap=0)
+    with pytest.raises(ValueError, match="lane cap"):
+        ElasticScheduler(workers(1, 2), 4, lane_cap=2).set_lane_cap(0)
 
 
 def image_pool(capacity: int) -> InputPool:

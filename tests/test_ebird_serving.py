@@ -1,7 +1,8 @@
 """Ebird served by a real TorchServe in async mode, on CPU.
 
 The session's Ebird archive (``EBIRD_TEST_SETTINGS`` in conftest) has
-workers of batch 1, 1, 2, 4, 8, two CPU lanes and a 16-slot input pool.
+workers of batch 1, 1, 2, 4, 8, two CPU lanes that take a batch of at most
+8 each, and a 16-slot input pool.
 """
 
 from __future__ import annotations

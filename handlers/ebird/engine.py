@@ -11,7 +11,10 @@ thread and a stream of its own, so workers overlap on the GPU.  On CPU a
 worker is only a batch size: its batch goes straight to the runtime's lanes
 (``handlers/runtime/lanes.py``) and is answered from the lane thread when it
 finishes, as DVABatch's stages are, so a batch costs no hand-offs through a
-worker thread on the way in or out.
+worker thread on the way in or out.  There the policy gets one batch per
+free lane (``ElasticScheduler``'s lane rule), capped by each size's cost per
+input: timed at warm-up, then taken from the batches served
+(``handlers/runtime/batch_costs.py``).
 """
 
 from __future__ import annotations
@@ -19,8 +22,10 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import queue
+import statistics
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -28,9 +33,10 @@ import torch
 from handlers.codecs import ModelInput
 from handlers.ebird.config import EbirdConfig
 from handlers.ebird.pool import InputPool, Run
-from handlers.ebird.scheduler import ElasticScheduler, SchedulerState, WorkerSpec
+from handlers.ebird.scheduler import ElasticScheduler, SchedulerState, WorkerSpec, lane_batch_cap
 from handlers.errors import ServiceUnavailable, bad_request
 from handlers.runtime.arrivals import Arrivals
+from handlers.runtime.batch_costs import BatchCosts
 from handlers.runtime.device import ExecutionDevice
 from handlers.runtime.engine import Engine, Ticket, drain_then_stop, layout_of, warm_up_sizes
 from handlers.runtime.lanes import CpuLanes
@@ -38,11 +44,14 @@ from handlers.runtime.metrics import HandlerMetrics
 
 logger = logging.getLogger(__name__)
 
+COST_RUNS = 3  # warm-up runs timed per worker size for the lane rule's cap: the median resists one slow run
+
 
 @dataclass
 class Job:
     run: Run
     tickets: list[Ticket]
+    seconds: float = 0.0  # the batch's run, start to output on the host
 
 
 class EngineWorker:
@@ -73,7 +82,14 @@ class EbirdEngine(Engine):
         self.metrics = metrics
         self.pool = InputPool(layout_of(example), config.pool_slots, device.device)
         specs = [WorkerSpec(i, b) for i, b in enumerate(config.worker_batches)]
-        self.policy = ElasticScheduler(specs, config.max_inflight)
+        # The CPU lane rule (``scheduler.py``) starts capped at the largest
+        # worker; with ``cpu_batch_cap: auto``, ``warm_up`` times each size
+        # and every served batch refines its size's cost, and so the cap.
+        lane_rule = not device.is_cuda and config.cpu_rule == "lane"
+        cap = config.cpu_batch_cap if config.cpu_batch_cap != "auto" else max(config.worker_batches)
+        self.policy = ElasticScheduler(specs, config.max_inflight, lane_cap=cap if lane_rule else None)
+        auto = lane_rule and config.cpu_batch_cap == "auto"
+        self.costs = BatchCosts(config.worker_batches) if auto else None
         self.workers = [EngineWorker(s, device.new_stream()) for s in specs]
         self._output_stream = device.new_stream()
         # On CPU every worker's batch runs on the runtime's lanes
@@ -148,6 +164,7 @@ class EbirdEngine(Engine):
                                 in_flight=sum(w.spec.batch for w in busy),
                                 idle=[w.spec for w in self._idle.values()],
                                 arriving=arriving,
+                                free_lanes=self._max_running - len(busy),
                             )
                             plan = self.policy.next_batch(state)
                             if plan.assignments:
@@ -194,6 +211,9 @@ class EbirdEngine(Engine):
         with self._cond:
             self._outstanding.difference_update(job.tickets)
             self._idle[worker.spec.worker_id] = worker
+            if self.costs is not None and error is None and job.seconds > 0:
+                self.costs.record(job.run.count, job.seconds)
+                self._recap()
             self._cond.notify_all()
         self._notify_space()
 
@@ -211,7 +231,8 @@ class EbirdEngine(Engine):
             finished = time.monotonic()
             for ticket in job.tickets:
                 ticket.times.finished = finished
-            self.metrics.batch_finished(finished - started)
+            job.seconds = finished - started
+            self.metrics.batch_finished(job.seconds)
 
     def _execute(self, worker: EngineWorker, run: Run) -> torch.Tensor:
         """Run one batch (a slice of the pool, no copy) and bring its output to the host."""
@@ -242,6 +263,35 @@ class EbirdEngine(Engine):
         for tensor in self.pool.storage:
             tensor.zero_()
         warm_up_sizes(list(self.config.worker_batches), run_batch, self._lanes, self.device)
+        if self.costs is not None:
+            self._time_sizes(run_batch)
+
+    def _time_sizes(self, run_batch: Callable[[int], None], runs: int = COST_RUNS) -> None:
+        """Each worker size's first cost guess: timed on a lane, warm (after ``warm_up_sizes``)."""
+
+        def median_seconds(batch: int) -> float:
+            times = []
+            for _ in range(runs):
+                started = time.perf_counter()
+                run_batch(batch)
+                times.append(time.perf_counter() - started)
+            return statistics.median(times)
+
+        for size in self.costs.sizes:
+            seconds = self._lanes.submit(median_seconds, size, lane=0).result()
+            with self._cond:
+                self.costs.guess(size, seconds)
+        with self._cond:
+            self._recap()
+
+    def _recap(self) -> None:
+        """Cap the lane rule at the sizes' current costs (under ``_cond``); log when the cap moves."""
+        per_input = self.costs.per_input_ms()
+        cap = lane_batch_cap(per_input)
+        if cap != self.policy.lane_cap:
+            costs = ", ".join(f"{b}: {ms:.1f}" for b, ms in per_input.items())
+            logger.info("CPU ms per input by batch size (%s): one batch per free lane, of at most %d", costs, cap)
+            self.policy.set_lane_cap(cap)
 
     # -- shutdown ------------------------------------------------------------
 

@@ -1,0 +1,70 @@
+"""What a batch of each size costs per input where it actually runs: on a lane, while serving.
+
+A scheduler that picks batch sizes by cost (Ebird's CPU lane rule) needs
+each size's cost per input.  Timed alone at warm-up, back to back, a batch
+is cheaper than the same batch inside TorchServe: there the frontend, the
+worker's socket threads and the event loop share the cores with the
+batch's OpenMP team and stall it.  On a 2-core AMD EPYC VM, ResNet-50's
+batch of 1 took ~63 ms at warm-up and ~77 ms while serving (the runtime
+breakdown, docs/benchmarks/README.md), while larger batches came out near
+their warm-up cost per input: the stall is paid per batch, not per input.
+So the warm-up times are only the first guess; each size's cost becomes the
+median of its last ``window`` served batches once it has ``min_served`` of
+them.  A size that never runs keeps its warm-up guess, which, being low,
+lets the scheduler try it and so learn its real cost.
+
+Not thread-safe: the owner records and reads under its own lock.
+"""
+
+from __future__ import annotations
+
+import collections
+import statistics
+from collections.abc import Iterable
+
+DEFAULT_WINDOW = 32
+DEFAULT_MIN_SERVED = 3  # one slow batch must not move a size's cost on its own
+
+
+class BatchCosts:
+    def __init__(
+        self, sizes: Iterable[int], window: int = DEFAULT_WINDOW, min_served: int = DEFAULT_MIN_SERVED
+    ) -> None:
+        self.sizes = tuple(sorted(set(sizes)))
+        if not self.sizes or self.sizes[0] < 1:
+            raise ValueError(f"need batch sizes ≥ 1, got {list(sizes)}")
+        if window < 1 or not 1 <= min_served <= window:
+            raise ValueError(f"need 1 ≤ min_served ≤ window, got {min_served} and {window}")
+        self.min_served = min_served
+        self._guess: dict[int, float] = {}
+        self._served: dict[int, collections.deque[float]] = {b: collections.deque(maxlen=window) for b in self.sizes}
+
+    def guess(self, size: int, seconds: float) -> None:
+        """A warm-up time for ``size``: used until it has been served ``min_served`` times."""
+        self._check(size, seconds)
+        self._guess[size] = seconds
+
+    def record(self, size: int, seconds: float) -> None:
+        """A served batch of ``size`` took ``seconds`` from start to output."""
+        self._check(size, seconds)
+        self._served[size].append(seconds)
+
+    def served(self, size: int) -> int:
+        return len(self._served[size])
+
+    def per_input_ms(self) -> dict[int, float]:
+        """Cost per input, by size, for every size that has a guess or enough served batches."""
+        out = {}
+        for size in self.sizes:
+            served = self._served[size]
+            if len(served) >= self.min_served:
+                out[size] = 1e3 * statistics.median(served) / size
+            elif size in self._guess:
+                out[size] = 1e3 * self._guess[size] / size
+        return out
+
+    def _check(self, size: int, seconds: float) -> None:
+        if size not in self._served:
+            raise ValueError(f"batch size {size} is not one of {list(self.sizes)}")
+        if not seconds > 0:
+            raise ValueError(f"a batch takes a positive time, got {seconds!r}")
