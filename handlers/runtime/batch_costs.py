@@ -5,13 +5,14 @@ each size's cost per input.  Timed alone at warm-up, back to back, a batch
 is cheaper than the same batch inside TorchServe: there the frontend, the
 worker's socket threads and the event loop share the cores with the
 batch's OpenMP team and stall it.  On a 2-core AMD EPYC VM, ResNet-50's
-batch of 1 took ~63 ms at warm-up and ~77 ms while serving (the runtime
-breakdown, docs/benchmarks/README.md), while larger batches came out near
-their warm-up cost per input: the stall is paid per batch, not per input.
-So the warm-up times are only the first guess; each size's cost becomes the
-median of its last ``window`` served batches once it has ``min_served`` of
-them.  A size that never runs keeps its warm-up guess, which, being low,
-lets the scheduler try it and so learn its real cost.
+batch of 1 took ~63 ms back to back and ~77 ms while serving, and NO
+Wait's batches in the same run (101.5 ms at a mean of 1.41 inputs) fit the
+same stall of ~15 ms per batch (docs/benchmarks/README.md, the lane rule's
+scratch breakdowns): it weighs most on small batches.  So the warm-up
+times are only the first guess; each size's cost becomes the median of its
+last ``window`` served batches once it has ``min_served`` of them.  A size
+that has not run keeps its warm-up guess; where that guess makes it the
+size to take, the scheduler tries it and so learns its real cost.
 
 Not thread-safe: the owner records and reads under its own lock.
 """
