@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import threading
 import time
@@ -199,14 +200,16 @@ def test_on_cpu_a_burst_is_batched_after_its_decodes_not_one_by_one(make_handler
     assert min(b0 for _, b0, _ in batches) >= max(d1 for _, _, d1 in decodes)
 
 
-def test_on_cpu_the_lane_rule_caps_batches_by_their_measured_cost(make_handler):
+def test_on_cpu_the_lane_rule_caps_batches_by_their_measured_cost(make_handler, caplog):
     """``cpu_batch_cap: auto``: every worker size is timed on the lane at warm-up, served batches then
     refine their size's cost, and the cap is always the policy's pick from the costs as they stand."""
-    handler, ctx = make_handler(worker_batches=[1, 1, 2, 4], pool_slots=8)
+    with caplog.at_level(logging.INFO, logger="handlers.ebird.engine"):
+        handler, ctx = make_handler(worker_batches=[1, 1, 2, 4], pool_slots=8)
     engine = handler.engines[((3, 224, 224),)]
     guessed = engine.costs.per_input_ms()
     assert set(guessed) == {1, 2, 4} and min(guessed.values()) > 0
     assert engine.policy.lane_cap == lane_batch_cap(guessed)
+    assert f"of at most {engine.policy.lane_cap}" in caplog.text  # the worker log says what it chose
     batches, sizes = [], []
     record_batch_sizes(engine, batches, sizes)
     for burst in range(3):

@@ -282,13 +282,13 @@ class EbirdEngine(Engine):
             with self._cond:
                 self.costs.guess(size, seconds)
         with self._cond:
-            self._recap()
+            self._recap(announce=True)
 
-    def _recap(self) -> None:
+    def _recap(self, announce: bool = False) -> None:
         """Cap the lane rule at the sizes' current costs (under ``_cond``); log when the cap moves."""
         per_input = self.costs.per_input_ms()
         cap = lane_batch_cap(per_input)
-        if cap != self.policy.lane_cap:
+        if announce or cap != self.policy.lane_cap:
             costs = ", ".join(f"{b}: {ms:.1f}" for b, ms in per_input.items())
             logger.info("CPU ms per input by batch size (%s): one batch per free lane, of at most %d", costs, cap)
             self.policy.set_lane_cap(cap)
