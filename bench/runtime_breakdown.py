@@ -271,9 +271,14 @@ def main(argv: list[str] | None = None) -> int:
         default=DEFAULT_SYSTEMS,
         help=f"comma-separated, from {', '.join(ALL_SYSTEMS)} (nowait required)",
     )
+    parser.add_argument("--suffix", default="", help="appended to the output stem, e.g. _lane_rule")
     add_output_arguments(parser)
     args = parser.parse_args(argv)
-    return run_benchmark("bench.runtime_breakdown", args, measure, summary, stem_of, render, plot)
+
+    def stem(data: dict[str, Any]) -> str:
+        return stem_of(data) + args.suffix
+
+    return run_benchmark("bench.runtime_breakdown", args, measure, summary, stem, render, plot)
 
 
 if __name__ == "__main__":
