@@ -8,7 +8,7 @@ handler:
     pool_slots: 64                        # input pool ring size
     cpu_lanes: 1                          # CPU only: batches that run at once
     cpu_rule: lane                        # CPU only: "lane" (one batch per free lane) or "plan" (the paper's)
-    cpu_batch_cap: auto                   # CPU lane rule: largest batch; "auto": measured at warm-up
+    cpu_batch_cap: auto                   # CPU lane rule: largest batch; "auto": from measured costs
 ```
 
 ``cpu_lanes`` is how the CPU path splits intra-op threads: workers hand
@@ -23,9 +23,9 @@ lanes are the workers' streams and all of them may run at once.
 
 ``cpu_rule`` is how a CPU worker forms batches (``scheduler.py``).
 ``lane``, the default, gives each free lane one batch, at most
-``cpu_batch_cap`` inputs; ``auto`` times every worker size on a lane at
-warm-up and caps at the largest size within 5 % of the cheapest per input
-(ResNet-50 on a 2-core VM: 8, as 16 costs ~25 % more per input).  ``plan``
+``cpu_batch_cap`` inputs; ``auto`` caps at the smallest worker size within
+5 % of the cheapest per input, from costs timed at warm-up and then taken
+from served batches (``handlers/runtime/batch_costs.py``).  ``plan``
 runs the paper's plan over every idle worker, its batches one after
 another on the lanes.  Neither applies on CUDA, where the paper's plan is
 the rule.
