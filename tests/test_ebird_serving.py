@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import shutil
+import time
 import zipfile
 
 import aiohttp
@@ -173,6 +175,33 @@ def serve_good_and_bad(torchserve, model: str, good: int) -> int:
     assert "malformed JSON" in json.loads(answers[-2][1])["message"]
     assert "wrong tensor shape [3, 8, 8]" in json.loads(answers[-1][1])["message"]
     return len(answers)
+
+
+def worker_log(torchserve, model: str) -> list[str]:
+    """The model log's lines from ``model``'s workers (TorchServe names each line's thread after the model)."""
+    lines = (torchserve.log_dir / "model_log.log").read_text(errors="replace").splitlines()
+    return [line for line in lines if f"-{model}_" in line]
+
+
+def test_the_default_cpu_lane_rule_caps_batches_by_measured_cost_inside_torchserve(
+    torchserve, model_store_dir, tmp_path
+):
+    """``cpu_batch_cap: auto`` (the default) under TorchServe's real async worker, on one lane: the worker log
+    names the costs and the cap, every request gets its answer, and no batch exceeds a cap the log named."""
+    settings = {k: v for k, v in EBIRD_TEST_SETTINGS.items() if k != "cpu_batch_cap"} | {"cpu_lanes": 1}
+    options = ServingOptions(handler="ebird", handler_settings=tuple(sorted(settings.items())))
+    with registered_apart(torchserve, model_store_dir, tmp_path, options, "ebird-auto") as archive:
+        assert "cpu_batch_cap" not in archive_config(archive)["handler"]["ebird"]
+        serve_good_and_bad(torchserve, "ebird-auto", good=13)
+        samples = handler_metric(torchserve, "HandlerBatches", "ebird-auto", until=lambda s: requests_batched(s) >= 13)
+        sizes = {int(labels["BatchSize"]) for labels, _ in samples}
+        deadline = time.monotonic() + 10  # the frontend logs a worker's stdout from a thread of its own
+        while not (
+            caps := [int(c) for c in re.findall(r"of at most (\d+)", "\n".join(worker_log(torchserve, "ebird-auto")))]
+        ):
+            assert time.monotonic() < deadline, "the worker never logged its lane cap"
+            time.sleep(0.2)
+        assert max(sizes) <= max(caps), (sizes, caps)
 
 
 def test_decoding_on_a_pool_inside_torchserve_answers_and_refuses_as_inline(torchserve, model_store_dir, tmp_path):

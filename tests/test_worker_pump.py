@@ -24,7 +24,7 @@ from handlers.runtime.worker_pump import LEAN, TORCHSERVE, WorkerPump, parse_wor
 from model_store.build import ServingOptions, model_config
 from model_store.catalog import get_spec
 from tests.conftest import EBIRD_TEST_SETTINGS
-from tests.test_ebird_serving import archive_config, registered_apart, serve_good_and_bad
+from tests.test_ebird_serving import archive_config, registered_apart, serve_good_and_bad, worker_log
 
 EBIRD = tuple(sorted(EBIRD_TEST_SETTINGS.items()))
 
@@ -119,12 +119,6 @@ def test_the_pump_ends_cleanly_when_the_frontend_disconnects():
     pump.thread.join(timeout=10)
     assert not pump.thread.is_alive()
     assert pump.result == [None]  # as TorchServe's pump: no error, the worker's server loop decides what next
-
-
-def worker_log(torchserve, model: str) -> list[str]:
-    """The model log's lines from ``model``'s workers (TorchServe names each line's thread after the model)."""
-    lines = (torchserve.log_dir / "model_log.log").read_text(errors="replace").splitlines()
-    return [line for line in lines if f"-{model}_" in line]
 
 
 @pytest.mark.torchserve
