@@ -199,6 +199,7 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             "qos_ms": 1e3 * qos_s,
             "repeats": args.repeats,
         },
+        "per_repeat": per_repeat,  # every repeat's phase statistics, for readings beyond the medians
         "batches": {pattern: {name: batch_totals(runs) for name, runs in by.items()} for pattern, by in counts.items()},
         "ebird_settings": ebird_settings,
         "optwait_delay_ms": best_delay,
@@ -233,6 +234,21 @@ def plot(data: dict[str, Any], path: Path) -> None:
     save_figure(fig, ax, path, "request (arrival order)", "latency (ms)", title, log_y=True)
 
 
+def repeat_lines(data: dict[str, Any]) -> str:
+    """Each repeat's Ebird mean ÷ the better baseline's, per phase (results from before ``per_repeat``: none)."""
+    runs = data.get("per_repeat")
+    if not runs:
+        return ""
+    lines = []
+    for ph in data["phases"]:
+        ratios = [
+            ebird[ph]["mean_ms"] / min(runs[b][r][ph]["mean_ms"] for b in ("nowait", "optwait"))
+            for r, ebird in enumerate(runs["ebird"])
+        ]
+        lines.append(f"- {ph}: " + ", ".join(f"{x:.2f}" for x in ratios))
+    return "Ebird mean ÷ better baseline, repeat by repeat:\n\n" + "\n".join(lines) + "\n\n"
+
+
 def render(data: dict[str, Any], stem: str) -> str:
     load = data["load"]
     rows = []
@@ -259,6 +275,7 @@ def render(data: dict[str, Any], stem: str) -> str:
           *(f"{data['throughput_at_qos'][n]:.2f}" for n in SYSTEMS)]],
     )  # fmt: skip
     sweep = ", ".join(f"{row['max_batch_delay_ms']} ms → {row['mean_ms']:.0f} ms" for row in data["sweep"])
+    per_repeat = repeat_lines(data)
     capacity = capacity_summary(load["capacity_rps"], load.get("capacity_runs_rps"), LABELS)
     runs_each = runs_per_system(load.get("capacity_runs_rps"))
     batches = markdown_table(
@@ -286,7 +303,7 @@ def render(data: dict[str, Any], stem: str) -> str:
         f"Ebird settings: `{data['ebird_settings']}`. OPT Wait = batch 32 with max_batch_delay "
         f"**{data['optwait_delay_ms']} ms**, chosen by a sweep of mean latency ({sweep}). "
         f"One request at a time takes L1 = {load['l1_ms']:.0f} ms.\n\n"
-        f"{table}\n\n{qos}\n\n{batches}\n\n![latency by arrival order]({stem}.png)\n\n"
+        f"{table}\n\n{per_repeat}{qos}\n\n{batches}\n\n![latency by arrival order]({stem}.png)\n\n"
         f"{provenance_block(data['provenance'])}"
     )
 

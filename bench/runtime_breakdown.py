@@ -24,7 +24,10 @@ after, so each stage's mean is per answered request.  What the client saw
 beyond the handler's stages is the frontend's share (HTTP, the frontend's
 queue and batch aggregation, the socket to the worker, the worker's message
 loop).  The CPU that the frontend and the worker's threads spent per
-answered request comes from ``/proc`` (``bench/proc_cpu.py``).
+answered request comes from ``/proc`` (``bench/proc_cpu.py``), and so does
+the time the worker's threads were runnable but had no core (schedstat's
+run-queue wait): on a 2-core machine, what the worker's side threads cost
+the batch's OpenMP team.
 """
 
 from __future__ import annotations
@@ -135,7 +138,7 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                         before = stage_totals(server, name)
                         meters[name].start()
                         result = run(open_loop(url[name], lambda i: payloads[i % 64], [(args.seconds, rate)], seed=r))
-                        cpu = meters[name].stop()  # before the wait below: CPU of this run only
+                        spent = meters[name].stop()  # before the wait below: CPU of this run only
                         # The handler's next metrics flush, then the frontend's parse of it.
                         time.sleep(DEFAULT_FLUSH_INTERVAL_S + 0.5)
                         after = stage_totals(server, name)
@@ -151,7 +154,9 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                                      "requests": len(result.samples), "failed": result.failed,
                                      "client_ms": result.mean_latency_ms(), "stages_ms": stages_ms,
                                      "cpu_ms": {part: 1e3 * seconds / max(1, len(result.samples))
-                                                for part, seconds in asdict(cpu).items()}})  # fmt: skip
+                                                for part, seconds in asdict(spent.cpu).items()},
+                                     "wait_ms": None if spent.worker_waiting is None
+                                     else 1e3 * spent.worker_waiting / max(1, len(result.samples))})  # fmt: skip
                         bar.update()
     return {"model": spec.name, "mode": spec.mode, "l1_ms": 1e3 * l1_s, "rows": rows, "repeats": args.repeats,
             "systems": list(systems)}  # fmt: skip
@@ -182,8 +187,10 @@ def summary(data: dict[str, Any]) -> list[dict[str, Any]]:
             requests, failed = sum(r["requests"] for r in runs), sum(r["failed"] for r in runs)
             mean_batch = sum(r["mean_batch"] for r in runs) / len(runs)
             cpu = {part: sum(r["cpu_ms"][part] for r in runs) / len(runs) for part in runs[0]["cpu_ms"]}
+            waits = [r["wait_ms"] for r in runs if r.get("wait_ms") is not None]
             out.append({"system": name, "fraction": fraction, "rate": runs[0]["rate"], "client_ms": client,
                         "stages_ms": stages, "outside_ms": client - sum(stages.values()), "cpu_ms": cpu,
+                        "wait_ms": sum(waits) / len(waits) if waits else None,
                         "vs_nowait": per_repeat_ratios(data, name, "nowait", fraction),
                         "requests": requests, "failed": failed, "mean_batch": mean_batch})  # fmt: skip
     return out
@@ -221,9 +228,11 @@ def render(data: dict[str, Any], stem: str) -> str:
           f"{r['outside_ms']:.1f}", f"{r['requests']} ({r['failed']})"] for r in data["summary"]],
     )  # fmt: skip
     cpu_table = markdown_table(
-        ["system", "load (req/s)", "frontend (Java)", "worker main thread", "worker other threads", "all"],
+        ["system", "load (req/s)", "frontend (Java)", "worker main thread", "worker other threads", "all",
+         "worker threads' run-queue wait"],
         [[r["system"], f"{r['rate']:.1f}", *(f"{r['cpu_ms'][p]:.1f}" for p in ("frontend", "worker_main",
-          "worker_others")), f"{sum(r['cpu_ms'].values()):.1f}"] for r in data["summary"]],
+          "worker_others")), f"{sum(r['cpu_ms'].values()):.1f}",
+          "-" if r.get("wait_ms") is None else f"{r['wait_ms']:.1f}"] for r in data["summary"]],
     )  # fmt: skip
     before_after = ""
     if "ebird-per-event" in systems and "ebird" in systems:
@@ -246,7 +255,9 @@ def render(data: dict[str, Any], stem: str) -> str:
         f"{table}\n\n{before_after}"
         f"CPU per answered request (ms, mean over repeats, from /proc; in TorchServe's worker the main thread "
         f"runs the handler (sync) or the event loop (async); the other threads are the batch's OpenMP team, "
-        f"the CPU lane and, in async mode, TorchServe's socket threads):\n\n{cpu_table}\n\n"
+        f"the CPU lane and, in async mode, TorchServe's socket threads; the run-queue wait is the time the worker's "
+        f"threads were runnable but had no core, from /proc/…/schedstat: a batch's OpenMP team waits at its "
+        f"barrier for a member that was preempted):\n\n{cpu_table}\n\n"
         f"![breakdown]({stem}.png)\n\n"
         f"{provenance_block(data['provenance'])}"
     )
