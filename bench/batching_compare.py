@@ -208,16 +208,19 @@ def spread(values: Sequence[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
+def repeat_ratios(per_repeat: dict[str, list[dict[str, Any]]], system: str, baselines: Sequence[str],
+                  phase: str, key: str) -> list[float]:  # fmt: skip
+    """Repeat by repeat, ``system``'s ``key`` ÷ the best baseline's in the same repeat."""
+    return [
+        run[phase][key] / min(per_repeat[b][r][phase][key] for b in baselines)
+        for r, run in enumerate(per_repeat[system])
+    ]
+
+
 def ratio_spread(per_repeat: dict[str, list[dict[str, Any]]], system: str, baselines: Sequence[str],
                  phase: str, key: str) -> dict[str, float]:  # fmt: skip
-    """Median (min-max) over repeats of ``system``'s ``key`` ÷ the best baseline's in the same repeat."""
-    repeats = len(per_repeat[system])
-    return spread(
-        [
-            per_repeat[system][r][phase][key] / min(per_repeat[b][r][phase][key] for b in baselines)
-            for r in range(repeats)
-        ]
-    )
+    """Median (min-max) of ``repeat_ratios``."""
+    return spread(repeat_ratios(per_repeat, system, baselines, phase, key))
 
 
 def median_cell(per_repeat: list[dict[str, Any]], phase: str, key: str) -> float:

@@ -55,6 +55,7 @@ from bench.batching_compare import (
     ratio_spread,
     recording_counts,
     register_batching,
+    repeat_ratios,
     run_and_publish,
     runs_per_system,
     sustained_capacity,
@@ -241,10 +242,7 @@ def repeat_lines(data: dict[str, Any]) -> str:
         return ""
     lines = []
     for ph in data["phases"]:
-        ratios = [
-            ebird[ph]["mean_ms"] / min(runs[b][r][ph]["mean_ms"] for b in ("nowait", "optwait"))
-            for r, ebird in enumerate(runs["ebird"])
-        ]
+        ratios = repeat_ratios(runs, "ebird", ("nowait", "optwait"), ph, "mean_ms")
         lines.append(f"- {ph}: " + ", ".join(f"{x:.2f}" for x in ratios))
     return "Ebird mean ÷ better baseline, repeat by repeat:\n\n" + "\n".join(lines) + "\n\n"
 
