@@ -13,7 +13,9 @@ every idle worker instead of one batch per free lane),
 ``ebird-per-event`` (the same with ``metrics_flush_interval_s: 0``: a
 metrics log line at every event, the runtime before its flush thread),
 ``ebird-loop`` (``decode_threads: 0``: decoded on the event loop while a
-batch runs, the runtime before the lanes) and ``nowait`` (the plain handler
+batch runs, the runtime before the lanes), ``ebird-loop-answers``
+(``encode_answers: loop``: answers encoded on the event loop, beside the
+lane's next job, the runtime before it encoded them on the lane) and ``nowait`` (the plain handler
 under TorchServe's own batching, batch_size 32, max_batch_delay 0).  So
 "before" and "after" are measured side by side in one run.  At each open-loop Poisson
 rate, a fraction of 1/L1 (L1: one request at a time through ``nowait``), the
@@ -62,13 +64,22 @@ from model_store.samples import client_payload
 from packrat_plugin.loadgen import closed_loop, open_loop, run
 from packrat_plugin.torchserve import TorchServeProcess
 
-ALL_SYSTEMS = ("ebird", "ebird-plan", "ebird-small", "ebird-ts-pump", "ebird-per-event", "ebird-loop", "nowait")
+ALL_SYSTEMS = (
+    "ebird",
+    "ebird-plan",
+    "ebird-small",
+    "ebird-ts-pump",
+    "ebird-per-event",
+    "ebird-loop",
+    "ebird-loop-answers",
+    "nowait",
+)
 DEFAULT_SYSTEMS = "ebird,ebird-per-event,nowait"
 ASYNC_STAGES = ("decode", "admission", "queue", "batch", "release", "wakeup", "encode")
 STAGES = {name: ASYNC_STAGES for name in ALL_SYSTEMS} | {"nowait": ("decode", "model", "encode")}
 DESCRIPTIONS = {
-    "ebird": "the async runtime as it ships: requests decoded on the CPU lane between batches, metrics handed "
-    "to TorchServe once a second",
+    "ebird": "the async runtime as it ships: requests decoded and answers encoded on the CPU lane between "
+    "batches, metrics handed to TorchServe once a second",
     "ebird-plan": "the same with `cpu_rule: plan`: the paper's plan over every idle worker, its batches back to "
     "back on the lane, as the runtime batched on CPU before the lane rule",
     "ebird-small": "the same with `worker_batches: [1, 1, 2, 4, 8]` (no batch of 16)",
@@ -77,7 +88,14 @@ DESCRIPTIONS = {
     "ebird-per-event": "the same with `metrics_flush_interval_s: 0`: a metrics log line at every event "
     "(~17 per request), as the runtime did before the flush thread",
     "ebird-loop": "the same with `decode_threads: 0`: decoded on the event loop while batches run, as before the lanes",
+    "ebird-loop-answers": "the same with `encode_answers: loop`: answers encoded on the event loop, beside the "
+    "lane's next decode or batch, as before the runtime encoded them on the lane",
     "nowait": "the plain handler under TorchServe's NO Wait batching (batch_size 32, max_batch_delay 0)",
+}
+# Systems that are the runtime before one change, and what ``ebird`` ÷ that system measures.
+BEFORE_AFTER = {
+    "ebird-per-event": "Metrics once a second against a line per event",
+    "ebird-loop-answers": "Answers encoded on the lane against on the event loop",
 }
 EBIRD_SETTINGS = {"worker_batches": [1, 1, 2, 4, 8, 16], "max_inflight": 32, "pool_slots": 64, "cpu_lanes": 1}
 
@@ -108,6 +126,7 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "ebird-ts-pump": ServingOptions(handler="ebird", handler_settings=settings, worker_pump="torchserve"),
         "ebird-per-event": ServingOptions(handler="ebird", handler_settings=settings, metrics_flush_interval_s=0),
         "ebird-loop": ServingOptions(handler="ebird", handler_settings=settings, decode_threads=0),
+        "ebird-loop-answers": ServingOptions(handler="ebird", handler_settings=settings, encode_answers="loop"),
         "nowait": ServingOptions(),
     }
     archives = {}
@@ -235,14 +254,15 @@ def render(data: dict[str, Any], stem: str) -> str:
           "-" if r.get("wait_ms") is None else f"{r['wait_ms']:.1f}"] for r in data["summary"]],
     )  # fmt: skip
     before_after = ""
-    if "ebird-per-event" in systems and "ebird" in systems:
+    for before, what in BEFORE_AFTER.items():
+        if before not in systems or "ebird" not in systems:
+            continue
         lines = [
-            f"- {fraction:.0%} of 1/L1: {spread(per_repeat_ratios(data, 'ebird', 'ebird-per-event', fraction))}"
+            f"- {fraction:.0%} of 1/L1: {spread(per_repeat_ratios(data, 'ebird', before, fraction))}"
             for fraction in sorted({r["fraction"] for r in data["rows"]})
         ]
-        before_after = (
-            "Metrics once a second against a line per event (`ebird` ÷ `ebird-per-event`, client mean, "
-            "per repeat: median (min-max)):\n\n" + "\n".join(lines) + "\n\n"
+        before_after += (
+            f"{what} (`ebird` ÷ `{before}`, client mean, per repeat: median (min-max)):\n\n" + "\n".join(lines) + "\n\n"
         )
     described = "\n".join(f"- `{name}`: {DESCRIPTIONS[name]}" for name in systems)
     return (

@@ -104,6 +104,9 @@ class ServingOptions:
     # Async handlers: which message pump runs TorchServe's async worker
     # (``handlers/runtime/worker_pump.py``): "lean" or "torchserve"; None: lean.
     worker_pump: str | None = None
+    # Async handlers: where answers are encoded (``handlers/runtime/async_handler.py``):
+    # "engine" (where each batch ends: the CPU lane) or "loop"; None: engine on CPU, loop on CUDA.
+    encode_answers: str | None = None
 
     def __post_init__(self) -> None:
         if self.handler not in HANDLERS:
@@ -132,6 +135,12 @@ class ServingOptions:
             from handlers.runtime.worker_pump import parse_worker_pump
 
             parse_worker_pump(self.worker_pump)
+        if self.encode_answers is not None:
+            if not HANDLERS[self.handler].asynchronous or self.handler == "orca":
+                raise ValueError(f"encode_answers applies to the scheduling async handlers; {self.handler!r} has none")
+            from handlers.runtime.async_handler import parse_encode_answers
+
+            parse_encode_answers(self.encode_answers)
         if self.metrics_flush_interval_s is not None:
             from handlers.runtime.metrics import parse_flush_interval
 
@@ -180,6 +189,8 @@ def model_config(spec: ModelSpec, options: ServingOptions) -> dict:
             config["handler"]["decode_threads"] = options.decode_threads
         if options.worker_pump is not None:
             config["handler"]["worker_pump"] = options.worker_pump
+        if options.encode_answers is not None:
+            config["handler"]["encode_answers"] = options.encode_answers
     if options.metrics_flush_interval_s is not None:
         config["handler"]["metrics_flush_interval_s"] = options.metrics_flush_interval_s
     if options.token_lengths:
@@ -457,6 +468,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="async handlers: the project's lean message pump for TorchServe's async worker, or TorchServe's own "
         "(default: lean)",
     )
+    parser.add_argument(
+        "--encode-answers",
+        choices=("engine", "loop"),
+        help="async handlers: encode each answer where its batch ends (on CPU, the lane, before its next job) or "
+        "on the event loop (default: engine on CPU, loop on CUDA)",
+    )
     parser.add_argument("--force", action="store_true", help="rebuild archives that already exist")
 
 
@@ -475,11 +492,12 @@ def run(args: argparse.Namespace) -> int:
             metrics_flush_interval_s=args.metrics_flush_interval,
             token_lengths=args.token_lengths,
             worker_pump=args.worker_pump,
+            encode_answers=args.encode_answers,
         )
     except (ValueError, AttributeError) as exc:
         print(
             "error: bad --handler/--handler-config/--decode-threads/--metrics-flush-interval/--token-lengths/"
-            f"--worker-pump: {exc}",
+            f"--worker-pump/--encode-answers: {exc}",
             file=sys.stderr,
         )
         return 2

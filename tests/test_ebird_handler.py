@@ -45,11 +45,20 @@ def model_dir(tmp_path_factory):
 def make_handler(model_dir):
     handlers = []
 
-    def make(device: str = "cpu", response_timeout_s: int = 120, input_shapes=None, decode_threads=None, **settings):
+    def make(
+        device: str = "cpu",
+        response_timeout_s: int = 120,
+        input_shapes=None,
+        decode_threads=None,
+        encode_answers=None,
+        **settings,
+    ):
         options = ServingOptions(handler="ebird", handler_settings=tuple(sorted(settings.items())))
         ctx = load_context(SPEC, model_dir, options, gpu=0 if device == "cuda" else None)
         if decode_threads is not None:  # written raw, so the handler's own validation is what is tested
             ctx.model_yaml_config["handler"]["decode_threads"] = decode_threads
+        if encode_answers is not None:
+            ctx.model_yaml_config["handler"]["encode_answers"] = encode_answers
         ctx.model_yaml_config["responseTimeout"] = response_timeout_s
         if input_shapes:
             ctx.model_yaml_config["handler"]["input_shapes"] = input_shapes
@@ -166,6 +175,78 @@ def test_on_cpu_requests_are_decoded_on_the_lane_between_batches(make_handler):
         assert all(d1 <= b0 or b1 <= d0 for _, b0, b1 in batches), "a decode overlapped a batch"
 
 
+def test_on_cpu_answers_are_encoded_on_the_lane_after_their_batch_before_the_next(make_handler):
+    """The CPU default: a batch's answers are encoded on its lane before the lane takes its next job,
+    so the JSON never runs beside a batch (as the sync worker encodes before reading more)."""
+    handler, ctx = make_handler(worker_batches=[1, 1, 2, 4], pool_slots=8)
+    assert handler.encode_on_engine
+    encodes, batches = [], []
+    handler.postprocess = Intervals(handler.postprocess, encodes)
+    engine = handler.engines[((3, 224, 224),)]
+    engine.model = Intervals(engine.model, batches)
+    rows = [{"body": jpeg_bytes(seed=i)} for i in range(7)] + [{"body": b"{not json"}]
+    answers = serve_all(handler, ctx, rows)
+    assert [status for status, _ in answers] == [200] * 7 + [400]
+    for (_, body), row in zip(answers, reference_logits(SPEC, rows[:7]), strict=False):
+        assert outputs_close(torch.tensor(body["logits"]), row, 1e-4)
+    assert len(encodes) == 7 and {name for name, _, _ in encodes} == {"lane_0"}
+    for _, e0, e1 in encodes:
+        assert all(e1 <= b0 or b1 <= e0 for _, b0, b1 in batches), "an encode overlapped a batch"
+    # Each answer's encoding is counted as its encode stage, not as the engine's release.
+    stages = handler.metrics.snapshot()["stage_mean_ms"]
+    assert stages["encode"] >= 1000 * min(e1 - e0 for _, e0, e1 in encodes) > 0
+
+
+def test_encoding_answers_on_the_event_loop_is_a_choice_and_answers_the_same(make_handler):
+    handler, ctx = make_handler(encode_answers="loop", worker_batches=[1, 2], pool_slots=4)
+    assert not handler.encode_on_engine
+    encodes = []
+    handler.postprocess = Intervals(handler.postprocess, encodes)
+    rows = [{"body": jpeg_bytes(seed=i)} for i in range(3)]
+    answers = serve_all(handler, ctx, rows)
+    assert [status for status, _ in answers] == [200] * 3
+    for (_, body), row in zip(answers, reference_logits(SPEC, rows), strict=True):
+        assert outputs_close(torch.tensor(body["logits"]), row, 1e-4)
+    assert {name for name, _, _ in encodes} == {threading.current_thread().name}
+
+
+def test_an_answer_that_cannot_be_encoded_fails_alone_with_a_503(make_handler):
+    handler, ctx = make_handler(worker_batches=[1, 1, 2], pool_slots=4)
+    postprocess = handler.postprocess
+    calls = []
+
+    def fails_once(output):
+        calls.append(threading.current_thread().name)
+        if len(calls) == 1:
+            raise ValueError("cannot encode this one")
+        return postprocess(output)
+
+    handler.postprocess = fails_once
+    answers = serve_all(handler, ctx, [{"body": jpeg_bytes(seed=1)}])
+    [(status, body)] = answers
+    assert status == 503 and "could not encode the answer: ValueError" in json.loads(body)["message"]
+    answers = serve_all(handler, ctx, [{"body": jpeg_bytes(seed=i)} for i in range(3)])
+    assert [status for status, _ in answers] == [200] * 3 and set(calls) == {"lane_0"}
+
+
+@pytest.mark.parametrize("value", ["lane", 1, True])
+def test_bad_encode_answers_fail_the_load_with_a_reason(make_handler, value):
+    with pytest.raises(ValueError, match="encode_answers must be 'engine', 'loop' or 'auto'"):
+        make_handler(encode_answers=value, worker_batches=[1, 2], pool_slots=4)
+
+
+def test_encode_answers_is_a_scheduling_async_handlers_setting():
+    assert model_config(SPEC, ServingOptions(handler="ebird", encode_answers="loop"))["handler"]["encode_answers"] == (
+        "loop"
+    )
+    assert "encode_answers" not in model_config(SPEC, ServingOptions(handler="ebird"))["handler"]
+    for handler in ("packrat", "orca"):
+        with pytest.raises(ValueError, match="encode_answers applies to the scheduling async handlers"):
+            ServingOptions(handler=handler, encode_answers="engine")
+    with pytest.raises(ValueError, match="encode_answers must be"):
+        ServingOptions(handler="ebird", encode_answers="lane")
+
+
 def record_batch_sizes(engine, log, sizes):
     model = engine.model
 
@@ -248,6 +329,14 @@ def test_decoding_defaults_to_a_pool_on_cuda_and_inline_is_a_choice(make_handler
 def test_lane_decoding_on_cuda_falls_back_to_decode_threads(make_handler):
     handler, _ = make_handler("cuda", decode_threads="lane", worker_batches=[1, 2], pool_slots=4)
     assert handler.lanes is None and handler.decoder.threads == default_decode_placement(is_cuda=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_answers_are_encoded_on_the_event_loop_even_when_asked_for_the_engine(make_handler):
+    handler, ctx = make_handler("cuda", encode_answers="engine", worker_batches=[1, 2], pool_slots=4)
+    assert not handler.encode_on_engine
+    [(status, _)] = serve_all(handler, ctx, [{"body": jpeg_bytes(seed=3)}])
+    assert status == 200
 
 
 @pytest.mark.parametrize("value", [-1, "two", True, 1.5])

@@ -19,7 +19,8 @@ stay recognisable):
   4xx answers as the CPU handler; on the CPU lanes, inline or on a few
   threads, see ``decode.py``), admit it into the engine (waiting while
   the engine is full, at most the response timeout), await its future,
-  ``postprocess`` the output row.
+  ``postprocess`` the output row: on a CPU, on the lane that ran its batch,
+  right after it (``encode_answers``, below).
 
 ``handle`` never raises.  In async mode a non-200 answer for a message makes
 TorchServe's frontend fail *every* request it has in flight on this worker
@@ -56,6 +57,19 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_RESPONSE_TIMEOUT_S = 120.0
 
+# Where answers are encoded (``encode_answers`` in the archive's ``handler:``).
+ENGINE = "engine"  # on the thread that settles the request: the CPU lane, right after the batch
+LOOP = "loop"  # on the event loop, when the request's coroutine wakes
+
+
+def parse_encode_answers(value: Any) -> str | None:
+    """An explicit place ("engine" or "loop"), or None for the device's default ("auto" or absent)."""
+    if value is None or value == "auto":
+        return None
+    if value not in (ENGINE, LOOP):
+        raise ValueError(f"encode_answers must be 'engine', 'loop' or 'auto', got {value!r}")
+    return value
+
 
 def declared_inputs(codec: InputCodec) -> list[ModelInput]:
     """One zero input per input layout the archive accepts (engines preallocate per layout)."""
@@ -74,18 +88,21 @@ def stage_breakdown(
 
     An engine that does not report its inner times gets them as one
     ``engine`` stage (admitted → woken).
+    An answer encoded where its batch finished (``TicketFuture.encode``)
+    counts that time as ``encode``, not ``release``.
     """
     stages = {"decode": decoded - received, "admission": admitted - decoded}
+    encoded = times.encode_seconds if times is not None else 0.0
     if times is None or None in (times.started, times.finished, times.settled):
-        stages["engine"] = woken - admitted
+        stages["engine"] = woken - admitted - encoded
     else:
         stages.update(
             queue=times.started - times.arrived,
             batch=times.finished - times.started,
-            release=times.settled - times.finished,
+            release=times.settled - times.finished - encoded,
             wakeup=woken - times.settled,
         )
-    stages["encode"] = answered - woken
+    stages["encode"] = answered - woken + encoded
     return {k: max(0.0, v) for k, v in stages.items()}
 
 
@@ -146,6 +163,12 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
         self.cpu_threads = torch.get_num_threads()
         self.lanes: CpuLanes | None = None  # CPU only
         self.decoder: RequestDecoder | None = None
+        # Encode answers where the engine settles them (``TicketFuture.encode``):
+        # the default on CPU lanes.  On the event loop, a batch's JSON answers
+        # (~0.5 ms each for ResNet-50's 1000 logits) are encoded beside the
+        # lane's next decode or batch, whose OpenMP team they stall on a
+        # machine with few cores (lanes.py); on the lane they run between.
+        self.encode_on_engine = False
         # Requests between receipt and admission, for engines that bind
         # batches late (``arrivals.py``); only when decoding on the lanes.
         self.arrivals: Arrivals | None = None
@@ -204,6 +227,7 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
         self.response_timeout_s = float(model_config.get("responseTimeout", DEFAULT_RESPONSE_TIMEOUT_S))
         decode_placement = parse_decode_threads(handler_config.get("decode_threads"))
         pump = worker_pump.parse_worker_pump(handler_config.get("worker_pump"))
+        encode_answers = parse_encode_answers(handler_config.get("encode_answers"))
         self.configure(handler_config)
         self.configure_runtime(context)
         self.device = ExecutionDevice.from_context(context)
@@ -219,6 +243,7 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
         artefact = os.path.join(model_dir, context.manifest["model"]["serializedFile"])
         self.model = load_model(self.spec, artefact, self.device.device)
         self.decoder = self._make_decoder(decode_placement)
+        self.encode_on_engine = self._encode_on_engine(encode_answers)
         if self.decoder.on_lanes:
             self.arrivals = Arrivals()
         self.metrics = HandlerMetrics.for_worker(context, handler_config)
@@ -229,7 +254,8 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
         pump_in_use = self.install_worker_pump(pump)
         self.initialized = True
         logger.info(
-            "%s serving %s (%s mode) on %s%s with %d input layout(s), decoding %s, %s message pump",
+            "%s serving %s (%s mode) on %s%s with %d input layout(s), decoding %s, encoding answers %s, "
+            "%s message pump",
             type(self).__name__,
             self.spec.name,
             self.spec.mode,
@@ -237,6 +263,7 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
             f" ({self.lanes})" if self.lanes else "",
             len(self.engines),
             self.decoder.where,
+            "where each batch ends" if self.encode_on_engine else "on the event loop",
             pump_in_use,
         )
 
@@ -247,6 +274,14 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
         TorchServe's worker as it was.
         """
         return "the lean" if worker_pump.install(setting) else "TorchServe's"
+
+    def _encode_on_engine(self, setting: str | None) -> bool:
+        if setting is None:
+            return self.lanes is not None
+        if setting == ENGINE and self.lanes is None:
+            logger.warning("no CPU lanes on %s: encode_answers 'engine' becomes 'loop'", self.device)
+            return False
+        return setting == ENGINE
 
     def _make_decoder(self, placement: int | str | None) -> RequestDecoder:
         if placement is None:
@@ -272,8 +307,8 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
                 arrival = self.arrivals.enter()
             item = await self.decode_request(row, context, index)
             decoded = time.monotonic()
-            output, times, admitted, woken = await self._infer_timed(item, arrival)
-            answer = self.postprocess(output)
+            output, times, admitted, woken, encoded = await self._infer_timed(item, arrival)
+            answer = output if encoded else self.postprocess(output)
             self.metrics.stages(stage_breakdown(received, decoded, admitted, times, woken, time.monotonic()))
             return answer
         except ResponseError as err:
@@ -287,14 +322,12 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
         logger.info("request %d answered %d: %s", index, answer.status, answer.reason)
         return answer.answer(context, index)
 
-    async def infer(self, item: ModelInput) -> torch.Tensor:
-        """The model's output row for one decoded input, through the engine."""
-        return (await self._infer_timed(item))[0]
-
     async def _infer_timed(
         self, item: ModelInput, arrival: int | None = None
-    ) -> tuple[torch.Tensor, StageTimes | None, float, float]:
-        """``infer``, plus the engine's stage times, when admission ended and when this coroutine woke.
+    ) -> tuple[Any, StageTimes | None, float, float, bool]:
+        """One decoded input through its engine: its output row, or its answer when the engine
+        encoded it (the last value says which); the engine's stage times; when admission ended
+        and when this coroutine woke.
 
         ``arrival``: the request's ``Arrivals`` token, released once it is admitted.
         """
@@ -309,12 +342,15 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
         deadline = loop.time() + self.response_timeout_s
         future = await admission.admit(item, deadline)
         admitted = time.monotonic()
+        if self.encode_on_engine and hasattr(future, "encode"):  # a ``TicketFuture``
+            future.encode = self.postprocess
         if arrival is not None:
             self.arrivals.leave(arrival)
         self.metrics.request_admitted()
         try:
             output = await asyncio.wait_for(asyncio.wrap_future(future), max(deadline - loop.time(), 0.0))
-            return output, getattr(future, "times", None), admitted, time.monotonic()
+            encoded = getattr(future, "encoded", False)
+            return output, getattr(future, "times", None), admitted, time.monotonic(), encoded
         except TimeoutError:
             limit = self.response_timeout_s
             raise ServiceUnavailable(f"no result within the response timeout of {limit:g} s") from None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 import concurrent.futures
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -20,6 +21,8 @@ import torch
 
 from handlers.codecs import ModelInput
 from handlers.errors import ServiceUnavailable
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -35,14 +38,25 @@ class StageTimes:
     started: float | None = None  # its batch began
     finished: float | None = None  # its batch's output was on the host
     settled: float | None = None  # its future was answered
+    encode_seconds: float = 0.0  # spent encoding its answer before settling (``TicketFuture.encode``)
 
 
 class TicketFuture(concurrent.futures.Future):
-    """A request's future, carrying its ``StageTimes`` to whoever awaits it."""
+    """A request's future, carrying its ``StageTimes`` to whoever awaits it.
+
+    ``encode``, when the runtime sets it, turns the output row into the
+    request's answer on the thread that settles the ticket: the CPU lane that
+    ran the batch, before it takes its next job, as TorchServe's sync worker
+    encodes its batch's answers before reading the next one.  ``encoded``
+    says whether that happened; set after the ticket was settled, ``encode``
+    is not called and the result stays the output row.
+    """
 
     def __init__(self, times: StageTimes) -> None:
         super().__init__()
         self.times = times
+        self.encode: Callable[[Any], Any] | None = None
+        self.encoded = False
 
 
 @dataclass(eq=False)
@@ -61,6 +75,16 @@ class Ticket:
 
     def settle(self, result: Any = None, error: BaseException | None = None) -> bool:
         """Answer once; a second answer (a late worker after close) is ignored."""
+        encode = self.future.encode
+        if error is None and encode is not None and not self.future.done():
+            started = time.monotonic()
+            try:
+                result = encode(result)
+                self.future.encoded = True
+            except Exception as exc:  # this request fails, the engine serves on
+                logger.exception("encoding an answer failed")
+                error = ServiceUnavailable(f"could not encode the answer: {type(exc).__name__}: {exc}")
+            self.times.encode_seconds = time.monotonic() - started
         self.times.settled = time.monotonic()
         try:
             if error is not None:

@@ -1,0 +1,55 @@
+"""A ticket's answer, encoded where the engine settles it (``handlers/runtime/engine.py``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from handlers.errors import ServiceUnavailable
+from handlers.runtime.async_handler import stage_breakdown
+from handlers.runtime.engine import StageTimes, Ticket
+
+
+def test_an_encoder_set_before_settling_turns_the_row_into_the_answer_once():
+    ticket = Ticket()
+    ticket.future.encode = lambda row: f"answer {row}".encode()
+    assert ticket.settle(result=7)
+    assert ticket.future.result() == b"answer 7" and ticket.future.encoded
+    assert ticket.times.encode_seconds >= 0 and ticket.times.settled is not None
+    ticket.future.encode = lambda row: pytest.fail("a second settle must not encode")
+    assert not ticket.settle(result=8)
+    assert ticket.future.result() == b"answer 7"
+
+
+def test_an_encoder_set_after_settling_is_not_called_and_the_row_stays():
+    ticket = Ticket()
+    ticket.settle(result=7)
+    ticket.future.encode = lambda row: pytest.fail("settled before the encoder was set")
+    assert ticket.future.result() == 7 and not ticket.future.encoded
+
+
+def test_an_error_is_not_encoded_and_a_failing_encoder_is_a_503():
+    failed = Ticket()
+    failed.future.encode = lambda row: pytest.fail("an error has no row to encode")
+    failed.settle(error=ServiceUnavailable("batch failed"))
+    with pytest.raises(ServiceUnavailable, match="batch failed"):
+        failed.future.result()
+
+    def broken(row):
+        raise TypeError("not JSON")
+
+    ticket = Ticket()
+    ticket.future.encode = broken
+    ticket.settle(result=7)
+    with pytest.raises(ServiceUnavailable, match="could not encode the answer: TypeError: not JSON"):
+        ticket.future.result()
+    assert not ticket.future.encoded
+
+
+def test_encoding_done_by_the_engine_counts_as_the_encode_stage_not_the_release():
+    times = StageTimes(arrived=1.0, started=2.0, finished=3.0, settled=3.5, encode_seconds=0.4)
+    stages = stage_breakdown(0.5, 0.75, 1.0, times, woken=4.0, answered=4.25)
+    assert stages == pytest.approx(
+        {"decode": 0.25, "admission": 0.25, "queue": 1.0, "batch": 1.0, "release": 0.1, "wakeup": 0.5, "encode": 0.65}
+    )
+    untimed = stage_breakdown(0.5, 0.75, 1.0, None, woken=4.0, answered=4.25)
+    assert untimed == pytest.approx({"decode": 0.25, "admission": 0.25, "engine": 3.0, "encode": 0.25})
