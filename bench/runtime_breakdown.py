@@ -15,7 +15,9 @@ metrics log line at every event, the runtime before its flush thread),
 ``ebird-loop`` (``decode_threads: 0``: decoded on the event loop while a
 batch runs, the runtime before the lanes), ``ebird-loop-answers``
 (``encode_answers: loop``: answers encoded on the event loop, beside the
-lane's next job, the runtime before it encoded them on the lane) and ``nowait`` (the plain handler
+lane's next job, the runtime before it encoded them on the lane),
+``ebird-loud-batches`` (``cpu_quiet_batches: false``: the worker reads
+requests while a batch runs, the runtime before it held them) and ``nowait`` (the plain handler
 under TorchServe's own batching, batch_size 32, max_batch_delay 0).  So
 "before" and "after" are measured side by side in one run.  At each open-loop Poisson
 rate, a fraction of 1/L1 (L1: one request at a time through ``nowait``), the
@@ -72,6 +74,7 @@ ALL_SYSTEMS = (
     "ebird-per-event",
     "ebird-loop",
     "ebird-loop-answers",
+    "ebird-loud-batches",
     "nowait",
 )
 DEFAULT_SYSTEMS = "ebird,ebird-per-event,nowait"
@@ -90,12 +93,15 @@ DESCRIPTIONS = {
     "ebird-loop": "the same with `decode_threads: 0`: decoded on the event loop while batches run, as before the lanes",
     "ebird-loop-answers": "the same with `encode_answers: loop`: answers encoded on the event loop, beside the "
     "lane's next decode or batch, as before the runtime encoded them on the lane",
+    "ebird-loud-batches": "the same with `cpu_quiet_batches: false`: the worker reads and starts requests while "
+    "the lane runs a batch, as before batches held the message reader",
     "nowait": "the plain handler under TorchServe's NO Wait batching (batch_size 32, max_batch_delay 0)",
 }
 # Systems that are the runtime before one change, and what ``ebird`` ÷ that system measures.
 BEFORE_AFTER = {
     "ebird-per-event": "Metrics once a second against a line per event",
     "ebird-loop-answers": "Answers encoded on the lane against on the event loop",
+    "ebird-loud-batches": "No requests read during a batch against read as they arrive",
 }
 EBIRD_SETTINGS = {"worker_batches": [1, 1, 2, 4, 8, 16], "max_inflight": 32, "pool_slots": 64, "cpu_lanes": 1}
 
@@ -119,6 +125,7 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     settings = tuple(sorted(EBIRD_SETTINGS.items()))
     small = tuple(sorted((EBIRD_SETTINGS | {"worker_batches": [1, 1, 2, 4, 8]}).items()))
     plan = tuple(sorted((EBIRD_SETTINGS | {"cpu_rule": "plan"}).items()))
+    loud = tuple(sorted((EBIRD_SETTINGS | {"cpu_quiet_batches": False}).items()))
     options = {
         "ebird": ServingOptions(handler="ebird", handler_settings=settings),
         "ebird-small": ServingOptions(handler="ebird", handler_settings=small),
@@ -127,6 +134,7 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "ebird-per-event": ServingOptions(handler="ebird", handler_settings=settings, metrics_flush_interval_s=0),
         "ebird-loop": ServingOptions(handler="ebird", handler_settings=settings, decode_threads=0),
         "ebird-loop-answers": ServingOptions(handler="ebird", handler_settings=settings, encode_answers="loop"),
+        "ebird-loud-batches": ServingOptions(handler="ebird", handler_settings=loud),
         "nowait": ServingOptions(),
     }
     archives = {}

@@ -247,6 +247,26 @@ def test_encode_answers_is_a_scheduling_async_handlers_setting():
         ServingOptions(handler="ebird", encode_answers="lane")
 
 
+@pytest.mark.parametrize("quiet", [True, False])
+def test_on_cpu_the_worker_reads_no_request_while_the_lane_runs_a_batch_unless_told_to(make_handler, quiet):
+    """``cpu_quiet_batches`` (default true): the message reader's gate is shut during every batch and open
+    between them (a request read then would only queue on the lane behind the batch)."""
+    handler, ctx = make_handler(worker_batches=[1, 1, 2], pool_slots=4, cpu_quiet_batches=quiet)
+    gate_open_during_batches = []
+    engine = handler.engines[((3, 224, 224),)]
+    model = engine.model
+
+    def batch(*inputs):
+        gate_open_during_batches.append(handler.lanes.wait_for_a_loud_lane(timeout_s=0))
+        return model(*inputs)
+
+    engine.model = batch
+    answers = serve_all(handler, ctx, [{"body": jpeg_bytes(seed=i)} for i in range(3)])
+    assert [status for status, _ in answers] == [200] * 3
+    assert gate_open_during_batches and set(gate_open_during_batches) == {not quiet}
+    assert handler.lanes.wait_for_a_loud_lane(timeout_s=0)  # between batches it is open
+
+
 def record_batch_sizes(engine, log, sizes):
     model = engine.model
 
@@ -436,6 +456,7 @@ def test_close_finishes_admitted_requests_then_refuses_new_ones(make_handler):
         ({"cpu_rule": "greedy"}, "cpu_rule"),
         ({"cpu_batch_cap": 0}, "cpu_batch_cap"),
         ({"cpu_batch_cap": "big"}, "cpu_batch_cap"),
+        ({"cpu_quiet_batches": "yes"}, "cpu_quiet_batches must be true or false"),
     ],
 )
 def test_bad_ebird_config_is_refused_at_build_time(settings, message):

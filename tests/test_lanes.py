@@ -89,3 +89,55 @@ def test_close_gives_up_on_a_stuck_job_after_its_timeout(lanes):
 def test_bad_sizes_are_refused(count, threads_each):
     with pytest.raises(ValueError, match="lane"):
         CpuLanes(count, threads_each)
+
+
+def test_a_reader_waits_while_every_lane_runs_a_quiet_job_and_not_otherwise():
+    lanes = CpuLanes(2, 1)
+    release = [threading.Event() for _ in range(3)]
+    started = [threading.Event() for _ in range(3)]
+
+    def job(i):
+        started[i].set()
+        release[i].wait()
+
+    try:
+        assert lanes.wait_for_a_loud_lane(timeout_s=0)  # idle lanes: read at once
+        first = lanes.submit(job, 0, quiet=True, lane=0)
+        loud = lanes.submit(job, 1, lane=1)  # a decode, say: reading goes on
+        assert started[0].wait(10) and started[1].wait(10)
+        assert lanes.wait_for_a_loud_lane(timeout_s=0.2)
+        release[1].set()
+        loud.result(timeout=10)
+        second = lanes.submit(job, 2, quiet=True, lane=1)
+        assert started[2].wait(10)
+        assert not lanes.wait_for_a_loud_lane(timeout_s=0.2)  # both lanes in a quiet job
+        waiter_done = threading.Event()
+        threading.Thread(target=lambda: lanes.wait_for_a_loud_lane() and waiter_done.set(), daemon=True).start()
+        assert not waiter_done.wait(0.2)
+        release[0].set()  # one quiet job ends: the waiting reader goes on
+        assert waiter_done.wait(10)
+        first.result(timeout=10)
+        release[2].set()
+        second.result(timeout=10)
+    finally:
+        for event in release:
+            event.set()
+        lanes.close(timeout_s=10)
+
+
+def test_a_quiet_job_that_fails_still_lets_the_reader_go_and_close_releases_a_waiting_reader():
+    lanes = CpuLanes(1, 1)
+
+    def fails():
+        raise RuntimeError("batch broke")
+
+    with pytest.raises(RuntimeError, match="batch broke"):
+        lanes.submit(fails, quiet=True).result(timeout=10)
+    assert lanes.wait_for_a_loud_lane(timeout_s=0)
+    stuck, running = threading.Event(), threading.Event()
+    lanes.submit(lambda: running.set() or stuck.wait(), quiet=True)
+    assert running.wait(10)
+    assert not lanes.wait_for_a_loud_lane(timeout_s=0.2)
+    lanes.close(timeout_s=0.1)  # the stuck job keeps its lane; a reader must still see the close
+    assert lanes.wait_for_a_loud_lane(timeout_s=1)
+    stuck.set()

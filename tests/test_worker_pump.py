@@ -64,10 +64,10 @@ async def echo_or_refuse(data, context):
 class PumpUnderTest:
     """A ``WorkerPump`` on its own thread, serving one end of a socket pair; the test is the frontend."""
 
-    def __init__(self) -> None:
+    def __init__(self, read_gate=None) -> None:
         self.frontend, worker = socket.socketpair()
         self.frontend.settimeout(30)
-        self.pump = WorkerPump(torchserve_service(echo_or_refuse, worker, "/nonexistent"))
+        self.pump = WorkerPump(torchserve_service(echo_or_refuse, worker, "/nonexistent"), read_gate)
         self.result: list[str | None] = []
         self.thread = threading.Thread(target=lambda: self.result.append(self.pump.run()), daemon=True)
         self.thread.start()
@@ -119,6 +119,32 @@ def test_the_pump_ends_cleanly_when_the_frontend_disconnects():
     pump.thread.join(timeout=10)
     assert not pump.thread.is_alive()
     assert pump.result == [None]  # as TorchServe's pump: no error, the worker's server loop decides what next
+
+
+def test_with_a_read_gate_a_waiting_message_is_read_only_once_the_gate_opens():
+    open_ = threading.Event()
+    gate_calls = []
+
+    def gate():
+        gate_calls.append(time.monotonic())
+        open_.wait()
+
+    pump = PumpUnderTest(read_gate=gate)
+    pump.send(Request("held", b"fine"))
+    pump.frontend.settimeout(0.3)
+    with pytest.raises(TimeoutError):
+        pump.answers(1)  # read only through the gate, which is shut
+    assert len(gate_calls) == 1  # the reader waited for the message first, then at the gate
+    pump.frontend.settimeout(30)
+    open_.set()
+    assert pump.answers(1)["held"][:2] == (200, 200)
+    pump.send(Request("next", b"fine"), Request("bad", b"bad"))
+    answers = pump.answers(1)
+    assert answers["next"][:2] == (200, 200) and answers["bad"][1] == 400
+    assert len(gate_calls) == 2
+    pump.frontend.close()
+    pump.thread.join(timeout=10)
+    assert pump.result == [None]
 
 
 @pytest.mark.torchserve

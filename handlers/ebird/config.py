@@ -9,6 +9,7 @@ handler:
     cpu_lanes: 1                          # CPU only: batches that run at once
     cpu_rule: lane                        # CPU only: "lane" (one batch per free lane) or "plan" (the paper's)
     cpu_batch_cap: auto                   # CPU lane rule: largest batch; "auto": from measured costs
+    cpu_quiet_batches: true               # CPU only: read no requests while every lane runs a batch
 ```
 
 ``cpu_lanes`` is how the CPU path splits intra-op threads: workers hand
@@ -29,6 +30,13 @@ from served batches (``handlers/runtime/batch_costs.py``).  ``plan``
 runs the paper's plan over every idle worker, its batches one after
 another on the lanes.  Neither applies on CUDA, where the paper's plan is
 the rule.
+
+``cpu_quiet_batches`` submits every CPU batch as a quiet lane job: while
+every lane runs one, the worker's message reader waits
+(``handlers/runtime/lanes.py``, ``worker_pump.py``).  A request read then
+could only be decoded after the batch, since decodes queue on the lane;
+reading and starting it during the batch costs the batch's OpenMP team a
+core and its thread the GIL.  ``false`` reads requests as they arrive.
 """
 
 from __future__ import annotations
@@ -54,6 +62,7 @@ class EbirdConfig:
     cpu_lanes: int = 1
     cpu_rule: str = "lane"
     cpu_batch_cap: int | str = "auto"
+    cpu_quiet_batches: bool = True
 
     def __post_init__(self) -> None:
         batches = self.worker_batches
@@ -70,6 +79,8 @@ class EbirdConfig:
         cap = self.cpu_batch_cap
         if cap != "auto" and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 1):
             raise EbirdConfigError(f"cpu_batch_cap must be 'auto' or an integer ≥ 1, got {cap!r}")
+        if not isinstance(self.cpu_quiet_batches, bool):
+            raise EbirdConfigError(f"cpu_quiet_batches must be true or false, got {self.cpu_quiet_batches!r}")
         if self.pool_slots < max(batches):
             raise EbirdConfigError(
                 f"pool_slots ({self.pool_slots}) must hold the largest worker batch ({max(batches)})"
@@ -92,4 +103,5 @@ class EbirdConfig:
             "cpu_lanes": self.cpu_lanes,
             "cpu_rule": self.cpu_rule,
             "cpu_batch_cap": self.cpu_batch_cap,
+            "cpu_quiet_batches": self.cpu_quiet_batches,
         }

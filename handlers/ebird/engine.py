@@ -185,7 +185,7 @@ class EbirdEngine(Engine):
                 if self._lanes is None:
                     worker.jobs.put(job)
                 else:
-                    done = self._lanes.submit(self._timed_execute, worker, job)
+                    done = self._lanes.submit(self._timed_execute, worker, job, quiet=self.config.cpu_quiet_batches)
                     done.add_done_callback(lambda f, w=worker, j=job: self._lane_done(w, j, f))
 
     # -- a worker ------------------------------------------------------------

@@ -271,9 +271,12 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
         """Put the archive's message pump in place (``worker_pump.py``); says which runs, for the start-up log.
 
         Called last in ``initialize``: a handler that failed to start leaves
-        TorchServe's worker as it was.
+        TorchServe's worker as it was.  On CPU lanes the pump reads no message
+        while every lane runs a quiet job (an engine's batch that a new
+        request could not join: ``lanes.py``).
         """
-        return "the lean" if worker_pump.install(setting) else "TorchServe's"
+        gate = self.lanes.wait_for_a_loud_lane if self.lanes is not None else None
+        return "the lean" if worker_pump.install(setting, gate) else "TorchServe's"
 
     def _encode_on_engine(self, setting: str | None) -> bool:
         if setting is None:

@@ -27,6 +27,13 @@ so batching collapsed (mean batch 1.03, 2.16× NO Wait's mean latency at
 are there for schedulers that need them (real-time before best-effort).
 The runtime owns the lanes, one set per handler, so several engines (input
 layouts) share one set of teams instead of starting one each.
+
+A job may also be submitted ``quiet``: while every lane runs a quiet job,
+``wait_for_a_loud_lane`` blocks, and the worker's message reader waits there
+(``worker_pump.py``) instead of reading requests beside the batch.  An engine
+marks its batches quiet when a request read during one would only be queued
+on the lane until the batch ends (Ebird's, which decodes on the lane), as
+TorchServe's sync worker reads nothing while its batch runs.
 """
 
 from __future__ import annotations
@@ -65,9 +72,13 @@ class CpuLanes:
         self.placements = placements or [LanePlacement(None, threads_each)] * count
         if len(self.placements) != count or any(p.threads < 1 for p in self.placements):
             raise ValueError(f"need one placement of ≥ 1 thread per lane, got {self.placements}")
-        self._queue: list[tuple[int, int, Future, Callable[..., Any], tuple[Any, ...]]] = []
+        self._queue: list[tuple[int, int, Future, Callable[..., Any], tuple[Any, ...], bool]] = []
         # Work for one lane only (an instance's batch must run on its own cores).
-        self._own: list[list[tuple[int, int, Future, Callable[..., Any], tuple[Any, ...]]]] = [[] for _ in range(count)]
+        self._own: list[list[tuple[int, int, Future, Callable[..., Any], tuple[Any, ...], bool]]] = [
+            [] for _ in range(count)
+        ]
+        self._quiet_running = 0  # lanes running a quiet job (under ``_quiet``)
+        self._quiet = threading.Condition()
         self._order = itertools.count()
         self._cond = threading.Condition()
         self._closed = False
@@ -94,17 +105,21 @@ class CpuLanes:
             raise ValueError("need at least one lane placement")
         return cls(len(placements), max(p.threads for p in placements), list(placements))
 
-    def submit(self, fn: Callable[..., T], *args: Any, priority: int = DEFAULT, lane: int | None = None) -> Future[T]:
+    def submit(
+        self, fn: Callable[..., T], *args: Any, priority: int = DEFAULT, lane: int | None = None, quiet: bool = False
+    ) -> Future[T]:
         """Queue ``fn(*args)``; lower ``priority`` runs first, equal ones in submission order.
 
         ``lane``: run it on that lane only (else on whichever is free first).
+        ``quiet``: while it runs on the last lane not running a quiet job,
+        ``wait_for_a_loud_lane`` blocks.
         """
         future: Future[T] = Future()
         with self._cond:
             if self._closed:
                 raise RuntimeError("CPU lanes are closed")
             queue = self._queue if lane is None else self._own[lane]
-            heapq.heappush(queue, (priority, next(self._order), future, fn, args))
+            heapq.heappush(queue, (priority, next(self._order), future, fn, args, quiet))
             if lane is None:
                 self._cond.notify()
             else:  # only that lane may take it: wake them all, it is among them
@@ -128,15 +143,41 @@ class CpuLanes:
                 if not self._queue and not own:
                     return
                 queue = own if own and (not self._queue or own[0][:2] < self._queue[0][:2]) else self._queue
-                _, _, future, fn, args = heapq.heappop(queue)
+                _, _, future, fn, args, quiet = heapq.heappop(queue)
             if not future.set_running_or_notify_cancel():
                 continue
+            if quiet:
+                self._set_quiet(+1)
             try:
                 result = fn(*args)
             except BaseException as exc:  # the submitter gets it, the lane serves on
-                future.set_exception(exc)
+                error: BaseException | None = exc
+            else:
+                error = None
+            finally:
+                if quiet:
+                    self._set_quiet(-1)
+            # Settled after the quiet job ended: what its future's callbacks
+            # start (answers, the next batch) runs with reading allowed again.
+            if error is not None:
+                future.set_exception(error)
             else:
                 future.set_result(result)
+
+    def _set_quiet(self, change: int) -> None:
+        with self._quiet:
+            self._quiet_running += change
+            if self._quiet_running < self.count:
+                self._quiet.notify_all()
+
+    def wait_for_a_loud_lane(self, timeout_s: float | None = None) -> bool:
+        """Block while every lane runs a quiet job (False: ``timeout_s`` passed first).
+
+        Returns at once once the lanes are closed, so a reader waiting here
+        can see the frontend go away.
+        """
+        with self._quiet:
+            return self._quiet.wait_for(lambda: self._quiet_running < self.count or self._closed, timeout_s)
 
     def run_on_each(self, fn: Callable[[], Any]) -> None:
         """Run ``fn`` once on every lane thread, so each thread's OpenMP team exists before the first request."""
@@ -154,6 +195,8 @@ class CpuLanes:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+        with self._quiet:
+            self._quiet.notify_all()
         for thread in self._threads:
             if thread is not threading.current_thread():
                 thread.join(None if deadline is None else max(deadline - time.monotonic(), 0.0))

@@ -41,6 +41,12 @@ from ``initialize``, which TorchServe runs before it builds its
 was checked against (``CHECKED_TORCHSERVE``); on any other it leaves
 TorchServe's pump and says so.  ``worker_pump: torchserve`` in the archive's
 ``handler:`` section keeps TorchServe's own (the benchmarks' "before").
+A handler may also hand ``install`` a read gate: before reading a message
+that has arrived, the reader waits there.  On a CPU the handler's lanes
+close it while every lane runs a batch that a newly read request could not
+join (``lanes.CpuLanes.wait_for_a_loud_lane``): the request would only be
+queued on the lane, and reading and starting it would take CPU and the GIL
+from the batch, as TorchServe's sync worker never does.
 Streaming handlers (Orca) keep TorchServe's pump: they write intermediate
 answers to the socket themselves (``send_intermediate_predict_response``),
 and this pump has not been checked beside that.
@@ -54,9 +60,11 @@ import copy
 import importlib.metadata
 import logging
 import queue
+import select
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -76,10 +84,11 @@ def parse_worker_pump(value: Any) -> str:
     return value
 
 
-def install(setting: Any) -> bool:
+def install(setting: Any, read_gate: Callable[[], Any] | None = None) -> bool:
     """Make TorchServe's async worker in this process run ``WorkerPump``; True if it will.
 
     ``setting``: the archive's ``worker_pump`` (None: lean), validated here.
+    ``read_gate``: called before each message is read, which waits until it returns.
 
     Outside a TorchServe worker (a handler driven directly) nothing builds an
     ``AsyncService``, so installing changes nothing there.
@@ -99,20 +108,21 @@ def install(setting: Any) -> bool:
             ", ".join(CHECKED_TORCHSERVE),
         )
         return False
-    ts_async.AsyncService.run = _run_worker_pump
+
+    def run(async_service: Any) -> str | None:
+        """``AsyncService.run``'s stand-in: the same service, served by ``WorkerPump``."""
+        return WorkerPump(async_service.service, read_gate).run()
+
+    ts_async.AsyncService.run = run
     return True
-
-
-def _run_worker_pump(async_service: Any) -> str | None:
-    """``AsyncService.run``'s stand-in: the same service, served by ``WorkerPump``."""
-    return WorkerPump(async_service.service).run()
 
 
 class WorkerPump:
     """Frontend messages in, answers out, for one TorchServe ``Service`` in async mode."""
 
-    def __init__(self, service: Any) -> None:
+    def __init__(self, service: Any, read_gate: Callable[[], Any] | None = None) -> None:
         self.service = service
+        self.read_gate = read_gate
         self._answers: queue.SimpleQueue[bytes | bytearray] = queue.SimpleQueue()
         self._tasks: set[asyncio.Task] = set()  # the loop keeps only weak references to tasks
 
@@ -139,9 +149,13 @@ class WorkerPump:
     def _read(self, loop: asyncio.AbstractEventLoop, fail: Any) -> None:
         from ts.protocol.otf_message_handler import retrieve_msg
 
+        sock = self.service.cl_socket
         try:
             while True:
-                command, message = retrieve_msg(self.service.cl_socket)
+                if self.read_gate is not None:
+                    select.select([sock], [], [])  # a message (or the frontend's close) is waiting
+                    self.read_gate()
+                command, message = retrieve_msg(sock)
                 if command == b"I":
                     loop.call_soon_threadsafe(self._start, message)
                 else:
