@@ -111,8 +111,8 @@ class CpuLanes:
         """Queue ``fn(*args)``; lower ``priority`` runs first, equal ones in submission order.
 
         ``lane``: run it on that lane only (else on whichever is free first).
-        ``quiet``: while it runs on the last lane not running a quiet job,
-        ``wait_for_a_loud_lane`` blocks.
+        ``quiet``: while every lane runs a quiet job, ``wait_for_a_loud_lane``
+        blocks (an engine's batch that a newly read request could not join).
         """
         future: Future[T] = Future()
         with self._cond:
