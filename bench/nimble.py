@@ -265,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         help="leave out the torch.compile baseline (Nimble's own compiled candidate stays)",
     )  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="batches 1 and 8, 2 rounds of 2 calls")
+    parser.add_argument("--suffix", default="", help="appended to the output files' name (nimble_<device><suffix>.*)")
     add_output_arguments(parser)
     args = parser.parse_args(argv)
     if args.quick:
@@ -286,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     args.device = _device(args.device)
 
     def stem_of(data: dict[str, Any]) -> str:
-        return f"nimble_{data['device']}"
+        return f"nimble_{data['device']}{args.suffix}"
 
     return run_benchmark("bench.nimble", args, measure, summary, stem_of, render, plot)
 
