@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from handlers.nimble.config import COMPILED, EAGER, MULTI, SINGLE, NimbleConfig, NimbleConfigError
-from handlers.nimble.program import FALLBACK, fastest, prepare, reproduces
+from handlers.nimble.program import FALLBACK, TF32_TOLERANCE, TOLERANCE, fastest, prepare, reproduces, tolerance_for
 from model_store.catalog import get_spec
 from model_store.factory import build_model, example_inputs
 
@@ -41,6 +41,21 @@ def test_reproduces_is_relative_to_the_outputs_own_scale():
     assert not reproduces(tiny * 2, tiny)  # an absolute floor would have passed this
     assert not reproduces(torch.tensor([[float("nan"), 0.0]]), tiny)
     assert not reproduces(tiny[:, :1], tiny)
+
+
+def test_the_tolerance_is_looser_only_where_cuda_computes_through_tf32():
+    cudnn, matmul = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = True, False
+        assert tolerance_for(torch.device("cpu")) == TOLERANCE
+        assert tolerance_for(torch.device("cuda", 0)) == TF32_TOLERANCE
+        torch.backends.cudnn.allow_tf32 = False
+        assert tolerance_for(torch.device("cuda", 0)) == TOLERANCE
+        torch.backends.cuda.matmul.allow_tf32 = True
+        assert tolerance_for(torch.device("cuda", 0)) == TF32_TOLERANCE
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = cudnn, matmul
+    assert not reproduces(torch.tensor([[1.0, 0.0]]), torch.tensor([[1.0, 0.02]]), tol=TF32_TOLERANCE)
 
 
 @pytest.fixture(scope="module")
@@ -124,6 +139,9 @@ def test_on_cuda_every_bucket_is_a_captured_graph_that_reproduces_eager(inceptio
     model = model.cuda()
     try:
         program = prepare(model, tuple(x.cuda() for x in example_inputs(spec, 1)), NimbleConfig(buckets=(1, 2, 4)))
+        # No candidate refused: both captured graphs reproduced eager in every bucket.
+        assert [(c.batch, c.refused) for c in program.choices] == [(1, ()), (2, ()), (4, ())]
+        assert all({SINGLE, MULTI} <= set(c.ms) for c in program.choices)
         with torch.inference_mode():
             for rows in (1, 2, 3, 4, 5):
                 x = tuple(t.cuda() for t in example_inputs(spec, rows, seed=rows))

@@ -15,7 +15,13 @@ and launched again with one call.  It fixes shapes and addresses, so:
 - all buckets share one memory pool: they never run at once (one worker,
   one replay at a time, on one stream), so one bucket's intermediate
   activations may reuse another's; only the static buffers, which we keep
-  referenced, must survive between replays.
+  referenced, must survive between replays;
+- a graph holds raw addresses, not tensors: the program's weights must
+  outlive it.  ``GraphBuckets`` keeps the program itself, because Nimble's
+  frozen graph owns its folded weights and nothing else refers to them: once
+  the graph module was collected, replays read freed memory, right only as
+  long as nothing reused it (on the lent H200, ``torch.compile`` in the same
+  process reused it, and a replay faulted with an illegal memory access).
 """
 
 from __future__ import annotations
@@ -77,6 +83,7 @@ class GraphBuckets:
     """Captured graphs of one program for a set of batch sizes, sharing one memory pool."""
 
     def __init__(self, program: Program, example: Sequence[torch.Tensor], buckets: Sequence[int]) -> None:
+        self.program = program  # its parameters are what every replay reads (see the module doc)
         self.sizes = sorted(set(buckets))
         pool = torch.cuda.graph_pool_handle()
         # Largest first: the pool grows to the largest bucket's needs once and
