@@ -8,7 +8,8 @@ What runs, per model, in one process on one device:
 
 - ``eager``: the catalog model in eval mode, as the plain handler runs it;
 - ``compile``: ``torch.compile`` of it (``reduce-overhead``, i.e. with CUDA
-  graphs, on CUDA; the default mode on CPU), compiled before timing;
+  graphs, on CUDA; the default mode on CPU), compiled before timing; on
+  CUDA it runs in a child process of its own (``CompiledElsewhere``);
 - ``single``: Nimble's frozen graph (batch norms folded) on one stream;
   on CUDA replayed from a CUDA graph captured per batch size;
 - ``multi``: the same graph on Nimble's assigned streams (CPU: its chains
@@ -31,6 +32,7 @@ program's output is checked against eager's before it is timed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -67,6 +69,73 @@ def _compiled(model: Any, device: str) -> Any:
     return torch.compile(model, mode="reduce-overhead" if device == "cuda" else None)
 
 
+def _compile_worker(name: str, device: str, conn: Any) -> None:
+    """The torch.compile baseline's own process: builds the same seeded model, answers and times on request."""
+    import torch
+
+    from handlers.nimble.program import time_ms
+    from model_store.catalog import get_spec
+    from model_store.factory import build_model
+
+    program = _compiled(build_model(get_spec(name)).to(device), device)
+    inputs: dict[int, tuple[Any, ...]] = {}
+    while True:
+        request = conn.recv()
+        if request is None:
+            return
+        try:
+            with torch.inference_mode():
+                if request[0] == "run":  # ("run", cpu inputs): the output, on the CPU
+                    batch = tuple(x.to(device) for x in request[1])
+                    inputs[batch[0].shape[0]] = batch
+                    conn.send(("ok", program(*batch).cpu()))
+                else:  # ("time", rows, runs), on the inputs of the last "run" of that many rows
+                    conn.send(("ok", time_ms(program, inputs[request[1]], request[2])))
+        except Exception as exc:  # reported as the parent's exception: a failed backend is a note
+            conn.send(("error", f"{type(exc).__name__}: {str(exc)[:300]}"))
+
+
+class CompiledElsewhere:
+    """torch.compile of the model in a child process, for CUDA.
+
+    Its CUDA-graph trees (mode reduce-overhead) and Nimble's own captured
+    graphs faulted when they shared a process on the lent H200 (an illegal
+    memory access, then an unspecified launch failure, in the first replay
+    after torch.compile recompiled for a new batch size), while each ran
+    fine alone.  Apart, each has the GPU to itself while it is timed, and the
+    rounds still interleave the systems.
+    """
+
+    def __init__(self, name: str, device: str) -> None:
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._process = ctx.Process(target=_compile_worker, args=(name, device, child), daemon=True)
+        self._process.start()
+        child.close()
+
+    def _ask(self, request: tuple[Any, ...]) -> Any:
+        self._conn.send(request)
+        status, value = self._conn.recv()
+        if status != "ok":
+            raise RuntimeError(value)
+        return value
+
+    def __call__(self, *inputs: Any) -> Any:
+        return self._ask(("run", tuple(x.cpu() for x in inputs))).to(inputs[0].device)
+
+    def time_ms(self, inputs: tuple[Any, ...], runs: int) -> float:
+        return self._ask(("time", inputs[0].shape[0], runs))
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):  # the child already gone
+            self._conn.send(None)
+        self._process.join(timeout=30)
+        if self._process.is_alive():
+            self._process.kill()
+
+
 def measure_model(name: str, args: argparse.Namespace, bar: tqdm) -> dict[str, Any]:
     """Every system at every batch size for one model; the rows and what Nimble chose."""
     import torch
@@ -85,7 +154,10 @@ def measure_model(name: str, args: argparse.Namespace, bar: tqdm) -> dict[str, A
     candidates = build_candidates(model, example, config)
     choices = choose(model, candidates, example, config)
     prepare_s = time.perf_counter() - started
-    programs: dict[str, Any] = {"eager": model, "compile": _compiled(model, args.device) if args.compile else None}
+    compiled: Any = None
+    if args.compile:
+        compiled = CompiledElsewhere(name, args.device) if args.device == "cuda" else _compiled(model, args.device)
+    programs: dict[str, Any] = {"eager": model, "compile": compiled}
     programs["single"] = candidates.programs.get("single")
     programs["multi"] = candidates.programs.get("multi")  # absent when the graph is one chain
     programs["compiled"] = candidates.programs.get("compiled")  # CPU only
@@ -114,14 +186,20 @@ def measure_model(name: str, args: argparse.Namespace, bar: tqdm) -> dict[str, A
                 order = list(live) if r % 2 == 0 else list(reversed(live))
                 ms = {}
                 for system in order:
+                    program = live[system]
                     with torch.inference_mode():
-                        ms[system] = time_ms(live[system], inputs, args.runs)
+                        if isinstance(program, CompiledElsewhere):
+                            ms[system] = program.time_ms(inputs, args.runs)
+                        else:
+                            ms[system] = time_ms(program, inputs, args.runs)
                     bar.update(1)
                 ms["nimble"] = ms[choice.chosen]
                 rows.append({"model": name, "batch": batch, "repeat": r, "chosen": choice.chosen, "ms": ms})
             bar.update((len(SYSTEMS) - len(live)) * args.repeats)
     finally:
         candidates.close()
+        if isinstance(compiled, CompiledElsewhere):
+            compiled.close()
     a = candidates.assignment
     return {
         "model": name,
