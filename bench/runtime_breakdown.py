@@ -76,10 +76,12 @@ ALL_SYSTEMS = (
     "ebird-loop-answers",
     "ebird-loud-batches",
     "nowait",
+    "nowait-twin",
 )
+PLAIN = ("nowait", "nowait-twin")  # served by the plain handler under TorchServe's NO Wait batching
 DEFAULT_SYSTEMS = "ebird,ebird-per-event,nowait"
 ASYNC_STAGES = ("decode", "admission", "queue", "batch", "release", "wakeup", "encode")
-STAGES = {name: ASYNC_STAGES for name in ALL_SYSTEMS} | {"nowait": ("decode", "model", "encode")}
+STAGES = {name: ASYNC_STAGES for name in ALL_SYSTEMS} | {name: ("decode", "model", "encode") for name in PLAIN}
 DESCRIPTIONS = {
     "ebird": "the async runtime as it ships: requests decoded and answers encoded on the CPU lane between "
     "batches, metrics handed to TorchServe once a second",
@@ -96,6 +98,8 @@ DESCRIPTIONS = {
     "ebird-loud-batches": "the same with `cpu_quiet_batches: false`: the worker reads and starts requests while "
     "the lane runs a batch, as before batches held the message reader",
     "nowait": "the plain handler under TorchServe's NO Wait batching (batch_size 32, max_batch_delay 0)",
+    "nowait-twin": "a second model served exactly as `nowait`: its ratio to `nowait` is what this bench reads "
+    "when there is no difference to find (an A/A check of its noise)",
 }
 # Systems that are the runtime before one change, and what ``ebird`` ÷ that system measures.
 BEFORE_AFTER = {
@@ -136,6 +140,7 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "ebird-loop-answers": ServingOptions(handler="ebird", handler_settings=settings, encode_answers="loop"),
         "ebird-loud-batches": ServingOptions(handler="ebird", handler_settings=loud),
         "nowait": ServingOptions(),
+        "nowait-twin": ServingOptions(),
     }
     archives = {}
     store.mkdir(parents=True, exist_ok=True)
@@ -147,7 +152,7 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     with TorchServeProcess(workdir / "ts", store) as server:
         mgmt = server.management()
         for name in systems:
-            batching = {"batch_size": 32, "max_batch_delay_ms": 0} if name == "nowait" else {}
+            batching = {"batch_size": 32, "max_batch_delay_ms": 0} if name in PLAIN else {}
             mgmt.register(archives[name].name, model_name=name, initial_workers=1, **batching)
         frontend = java_in_group(server.proc.pid)
         meters = {name: CpuMeter(frontend, int(mgmt.describe(name)[0]["workers"][0]["pid"])) for name in systems}

@@ -156,23 +156,38 @@ class Intervals:
             self.log.append((threading.current_thread().name, started, time.monotonic()))
 
 
+def serve_recording(handler, ctx, good: int):
+    """Serve ``good`` JPEGs and one malformed row with the engine's model wrapped in ``Intervals``.
+
+    Checks every answer (the logits, the 400); returns the batches' intervals.
+    """
+    batches = []
+    engine = handler.engines[((3, 224, 224),)]
+    engine.model = Intervals(engine.model, batches)
+    rows = [{"body": jpeg_bytes(seed=i)} for i in range(good)] + [{"body": b"{not json"}]
+    answers = serve_all(handler, ctx, rows)
+    assert [status for status, _ in answers] == [200] * good + [400]
+    for (_, body), row in zip(answers, reference_logits(SPEC, rows[:good]), strict=False):
+        assert outputs_close(torch.tensor(body["logits"]), row, 1e-4)
+    assert batches
+    return batches
+
+
+def assert_none_overlaps(calls, batches, what: str) -> None:
+    for _, c0, c1 in calls:
+        assert all(c1 <= b0 or b1 <= c0 for _, b0, b1 in batches), f"{what} overlapped a batch"
+
+
 def test_on_cpu_requests_are_decoded_on_the_lane_between_batches(make_handler):
     """The CPU default: a decode never overlaps a batch on the same cores (it would stall the batch's team)."""
     handler, ctx = make_handler(worker_batches=[1, 1, 2, 4], pool_slots=8)
     assert handler.lanes.count == 1 and handler.decoder.where == "on the CPU lanes"
-    decodes, batches = [], []
+    decodes = []
     handler.decoder._decode = Intervals(handler.decoder._decode, decodes)
-    engine = handler.engines[((3, 224, 224),)]
-    engine.model = Intervals(engine.model, batches)
-    rows = [{"body": jpeg_bytes(seed=i)} for i in range(6)] + [{"body": b"{not json"}]
-    answers = serve_all(handler, ctx, rows)
-    assert [status for status, _ in answers] == [200] * 6 + [400]
-    for (_, body), row in zip(answers, reference_logits(SPEC, rows[:6]), strict=False):
-        assert outputs_close(torch.tensor(body["logits"]), row, 1e-4)
-    assert len(decodes) == len(rows) and batches
+    batches = serve_recording(handler, ctx, good=6)
+    assert len(decodes) == 7  # the malformed row too
     assert {name for name, _, _ in decodes + batches} == {"lane_0"}
-    for _, d0, d1 in decodes:
-        assert all(d1 <= b0 or b1 <= d0 for _, b0, b1 in batches), "a decode overlapped a batch"
+    assert_none_overlaps(decodes, batches, "a decode")
 
 
 def test_on_cpu_answers_are_encoded_on_the_lane_after_their_batch_before_the_next(make_handler):
@@ -180,18 +195,11 @@ def test_on_cpu_answers_are_encoded_on_the_lane_after_their_batch_before_the_nex
     so the JSON never runs beside a batch (as the sync worker encodes before reading more)."""
     handler, ctx = make_handler(worker_batches=[1, 1, 2, 4], pool_slots=8)
     assert handler.encode_on_engine
-    encodes, batches = [], []
+    encodes = []
     handler.postprocess = Intervals(handler.postprocess, encodes)
-    engine = handler.engines[((3, 224, 224),)]
-    engine.model = Intervals(engine.model, batches)
-    rows = [{"body": jpeg_bytes(seed=i)} for i in range(7)] + [{"body": b"{not json"}]
-    answers = serve_all(handler, ctx, rows)
-    assert [status for status, _ in answers] == [200] * 7 + [400]
-    for (_, body), row in zip(answers, reference_logits(SPEC, rows[:7]), strict=False):
-        assert outputs_close(torch.tensor(body["logits"]), row, 1e-4)
+    batches = serve_recording(handler, ctx, good=7)
     assert len(encodes) == 7 and {name for name, _, _ in encodes} == {"lane_0"}
-    for _, e0, e1 in encodes:
-        assert all(e1 <= b0 or b1 <= e0 for _, b0, b1 in batches), "an encode overlapped a batch"
+    assert_none_overlaps(encodes, batches, "an encode")
     # Each answer's encoding is counted as its encode stage, not as the engine's release.
     stages = handler.metrics.snapshot()["stage_mean_ms"]
     assert stages["encode"] >= 1000 * min(e1 - e0 for _, e0, e1 in encodes) > 0

@@ -212,3 +212,29 @@ def test_decoding_on_a_pool_inside_torchserve_answers_and_refuses_as_inline(torc
     with registered_apart(torchserve, model_store_dir, tmp_path, options, "ebird-decode2") as archive:
         assert archive_config(archive)["handler"]["decode_threads"] == 2
         serve_good_and_bad(torchserve, "ebird-decode2", good=9)
+
+
+def startup_line(torchserve, model: str) -> str:
+    """The handler's start-up line in ``model``'s worker log (the frontend copies it from a thread of its own)."""
+    deadline = time.monotonic() + 10
+    while not (lines := [line for line in worker_log(torchserve, model) if "encoding answers" in line]):
+        assert time.monotonic() < deadline, "the worker never logged its start-up line"
+        time.sleep(0.2)
+    return lines[-1]
+
+
+def test_the_default_archive_encodes_answers_where_each_batch_ends(served, torchserve):
+    model = served("resnet50", "eager", "ebird")
+    serve_good_and_bad(torchserve, model, good=5)
+    assert "encoding answers where each batch ends" in startup_line(torchserve, model)
+
+
+def test_answers_on_the_event_loop_and_loud_batches_inside_torchserve(torchserve, model_store_dir, tmp_path):
+    """The two settings that undo this runtime's CPU cuts (the benchmarks' "before") still serve everything."""
+    settings = EBIRD_TEST_SETTINGS | {"cpu_quiet_batches": False}
+    options = ServingOptions(handler="ebird", handler_settings=tuple(sorted(settings.items())), encode_answers="loop")
+    with registered_apart(torchserve, model_store_dir, tmp_path, options, "ebird-loop-loud") as archive:
+        config = archive_config(archive)["handler"]
+        assert (config["encode_answers"], config["ebird"]["cpu_quiet_batches"]) == ("loop", False)
+        serve_good_and_bad(torchserve, "ebird-loop-loud", good=9)
+        assert "encoding answers on the event loop" in startup_line(torchserve, "ebird-loop-loud")
