@@ -76,13 +76,27 @@ from packrat_plugin.loadgen import LoadResult, closed_loop, run
 from packrat_plugin.torchserve import TorchServeProcess
 
 SYSTEMS = ("ebird", "nowait", "optwait")
-LABELS = {"ebird": "Ebird", "nowait": "TorchServe NO Wait", "optwait": "TorchServe OPT Wait"}
+TWIN = "nowait-twin"  # --twin: NO Wait again, as a system of its own: the bench's A/A check
+LABELS = {
+    "ebird": "Ebird",
+    "nowait": "TorchServe NO Wait",
+    "optwait": "TorchServe OPT Wait",
+    TWIN: "NO Wait again (A/A)",
+}
 PATTERN_LABELS = {"pattern": "low then high", "overload": "overload"}
 CLAIM_MARGIN = 1.0  # the bar: Ebird's mean no worse than the better baseline's, its p99 no worse than NO Wait's
 
 
+def systems_of(data_or_args: Any) -> tuple[str, ...]:
+    """The systems a run compares: the three, and NO Wait's twin where ``--twin`` asked for it."""
+    if isinstance(data_or_args, dict):
+        return tuple(data_or_args.get("systems", SYSTEMS))
+    return (*SYSTEMS, TWIN) if data_or_args.twin else SYSTEMS
+
+
 def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     spec = get_spec(args.model, args.mode)
+    systems = systems_of(args)
     store = workdir / "model_store"
     plain = build_archive(spec, store)
     ebird_settings = {
@@ -99,11 +113,13 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     payloads = [client_payload(spec, seed=i) for i in range(64)]
     with TorchServeProcess(workdir / "ts", store) as server:
         mgmt = server.management()
-        url = {name: f"{server.inference_url}/predictions/{name}" for name in (*SYSTEMS, "sweep")}
+        url = {name: f"{server.inference_url}/predictions/{name}" for name in (*systems, "sweep")}
         mgmt.register(ebird.name, model_name="ebird", initial_workers=1)
         register_batching(mgmt, plain.name, "nowait", 0)
+        if TWIN in systems:
+            register_batching(mgmt, plain.name, TWIN, 0)
 
-        for name in ("ebird", "nowait"):
+        for name in ("ebird", "nowait", *((TWIN,) if TWIN in systems else ())):
             warm(url[name], payloads, args.warmup_seconds)
         single = run(closed_loop(url["nowait"], payload_cycle(payloads), 1, args.calibrate_seconds))
         l1_s = single.mean_latency_ms() / 1e3
@@ -140,10 +156,10 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         if args.overload_seconds > 0:
             patterns["overload"] = [(args.overload_seconds, overload_rate)]
         metrics = server.metrics()
-        counts: dict[str, dict[str, list[dict[str, Counter]]]] = {p: {n: [] for n in SYSTEMS} for p in patterns}
+        counts: dict[str, dict[str, list[dict[str, Counter]]]] = {p: {n: [] for n in systems} for p in patterns}
         around_run = recording_counts(lambda name: {"batches": batch_counts(metrics, name)}, counts)
         results = interleaved(
-            {n: url[n] for n in SYSTEMS}, payloads, patterns, args.repeats, "ebird vs baselines", around_run
+            {n: url[n] for n in systems}, payloads, patterns, args.repeats, "ebird vs baselines", around_run
         )
 
     def result_of(phase: str, name: str, r: int) -> LoadResult:
@@ -153,7 +169,7 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         name: [
             {ph: phase_stats(result_of(ph, name, r), *bounds[ph], qos_s) for ph in bounds} for r in range(args.repeats)
         ]
-        for name in SYSTEMS
+        for name in systems
     }
 
     def median(name: str, phase: str, key: str) -> float:
@@ -167,7 +183,7 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                 "requests": sum(rep[ph]["requests"] for rep in per_repeat[name]),
                 "failed": sum(rep[ph]["failed"] for rep in per_repeat[name]),
             }
-            for name in SYSTEMS
+            for name in systems
         }
         for ph in bounds
     }
@@ -175,11 +191,14 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     # Per repeat, Ebird over a baseline in the same repeat.
     mean_ratio = {ph: ratio_spread(per_repeat, "ebird", ("nowait", "optwait"), ph, "mean_ms") for ph in bounds}
     p99_ratio = {ph: ratio_spread(per_repeat, "ebird", ("nowait",), ph, "p99_ms") for ph in bounds}
+    twin = {ph: ratio_spread(per_repeat, TWIN, ("nowait",), ph, "mean_ms") for ph in bounds} if TWIN in systems else {}
     return {
         "model": spec.name,
         "mode": spec.mode,
+        "systems": list(systems),
         "phases": phases_out,
-        "throughput_at_qos": {name: median(name, "high", "goodput_rps") for name in SYSTEMS},
+        "throughput_at_qos": {name: median(name, "high", "goodput_rps") for name in systems},
+        "twin_vs_nowait": twin,
         "ebird_vs_best_baseline": mean_ratio,
         "ebird_p99_vs_nowait": p99_ratio,
         "claim": {
@@ -207,7 +226,7 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "sweep": sweep,
         "timeline": {
             name: sorted((s.sent, 1e3 * s.latency_s, s.status) for s in results["pattern"][name][-1].samples)
-            for name in SYSTEMS
+            for name in systems
         },
     }
 
@@ -224,7 +243,7 @@ def sizes_text(counts: dict[Any, int]) -> str:
 def plot(data: dict[str, Any], path: Path) -> None:
     """Latency of each request by arrival order (the paper's Figure 8), last repeat."""
     fig, ax = new_figure((7.5, 3.8))
-    for name in SYSTEMS:
+    for name in systems_of(data):
         points = data["timeline"][name]
         ax.plot(range(len(points)), [p[1] for p in points], lw=0.9, label=LABELS[name])
     first_high = next((i for i, p in enumerate(data["timeline"]["ebird"]) if p[0] >= data["load"]["low_seconds"]), None)
@@ -244,11 +263,22 @@ def repeat_lines(data: dict[str, Any]) -> str:
     for ph in data["phases"]:
         ratios = repeat_ratios(runs, "ebird", ("nowait", "optwait"), ph, "mean_ms")
         lines.append(f"- {ph}: " + ", ".join(f"{x:.2f}" for x in ratios))
-    return "Ebird mean ÷ better baseline, repeat by repeat:\n\n" + "\n".join(lines) + "\n\n"
+    text = "Ebird mean ÷ better baseline, repeat by repeat:\n\n" + "\n".join(lines) + "\n\n"
+    if data.get("twin_vs_nowait"):
+        twin = []
+        for ph, cell in data["twin_vs_nowait"].items():
+            ratios = ", ".join(f"{x:.2f}" for x in repeat_ratios(runs, TWIN, ("nowait",), ph, "mean_ms"))
+            twin.append(f"- {ph}: {cell['median']:.2f} ({cell['min']:.2f}-{cell['max']:.2f}); by repeat {ratios}")
+        text += (
+            "A/A check: NO Wait served again as a model of its own, its mean ÷ NO Wait's in the same repeat "
+            "(what the bench reads where there is no difference to find):\n\n" + "\n".join(twin) + "\n\n"
+        )
+    return text
 
 
 def render(data: dict[str, Any], stem: str) -> str:
     load = data["load"]
+    systems = systems_of(data)
     rows = []
     for ph in data["phases"]:
         cell = data["phases"][ph]
@@ -256,30 +286,30 @@ def render(data: dict[str, Any], stem: str) -> str:
         claim = data["claim"].get(ph)
         rows.append(
             [ph if ph != "overload" else "overload (not in the claim)", f"{load[f'{ph}_rate_rps']:.1f}"]
-            + [f"{cell[n]['mean_ms']:.0f} / {cell[n]['p99_ms']:.0f}" for n in SYSTEMS]
+            + [f"{cell[n]['mean_ms']:.0f} / {cell[n]['p99_ms']:.0f}" for n in systems]
             + [f"{mean['median']:.2f} ({mean['min']:.2f}-{mean['max']:.2f})",
                f"{p99['median']:.2f} ({p99['min']:.2f}-{p99['max']:.2f})",
                "-" if claim is None else ("yes" if claim else "**no**"),
-               str(sum(cell[n]["failed"] for n in SYSTEMS))]
+               str(sum(cell[n]["failed"] for n in systems))]
         )  # fmt: skip
     table = markdown_table(
-        ["phase", "rate (req/s)", *(f"{LABELS[n]} mean / p99 ms" for n in SYSTEMS),
+        ["phase", "rate (req/s)", *(f"{LABELS[n]} mean / p99 ms" for n in systems),
          "Ebird mean ÷ better baseline (min-max)", "Ebird p99 ÷ NO Wait (min-max)", "≤ 1.0 both", "failed"],
         rows,
     )  # fmt: skip
     qos = markdown_table(
-        ["", *(LABELS[n] for n in SYSTEMS)],
+        ["", *(LABELS[n] for n in systems)],
         [[f"goodput within {load['qos_ms']:.0f} ms (req/s, high phase)",
-          *(f"{data['throughput_at_qos'][n]:.2f}" for n in SYSTEMS)]],
+          *(f"{data['throughput_at_qos'][n]:.2f}" for n in systems)]],
     )  # fmt: skip
     sweep = ", ".join(f"{row['max_batch_delay_ms']} ms → {row['mean_ms']:.0f} ms" for row in data["sweep"])
     per_repeat = repeat_lines(data)
     capacity = capacity_summary(load["capacity_rps"], load.get("capacity_runs_rps"), LABELS)
     runs_each = runs_per_system(load.get("capacity_runs_rps"))
     batches = markdown_table(
-        ["batches run, by size (all repeats)", *(LABELS[n] for n in SYSTEMS)],
+        ["batches run, by size (all repeats)", *(LABELS[n] for n in systems)],
         [
-            [PATTERN_LABELS.get(pattern, pattern), *(sizes_text(data["batches"][pattern][n]) for n in SYSTEMS)]
+            [PATTERN_LABELS.get(pattern, pattern), *(sizes_text(data["batches"][pattern][n]) for n in systems)]
             for pattern in data.get("batches", {})
         ],
     )
@@ -323,6 +353,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--capacity-repeats", type=int, default=3, help="interleaved closed-loop runs per system")
     parser.add_argument("--qos-ms", type=float, help="QoS target for goodput (default 10·L1)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--twin", action="store_true", help="serve NO Wait twice and report the second ÷ the first (an A/A check)"
+    )
     parser.add_argument(
         "--ebird-settings",
         type=json.loads,
