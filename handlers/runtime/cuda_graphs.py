@@ -20,8 +20,9 @@ and launched again with one call.  It fixes shapes and addresses, so:
   outlive it.  ``GraphBuckets`` keeps the program itself, because Nimble's
   frozen graph owns its folded weights and nothing else refers to them: once
   the graph module was collected, replays read freed memory, right only as
-  long as nothing reused it (on the lent H200, ``torch.compile`` in the same
-  process reused it, and a replay faulted with an illegal memory access).
+  long as nothing reused it (``tests/test_cuda_graphs.py`` reuses it; on the
+  lent H200 a replay beside ``torch.compile`` faulted at once without this
+  reference, and only at a later batch size with it).
 """
 
 from __future__ import annotations
