@@ -99,11 +99,13 @@ class CompiledElsewhere:
     """torch.compile of the model in a child process, for CUDA.
 
     Its CUDA-graph trees (mode reduce-overhead) and Nimble's own captured
-    graphs faulted when they shared a process on the lent H200 (an illegal
-    memory access, then an unspecified launch failure, in the first replay
-    after torch.compile recompiled for a new batch size), while each ran
-    fine alone.  Apart, each has the GPU to itself while it is timed, and the
-    rounds still interleave the systems.
+    graphs faulted when they shared a process on the lent H200, while each
+    ran fine alone: an illegal memory access at the first timing while the
+    captured graphs read freed weights (fixed in ``GraphBuckets``), and
+    after that fix an unspecified launch failure at batch 32, once
+    torch.compile had compiled for each batch size (not diagnosed).  Apart,
+    each has the GPU to itself while it is timed, and the rounds still
+    interleave the systems.
     """
 
     def __init__(self, name: str, device: str) -> None:
