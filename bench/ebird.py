@@ -87,16 +87,14 @@ PATTERN_LABELS = {"pattern": "low then high", "overload": "overload"}
 CLAIM_MARGIN = 1.0  # the bar: Ebird's mean no worse than the better baseline's, its p99 no worse than NO Wait's
 
 
-def systems_of(data_or_args: Any) -> tuple[str, ...]:
-    """The systems a run compares: the three, and NO Wait's twin where ``--twin`` asked for it."""
-    if isinstance(data_or_args, dict):
-        return tuple(data_or_args.get("systems", SYSTEMS))
-    return (*SYSTEMS, TWIN) if data_or_args.twin else SYSTEMS
+def systems_in(data: dict[str, Any]) -> tuple[str, ...]:
+    """The systems a result compares (results from before ``--twin``: the three)."""
+    return tuple(data.get("systems", SYSTEMS))
 
 
 def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     spec = get_spec(args.model, args.mode)
-    systems = systems_of(args)
+    systems = (*SYSTEMS, TWIN) if args.twin else SYSTEMS
     store = workdir / "model_store"
     plain = build_archive(spec, store)
     ebird_settings = {
@@ -115,11 +113,10 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         mgmt = server.management()
         url = {name: f"{server.inference_url}/predictions/{name}" for name in (*systems, "sweep")}
         mgmt.register(ebird.name, model_name="ebird", initial_workers=1)
-        register_batching(mgmt, plain.name, "nowait", 0)
-        if TWIN in systems:
-            register_batching(mgmt, plain.name, TWIN, 0)
+        for name in (n for n in systems if n in ("nowait", TWIN)):
+            register_batching(mgmt, plain.name, name, 0)
 
-        for name in ("ebird", "nowait", *((TWIN,) if TWIN in systems else ())):
+        for name in (n for n in systems if n != "optwait"):  # OPT Wait is registered, and warmed, after its sweep
             warm(url[name], payloads, args.warmup_seconds)
         single = run(closed_loop(url["nowait"], payload_cycle(payloads), 1, args.calibrate_seconds))
         l1_s = single.mean_latency_ms() / 1e3
@@ -243,7 +240,7 @@ def sizes_text(counts: dict[Any, int]) -> str:
 def plot(data: dict[str, Any], path: Path) -> None:
     """Latency of each request by arrival order (the paper's Figure 8), last repeat."""
     fig, ax = new_figure((7.5, 3.8))
-    for name in systems_of(data):
+    for name in systems_in(data):
         points = data["timeline"][name]
         ax.plot(range(len(points)), [p[1] for p in points], lw=0.9, label=LABELS[name])
     first_high = next((i for i, p in enumerate(data["timeline"]["ebird"]) if p[0] >= data["load"]["low_seconds"]), None)
@@ -278,7 +275,7 @@ def repeat_lines(data: dict[str, Any]) -> str:
 
 def render(data: dict[str, Any], stem: str) -> str:
     load = data["load"]
-    systems = systems_of(data)
+    systems = systems_in(data)
     rows = []
     for ph in data["phases"]:
         cell = data["phases"][ph]

@@ -51,6 +51,8 @@ from typing import Any, TypeVar
 import torch
 
 T = TypeVar("T")
+# A queued job: (priority, submission order, future, fn, args, quiet); the first two order the heap.
+Job = tuple[int, int, Future, Callable[..., Any], tuple[Any, ...], bool]
 
 DEFAULT = 0
 
@@ -72,11 +74,9 @@ class CpuLanes:
         self.placements = placements or [LanePlacement(None, threads_each)] * count
         if len(self.placements) != count or any(p.threads < 1 for p in self.placements):
             raise ValueError(f"need one placement of ≥ 1 thread per lane, got {self.placements}")
-        self._queue: list[tuple[int, int, Future, Callable[..., Any], tuple[Any, ...], bool]] = []
+        self._queue: list[Job] = []
         # Work for one lane only (an instance's batch must run on its own cores).
-        self._own: list[list[tuple[int, int, Future, Callable[..., Any], tuple[Any, ...], bool]]] = [
-            [] for _ in range(count)
-        ]
+        self._own: list[list[Job]] = [[] for _ in range(count)]
         self._quiet_running = 0  # lanes running a quiet job (under ``_quiet``)
         self._quiet = threading.Condition()
         self._order = itertools.count()
