@@ -17,6 +17,24 @@ TorchServe's Python worker calls it (``handlers/direct.py``):
   ``handle`` call.  That is what TorchServe's batch aggregator does when it
   may not wait.
 
+``--wait-ms 5,10`` adds the same plain handler behind a frontend that
+waits up to that long for a fuller batch (``max_batch_delay``; ``waitN``),
+the baselines a tuned TorchServe deployment would use (DelayBatch in the
+DVABatch paper).
+
+``--handler dvabatch`` drives DVABatch (``dvabatch``) in Ebird's place
+against the same baselines; token models get requests of mixed lengths
+(``bench/dvabatch.py``'s ``TOKEN_LENGTH_MIX``), which the baselines pad to
+the sequence length and DVABatch to its length classes.
+
+On CUDA, ``--graphs-compare`` (the default there) adds two systems, so the
+table tells Ebird's scheduling apart from its execution:
+
+- ``ebird-eager``: Ebird with ``cuda_graphs: false``, each batch launched
+  kernel by kernel (Ebird before it replayed graphs);
+- ``nowait-graphs``: NO Wait with the plain handler replaying captured
+  graphs (``cuda_graphs: true``), the same execution Ebird's workers have.
+
 Left out: the HTTP hop and the Java frontend, which both systems pay alike.
 
 Load is set from capacity, as the Ebird paper sets it from a QoS-bounded
@@ -60,14 +78,17 @@ from bench.report import (
 )
 from handlers.cpu_handler import CPUModelHandler
 from handlers.direct import call, call_batch, load_context, model_dir_for
+from handlers.dvabatch.handler import DvaBatchHandler
 from handlers.ebird.handler import EbirdHandler
 from handlers.runtime.decode import LANE
 from model_store.build import ServingOptions
 from model_store.catalog import get_spec
-from model_store.samples import client_payload
 from packrat_plugin.loadgen import LoadResult, Sample, arrival_times
 
 BASELINE = "nowait"
+GRAPH_BASELINE = "nowait-graphs"
+EBIRD_EAGER = "ebird-eager"
+DVABATCH = "dvabatch"
 NOWAIT_BATCH = 32
 
 
@@ -84,15 +105,35 @@ def ebird_system(decode_threads: str) -> str:
 
 def decode_setting(system: str) -> int | str | None:
     """The archive's ``decode_threads`` for an Ebird system name (None: the default)."""
+    if system == EBIRD_EAGER:
+        return None
     placement = system.removeprefix("ebird").removeprefix("-decode")
     return None if not placement else placement if placement == LANE else int(placement)
+
+
+def wait_ms(system: str) -> float:
+    """The frontend's ``max_batch_delay`` of a waiting baseline (``wait5`` → 5)."""
+    return float(system.removeprefix("wait"))
+
+
+def is_baseline(system: str) -> bool:
+    """The stock handler under the frontend's batching (eager): the systems a handler must beat."""
+    return system == BASELINE or system.startswith("wait")
 
 
 def label(system: str) -> str:
     if system == BASELINE:
         return "NO Wait"
+    if system == GRAPH_BASELINE:
+        return "NO Wait (graphs)"
     if system == "ebird":
         return "Ebird"
+    if system == DVABATCH:
+        return "DVABatch"
+    if system.startswith("wait"):
+        return f"wait {wait_ms(system):g} ms"
+    if system == EBIRD_EAGER:
+        return "Ebird (eager)"
     placement = decode_setting(system)
     if placement == LANE:
         return "Ebird (decode on the lane)"
@@ -104,8 +145,8 @@ def label(system: str) -> str:
 # -- inside a system's process ------------------------------------------------
 
 
-class EbirdDriver:
-    """The Ebird handler in async mode: one ``handle`` call per request."""
+class AsyncDriver:
+    """An async handler (Ebird, DVABatch): one ``handle`` call per request."""
 
     def __init__(self, handler: Any, load_ctx: Any) -> None:
         self.handler, self.load_ctx = handler, load_ctx
@@ -124,8 +165,8 @@ class EbirdDriver:
 class NoWaitDriver:
     """The plain handler behind a batch-aggregating frontend that never waits for a fuller batch."""
 
-    def __init__(self, handler: Any, load_ctx: Any, batch_size: int) -> None:
-        self.handler, self.load_ctx, self.batch_size = handler, load_ctx, batch_size
+    def __init__(self, handler: Any, load_ctx: Any, batch_size: int, delay_s: float = 0.0) -> None:
+        self.handler, self.load_ctx, self.batch_size, self.delay_s = handler, load_ctx, batch_size, delay_s
         # The worker runs one batch at a time, on one thread, as TorchServe's worker runs ``handle`` on its
         # main thread.  ``initialize`` runs there too: torch work on a second thread would start a second
         # OpenMP team on the same cores (measured: 74 → 86-104 ms per image on 2 cores).
@@ -145,8 +186,18 @@ class NoWaitDriver:
         loop = asyncio.get_running_loop()
         while True:
             items = [await self.queue.get()]
-            while len(items) < self.batch_size and not self.queue.empty():
-                items.append(self.queue.get_nowait())
+            deadline = loop.time() + self.delay_s  # max_batch_delay: a fuller batch may be waited for this long
+            while len(items) < self.batch_size:
+                if not self.queue.empty():
+                    items.append(self.queue.get_nowait())
+                    continue
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    break
+                try:
+                    items.append(await asyncio.wait_for(self.queue.get(), remaining))
+                except TimeoutError:
+                    break
             try:
                 answers = await loop.run_in_executor(self.worker, call_batch, self.handler, self.load_ctx,
                                                      [row for row, _ in items])  # fmt: skip
@@ -165,14 +216,29 @@ def make_driver(system: str, model: str, mode: str, model_dir: str, device: str)
     spec = get_spec(model, mode)
     gpu = 0 if device == "cuda" else None
     if system.startswith("ebird"):
-        options = ServingOptions(handler="ebird", decode_threads=decode_setting(system))
+        settings = (("cuda_graphs", False),) if system == EBIRD_EAGER else ()
+        options = ServingOptions(handler="ebird", decode_threads=decode_setting(system), handler_settings=settings)
         ctx = load_context(spec, Path(model_dir), options, gpu=gpu)
         handler = EbirdHandler()
         handler.initialize(ctx)
-        return EbirdDriver(handler, ctx), handler
-    ctx = load_context(spec, Path(model_dir), ServingOptions(batch_size=NOWAIT_BATCH, max_batch_delay_ms=0), gpu=gpu)
+        return AsyncDriver(handler, ctx), handler
+    if system == DVABATCH:
+        from bench.dvabatch import dvabatch_token_lengths
+
+        options = ServingOptions(handler="dvabatch", token_lengths=dvabatch_token_lengths(spec, "auto"))
+        ctx = load_context(spec, Path(model_dir), options, gpu=gpu)
+        handler = DvaBatchHandler()
+        handler.initialize(ctx)
+        return AsyncDriver(handler, ctx), handler
+    delay_ms = wait_ms(system) if system.startswith("wait") else 0.0
+    options = ServingOptions(
+        batch_size=NOWAIT_BATCH, max_batch_delay_ms=round(delay_ms), cuda_graphs=system == GRAPH_BASELINE
+    )
+    ctx = load_context(spec, Path(model_dir), options, gpu=gpu)
     handler = CPUModelHandler()
-    return NoWaitDriver(handler, ctx, NOWAIT_BATCH), handler  # initialised on the driver's worker thread
+    return NoWaitDriver(
+        handler, ctx, NOWAIT_BATCH, delay_ms / 1e3
+    ), handler  # initialised on the driver's worker thread
 
 
 async def open_loop(driver: Any, rows: list[dict], times: list[float]) -> LoadResult:
@@ -235,8 +301,10 @@ def counters_since(before: dict[str, Any], after: dict[str, Any]) -> dict[str, A
 
 def serve(conn: Connection, system: str, model: str, mode: str, model_dir: str, device: str) -> None:
     """A system's process: load, say ready, then run the parent's load commands one at a time."""
+    from bench.dvabatch import bench_payloads
+
     driver, handler = make_driver(system, model, mode, model_dir, device)
-    payloads = [client_payload(get_spec(model, mode), seed=i) for i in range(32)]
+    payloads, _ = bench_payloads(get_spec(model, mode), count=64)  # token models: mixed lengths
     rows = [{"body": p if isinstance(p, bytes) else json.dumps(p).encode()} for p in payloads]
     conn.send(("ready", str(handler.device.device)))
     for command, kwargs in iter(conn.recv, None):
@@ -261,7 +329,11 @@ class SystemProcess:
         self.conn, child = ctx.Pipe()
         self.process = ctx.Process(target=serve, args=(child, system, model, mode, str(model_dir), device))
         self.process.start()
-        self.device = self._receive(600.0)
+        self.device: str | None = None
+
+    def wait_ready(self, timeout_s: float = 600.0) -> None:
+        """Block until the handler is initialised (processes start together and load side by side)."""
+        self.device = self._receive(timeout_s)
 
     def _receive(self, timeout_s: float) -> Any:
         if not self.conn.poll(timeout_s):
@@ -305,6 +377,8 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     try:
         for name in names:
             systems[name] = SystemProcess(name, args.model, args.mode, model_dir, args.device)
+        for proc in systems.values():
+            proc.wait_ready()
         for proc in systems.values():  # first kernels, allocator, lazy imports
             proc.run("closed", 300.0, clients=args.clients, seconds=args.warmup_seconds)
         capacity = {}
@@ -313,7 +387,7 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         best = max(capacity.values())
         rows = []
         total = len(args.fractions) * args.repeats * len(names)
-        with tqdm(total=total, desc=f"ebird direct {args.model} on {args.device}", unit="run") as bar:
+        with tqdm(total=total, desc=f"{args.handler} direct {args.model} on {args.device}", unit="run") as bar:
             for k, fraction in enumerate(args.fractions):
                 rate = fraction * best
                 for r in range(args.repeats):
@@ -340,6 +414,18 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     }
 
 
+def ratio_spread(runs: list[dict[str, Any]], baseline: list[dict[str, Any]]) -> dict[str, float]:
+    """Mean latency ÷ the baseline's, repeat by repeat (same arrivals): median, min, max."""
+    ratios = [a["mean_ms"] / b["mean_ms"] for a, b in zip(runs, baseline, strict=True)]
+    return {"ratio": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios)}
+
+
+def best_baseline(runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Per repeat, the stock baseline (NO Wait or a waiting one) with the lower mean latency."""
+    baselines = [r for name, r in runs.items() if is_baseline(name)]
+    return [min(repeat, key=lambda x: x["mean_ms"]) for repeat in zip(*baselines, strict=True)]
+
+
 def summary(data: dict[str, Any]) -> list[dict[str, Any]]:
     """Per load: each system's median mean and p99 over repeats, and each Ebird ÷ NO Wait per repeat."""
     out = []
@@ -359,8 +445,11 @@ def summary(data: dict[str, Any]) -> list[dict[str, Any]]:
                 "failed": sum(x["failed"] for x in system_runs),
             }
             if name != BASELINE:
-                ratios = [a["mean_ms"] / b["mean_ms"] for a, b in zip(system_runs, runs[BASELINE], strict=True)]
-                row[name].update(ratio=statistics.median(ratios), ratio_min=min(ratios), ratio_max=max(ratios))
+                row[name].update(ratio_spread(system_runs, runs[BASELINE]))
+            if name.startswith("ebird") and GRAPH_BASELINE in runs:
+                row[name]["vs_graphs"] = ratio_spread(system_runs, runs[GRAPH_BASELINE])
+            if not is_baseline(name) and name != GRAPH_BASELINE:
+                row[name]["vs_best"] = ratio_spread(system_runs, best_baseline(runs))
         out.append(row)
     return out
 
@@ -388,6 +477,10 @@ def render(data: dict[str, Any], stem: str) -> str:
             out.append(f"{s['mean_ms']:.1f} ({s['p99_ms']:.0f})")
             if n != BASELINE:
                 out.append(f"**{s['ratio']:.2f}×** ({s['ratio_min']:.2f}–{s['ratio_max']:.2f})")
+            for key in ("vs_graphs", "vs_best"):
+                if key in s:
+                    g = s[key]
+                    out.append(f"**{g['ratio']:.2f}×** ({g['ratio_min']:.2f}–{g['ratio_max']:.2f})")
         out.append(" / ".join(f"{r[n]['mean_batch']:.2f}" for n in names))
         out.append(" / ".join(f"{r[n]['requests']} ({r[n]['failed']})" for n in names))
         return out
@@ -397,18 +490,24 @@ def render(data: dict[str, Any], stem: str) -> str:
         header.append(f"{label(n)} mean (p99) ms")
         if n != BASELINE:
             header.append(f"{label(n)} ÷ NO Wait (min–max)")
+        if n.startswith("ebird") and GRAPH_BASELINE in names:
+            header.append(f"{label(n)} ÷ NO Wait (graphs)")
+        if not is_baseline(n) and n != GRAPH_BASELINE:
+            header.append(f"{label(n)} ÷ better stock baseline")
     header += ["mean batch (" + " / ".join(label(n) for n in names) + ")", "requests (failed)"]
     stable = [cells(r) for r in data["summary"] if not r["overload"]]
     overload = [cells(r) for r in data["summary"] if r["overload"]]
     capacity = ", ".join(f"{label(n)} {v:.1f} req/s" for n, v in data["capacity"].items())
     text = (
-        f"# Ebird vs NO Wait, handlers driven in-process: {data['model']} ({data['mode']}) on {data['device']}\n\n"
+        f"# {label(data['systems'][0])} vs NO Wait, handlers driven in-process: {data['model']} ({data['mode']}) "
+        f"on {data['device']}\n\n"
         f"Each system in its own process, its handler called as TorchServe's Python worker calls it; no HTTP, "
         f"no Java frontend (see the module docstring of `bench/ebird_direct.py`). NO Wait = the plain handler "
         f"with batch_size {NOWAIT_BATCH}, max_batch_delay 0. Sustainable throughput (closed loop, "
         f"{data['clients']} in flight): {capacity}. Open-loop Poisson at fractions of the best one, "
         f"{data['seconds']:g} s per run, {data['repeats']} repeats, the systems' order reversed every other "
-        f"repeat, on identical arrivals. Ratio < 1: that Ebird is faster than NO Wait.\n\n"
+        f"repeat, on identical arrivals. Ratio < 1: faster than the baseline; the better stock baseline is, per "
+        f"repeat, whichever of NO Wait and the waiting ones had the lower mean.\n\n"
         f"{markdown_table(header, stable)}\n"
     )
     stage_names = list(dict.fromkeys(s for r in data["summary"] for n in names for s in r[n]["stages_ms"]))
@@ -449,7 +548,17 @@ def main(argv: list[str] | None = None) -> int:
         help="Ebird variants to run, by decode placement: e.g. 0,4,lane (0 = inline on the event loop; "
         "lane = on the CPU lane between batches; auto = the device's default)",
     )
+    parser.add_argument("--handler", default="ebird", choices=("ebird", "dvabatch"), help="the handler to measure")
+    parser.add_argument("--wait-ms", default="", help="waiting baselines: the frontend's max_batch_delay, e.g. 5,10")
+    parser.add_argument(
+        "--graphs-compare",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also run Ebird without graphs and NO Wait replaying graphs (default: on CUDA; on a CPU, where "
+        "neither has graphs, a dry run of the code)",
+    )
     parser.add_argument("--quick", action="store_true", help="8 s runs, 2 repeats, short capacity step")
+    parser.add_argument("--suffix", default="", help="appended to the output files' name")
     add_output_arguments(parser)
     args = parser.parse_args(argv)
     if args.quick:
@@ -467,9 +576,23 @@ def main(argv: list[str] | None = None) -> int:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     elif args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: CUDA is not available on this machine (use --device cpu)")
+    if args.handler == "dvabatch":
+        args.systems = [DVABATCH]
+    if args.graphs_compare is None:
+        args.graphs_compare = args.device == "cuda" and args.handler == "ebird"
+    if args.graphs_compare:  # on a CPU the graph settings are ignored: a dry run of the four systems' code
+        args.systems = list(dict.fromkeys([*args.systems, EBIRD_EAGER, GRAPH_BASELINE]))
+
+    try:
+        waits = [float(x) for x in args.wait_ms.split(",") if x.strip()]
+    except ValueError:
+        parser.error(f"--wait-ms takes milliseconds, e.g. 5,10; got {args.wait_ms!r}")
+    if any(w <= 0 for w in waits):
+        parser.error("--wait-ms values must be positive (0 is NO Wait, always run)")
+    args.systems += [f"wait{w:g}" for w in waits]
 
     def stem_of(data: dict[str, Any]) -> str:
-        return f"ebird_direct_{data['model']}_{args.device}"
+        return f"{args.handler}_direct_{data['model']}_{args.device}{args.suffix}"
 
     return run_benchmark("bench.ebird_direct", args, measure, summary, stem_of, render, plot)
 

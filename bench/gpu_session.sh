@@ -1,57 +1,103 @@
 #!/usr/bin/env bash
-# One call's worth of GPU checks, for a lent GPU machine with PyTorch but no
-# Java or TorchServe frontend (so handlers are driven in-process there).
+# One lent GPU session's checks, in tiers ordered by value, for a machine with
+# PyTorch but no Java or TorchServe frontend (so handlers are driven in-process).
 #
-#   bash bench/gpu_session.sh OUT_DIR [STEP...]   # steps: tests ebird_direct nimble nimble_compile (default: all)
+#   bash bench/gpu_session.sh OUT_DIR TIER|STEP...     # e.g. `1`, `2`, `tests ebird`, `all`
+#   DRY=1 bash bench/gpu_session.sh /tmp/dry all       # the same steps on this CPU, tiny runs
+#
+# Tier 1 (about 7 minutes on an H200): the CUDA tests, Ebird against the
+# stock baselines (with and without CUDA graphs on either side), Nimble
+# against torch.compile on ResNet-50.
+# Tier 2 (about 5 minutes): REEF workload A (padding on and off), DVABatch on
+# BERT-base, Orca on GPT-2.
+# Tier 3: REEF workload C; Nimble on Inception-v3 and EfficientNet-B0.
+# The next GPU session starts with whatever tier is still unmeasured.
 #
 # Needs TorchServe's Python package `ts` importable (the handlers raise its
 # PredictionException); where it is not installed, copy it without the
-# frontend jar into .site/ (ignored by git) and this script puts .site on
-# PYTHONPATH.  Each step has its own time limit, so one slow step costs only
-# itself; after every step the results so far are packed into
-# OUT_DIR/results.tar (.md/.json/.png per benchmark, pytest's log).
+# frontend jar into .site/ (ignored by git; carry it) and this script puts
+# .site on PYTHONPATH.  BENCH_COMMIT names the commit in the tables when the
+# copy's .git is older than its tree.  Each step has its own time limit, so a
+# slow step costs only itself; after every step the results so far are packed
+# into OUT_DIR/results.tar (.md/.json/.png per benchmark, each step's log).
 set -u
-out=${1:?usage: bash bench/gpu_session.sh OUT_DIR}
+out=${1:?usage: bash bench/gpu_session.sh OUT_DIR TIER|STEP...}
+shift
+mkdir -p "$out"
 work=$(mktemp -d)
 export PYTHONPATH="$PWD/.site:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
 
-shift
-steps=" ${*:-tests ebird_direct nimble nimble_compile} "
+tier1="tests ebird nimble_resnet50"
+tier2="reef_a dvabatch orca"
+tier3="reef_c nimble_others"
+steps=" "
+for arg in "${@:-1}"; do
+    case $arg in
+        1) steps+="$tier1 " ;;
+        2) steps+="$tier2 " ;;
+        3) steps+="$tier3 " ;;
+        all) steps+="$tier1 $tier2 $tier3 " ;;
+        *) steps+="$arg " ;;
+    esac
+done
+
+# DRY=1: every step on this machine's CPU with the shortest runs that still
+# go through the same code, to find a script's bugs before the GPU's minutes.
+if [[ ${DRY:-0} == 1 ]]; then
+    dev=cpu secs=2 reps=1 cap=2 warm=1 limit_scale=6 batches=1,8 tests_k="graphs or padding or config"
+else
+    dev=cuda secs=5 reps=2 cap=4 warm=2 limit_scale=1 batches=1,8,32 tests_k="cuda or gpu or captured_multi_stream or weights_alive"
+fi
+
 pack() { tar -cf "$out/results.tar" -C "$work" . ; }
 step() {  # step NAME SECONDS COMMAND...
-    local name=$1 limit=$2; shift 2
+    local name=$1 limit=$(( $2 * limit_scale )); shift 2
     [[ $steps == *" $name "* ]] || return 0
     local started=$SECONDS
     echo "=== $name (limit ${limit}s): $*"
     timeout -k 10 "$limit" "$@" >"$work/$name.log" 2>&1
     local rc=$?
-    tail -n 25 "$work/$name.log"
+    tail -n 30 "$work/$name.log" | tr '\r' '\n' | grep -v '%|' | tail -n 22
     echo "=== $name: rc=$rc in $((SECONDS - started))s"
     pack
 }
 
-{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
   "$py" -c 'import torch, torchvision, platform; print("python", platform.python_version(), "torch", torch.__version__, "torchvision", torchvision.__version__, "cuda", torch.cuda.is_available())'
-  nproc; git rev-parse --short HEAD; git status --short | head; } >"$work/machine.txt" 2>&1
+  echo "cores $(nproc)"; echo "commit ${BENCH_COMMIT:-$(git rev-parse --short HEAD)} (tree copied from it)"; } >"$work/machine.txt" 2>&1
 cat "$work/machine.txt"
+echo "steps:$steps"
 
+# -- tier 1 ---------------------------------------------------------------
 # Every test that skips without CUDA (and the CUDA-default tests beside them).
 step tests 150 "$py" -m pytest -q -p no:cacheprovider -rs \
     tests/test_ebird_handler.py tests/test_reef_engine.py tests/test_nimble_program.py \
     tests/test_plain_handler_direct.py tests/test_dvabatch_engine.py tests/test_orca_batch_generate.py \
-    tests/test_multistream.py tests/test_ebird_policy.py tests/test_cuda_graphs.py \
-    -k "cuda or gpu or captured_multi_stream or weights_alive"
+    tests/test_multistream.py tests/test_ebird_policy.py tests/test_cuda_graphs.py -k "$tests_k"
 
-# Ebird vs NO Wait on the GPU, the same shape of run as the first one
-# (docs/benchmarks/ebird_direct_resnet50_cuda.md), on today's runtime.
-step ebird_direct 150 "$py" -m bench.ebird_direct --device cuda --ebird-decode-threads auto \
-    --fractions 0.3,0.85 --seconds 6 --repeats 2 --capacity-seconds 5 --warmup-seconds 2 --out-dir "$work"
+# Ebird (graphs) vs NO Wait and a 5 ms wait, plus Ebird eager and NO Wait on graphs.
+step ebird 200 "$py" -m bench.ebird_direct --device "$dev" --wait-ms 5 --graphs-compare \
+    --fractions 0.3,0.85 --seconds "$secs" --repeats "$reps" --capacity-seconds "$cap" --warmup-seconds "$warm" \
+    --out-dir "$work"
 
-# Nimble's captured graphs and streams against eager, three models, no
-# torch.compile; then the same with torch.compile (reduce-overhead) beside.
-step nimble 90 "$py" -m bench.nimble --device cuda --models resnet50,inception_v3,efficientnet_b0 \
-    --batches 1,8,32 --repeats 3 --runs 10 --no-compile --out-dir "$work"
-step nimble_compile 200 "$py" -m bench.nimble --device cuda --models resnet50,inception_v3,efficientnet_b0 \
-    --batches 1,8,32 --repeats 3 --runs 10 --suffix _compile --out-dir "$work"
+# Nimble (now with inductor kernels in its own graphs as a candidate) vs torch.compile reduce-overhead.
+step nimble_resnet50 150 "$py" -m bench.nimble --device "$dev" --models resnet50 --batches "$batches" \
+    --repeats 3 --runs 10 --suffix _resnet50 --out-dir "$work"
+
+# -- tier 2 ---------------------------------------------------------------
+step reef_a 120 "$py" -m bench.reef_direct --device "$dev" --workload A --padding \
+    --seconds $((secs * 2)) --repeats "$reps" --out-dir "$work"
+step dvabatch 120 "$py" -m bench.ebird_direct --handler dvabatch --model bert-base --device "$dev" --wait-ms 10 \
+    --fractions 0.25,0.6,0.9 --seconds "$secs" --repeats "$reps" --capacity-seconds "$cap" \
+    --warmup-seconds "$warm" --out-dir "$work"
+step orca 120 "$py" -m bench.orca --device "$dev" --fractions 0.3,0.7 --seconds $((secs * 2)) --capacity-seconds "$cap" \
+    --max-batches 16 --out-dir "$work"
+
+# -- tier 3 ---------------------------------------------------------------
+step reef_c 180 "$py" -m bench.reef_direct --device "$dev" --workload C --padding \
+    --seconds $((secs * 2)) --repeats "$reps" --out-dir "$work"
+step nimble_others 200 "$py" -m bench.nimble --device "$dev" --models inception_v3,efficientnet_b0 \
+    --batches "$batches" --repeats 3 --runs 10 --suffix _others --out-dir "$work"
+pack
 ls -la "$work"

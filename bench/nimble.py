@@ -14,8 +14,9 @@ What runs, per model, in one process on one device:
   on CUDA replayed from a CUDA graph captured per batch size;
 - ``multi``: the same graph on Nimble's assigned streams (CPU: its chains
   on threads), likewise captured on CUDA;
-- ``compiled`` (CPU only): the frozen graph under torch.compile, Nimble's
-  CPU stand-in for a captured graph;
+- ``compiled``: the frozen graph under torch.compile: on CPU Nimble's
+  stand-in for a captured graph; on CUDA inductor's kernels captured into
+  Nimble's own graph per batch size (``cuda_compile``);
 - ``Nimble``: what the Nimble handler serves at that batch size: the
   candidate (eager, single or multi) its start-up timing chose, exactly as
   ``handlers/nimble/program.py`` chooses in a worker.  The choice is made
@@ -162,7 +163,7 @@ def measure_model(name: str, args: argparse.Namespace, bar: tqdm) -> dict[str, A
     programs: dict[str, Any] = {"eager": model, "compile": compiled}
     programs["single"] = candidates.programs.get("single")
     programs["multi"] = candidates.programs.get("multi")  # absent when the graph is one chain
-    programs["compiled"] = candidates.programs.get("compiled")  # CPU only
+    programs["compiled"] = candidates.programs.get("compiled")  # on CUDA: inductor kernels in captured graphs
     notes: list[str] = []
     rows = []
     try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import statistics
 import subprocess
@@ -43,7 +44,12 @@ def median_seconds(fn: Callable[[], object], repeats: int = 3, warmup: int = 1, 
 
 def provenance(module: str) -> dict[str, Any]:
     """How this result was produced: ``module`` is the benchmark's ``-m`` name."""
+    # A copy of the tree elsewhere (a lent GPU machine) may carry an older
+    # .git than the tree it runs: the caller then names the commit.
+    commit = os.environ.get("BENCH_COMMIT", "")
     try:
+        if commit:
+            raise OSError("commit given by BENCH_COMMIT")
         commit = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
         ).stdout.strip()
@@ -51,12 +57,17 @@ def provenance(module: str) -> dict[str, Any]:
                                     capture_output=True, text=True).stdout.strip())  # fmt: skip
         commit += "-dirty" if dirty else ""
     except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
+        commit = commit or "unknown"
+    machine = hardware_fingerprint()
+    import torch
+
+    if torch.cuda.is_available():
+        machine["gpu"] = torch.cuda.get_device_name(0)
     return {
         "command": " ".join(["python", "-m", module, *(shlex.quote(a) for a in sys.argv[1:])]),
         "commit": commit,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "machine": hardware_fingerprint(),
+        "machine": machine,
     }
 
 

@@ -22,12 +22,21 @@ import torch
 
 from handlers.codecs import DEFAULT_MAX_PAYLOAD_BYTES, InputCodec, ModelInput, answer_bytes, collate, encode_output
 from handlers.errors import RequestError
+from handlers.runtime.cuda_graphs import GraphBuckets
 from handlers.runtime.device import ExecutionDevice
 from handlers.runtime.metrics import HandlerMetrics
 from model_store.catalog import ModelSpec
 from packrat_plugin.worker import PackratWorkerMixin, process_age_s, startup_priority
 
 logger = logging.getLogger(__name__)
+
+
+def cuda_graphs_wanted(handler_cfg: dict[str, Any]) -> bool:
+    """The archive's ``handler.cuda_graphs`` (default false): replay captured graphs on CUDA."""
+    value = handler_cfg.get("cuda_graphs", False)
+    if not isinstance(value, bool):
+        raise RuntimeError(f"handler.cuda_graphs must be true or false, got {value!r}")
+    return value
 
 
 @dataclass
@@ -91,8 +100,11 @@ class CPUModelHandler(PackratWorkerMixin):
             model_dir = context.system_properties["model_dir"]
             artefact = os.path.join(model_dir, context.manifest["model"]["serializedFile"])
             self.model = load_model(self.spec, artefact, self.device.device)
+            batch = self.slot_batch or int(context.system_properties.get("batch_size") or 1)
+            if cuda_graphs_wanted(handler_cfg) and self.device.is_cuda:
+                self.model = self.captured(self.model, batch)
             loaded = time.perf_counter()
-            self.warm_up(self.slot_batch or int(context.system_properties.get("batch_size") or 1))
+            self.warm_up(batch)
             warmed = time.perf_counter()
         self.metrics = HandlerMetrics.for_worker(context, handler_cfg)
         self.record_startup({"spawn_s": spawn_s, "load_s": loaded - started, "warmup_s": warmed - loaded})
@@ -102,6 +114,23 @@ class CPUModelHandler(PackratWorkerMixin):
             "%.2f s warm-up)", self.spec.name, self.spec.mode, self.device.device, torch.get_num_threads(), spawn_s,
             loaded - started, warmed - loaded,
         )  # fmt: skip
+
+    def captured(self, model: torch.nn.Module, batch: int) -> GraphBuckets:
+        """``model`` as CUDA graphs, one per power of two up to ``batch`` (the frontend's batch size).
+
+        Nimble's buckets (``handlers/runtime/cuda_graphs.py``) without
+        Nimble's graph rewriting: the same execution Ebird's workers replay,
+        so a comparison of the two shows scheduling alone.
+        """
+        from model_store.samples import client_payload
+
+        payload = client_payload(self.spec, seed=0)
+        sample = self.codec.decode({"body": payload if isinstance(payload, bytes) else json.dumps(payload).encode()})
+        example = tuple(t.unsqueeze(0).to(self.device.device) for t in sample.tensors)
+        sizes = sorted({1 << k for k in range(batch.bit_length()) if 1 << k <= batch} | {batch})
+        buckets = GraphBuckets(model, example, sizes)
+        logger.info("captured CUDA graphs at batch sizes %s", sizes)
+        return buckets
 
     def warm_up(self, batch: int = 1) -> None:
         """Send a client-shaped sample through the whole request path before READY.

@@ -13,11 +13,12 @@ import json
 from pathlib import Path
 from typing import Any
 
+import torch
 import ts
 from ts.context import Context, RequestProcessor
 from ts.metrics.metric_cache_yaml_impl import MetricsCacheYamlImpl
 
-from model_store.build import ServingOptions, model_config, write_artefact
+from model_store.build import ServingOptions, group_model_config, model_config, write_artefact
 from model_store.catalog import ModelSpec
 
 
@@ -42,6 +43,31 @@ def load_context(
         model_name=f"{spec.name}-direct",
         model_dir=str(model_dir),
         manifest={"model": {"modelName": spec.name, "serializedFile": artefact}},
+        batch_size=int(yaml_config.get("batchSize", 1)),  # as the frontend passes the archive's batchSize
+        gpu=gpu,
+        mms_version="direct",
+        metrics=metrics,
+        model_yaml_config=yaml_config,
+    )
+
+
+def group_load_context(
+    specs: list[ModelSpec], model_dir: Path, options: ServingOptions, gpu: int | None = None
+) -> Context:
+    """The context a group archive's worker (REEF) gets: every member's weights in ``model_dir``."""
+    from model_store.factory import build_model
+
+    model_dir.mkdir(parents=True, exist_ok=True)
+    yaml_config = group_model_config(specs, options)
+    for entry, spec in zip(yaml_config["handler"]["members"], specs, strict=True):
+        if not (model_dir / entry["artefact"]).exists():
+            torch.save(build_model(spec).state_dict(), model_dir / entry["artefact"])
+    metrics = MetricsCacheYamlImpl(str(Path(ts.__file__).parent / "configs" / "metrics.yaml"))
+    metrics.initialize_cache()
+    return Context(
+        model_name="group-direct",
+        model_dir=str(model_dir),
+        manifest={"model": {"modelName": "group"}},
         batch_size=1,
         gpu=gpu,
         mms_version="direct",
@@ -50,11 +76,11 @@ def load_context(
     )
 
 
-def request_context(load: Context, n_requests: int) -> Context:
+def request_context(load: Context, n_requests: int, headers: dict[str, str] | None = None) -> Context:
     """The per-message copy ``ts.async_service.predict`` makes, with one status slot per request."""
     ctx = copy.deepcopy(load)
     ctx.request_ids = {i: f"req-{i}" for i in range(n_requests)}
-    ctx.request_processor = [RequestProcessor({}) for _ in range(n_requests)]
+    ctx.request_processor = [RequestProcessor(dict(headers or {})) for _ in range(n_requests)]
     return ctx
 
 
@@ -63,9 +89,9 @@ def as_client_sees(answer: Any) -> Any:
     return json.loads(answer) if isinstance(answer, bytes | bytearray) else answer
 
 
-async def call(handler: Any, load: Context, row: dict) -> tuple[int, Any]:
-    """One request through an async handler's ``handle``: (status, answer)."""
-    ctx = request_context(load, 1)
+async def call(handler: Any, load: Context, row: dict, headers: dict[str, str] | None = None) -> tuple[int, Any]:
+    """One request through an async handler's ``handle``, with the client's ``headers``: (status, answer)."""
+    ctx = request_context(load, 1, headers)
     [answer] = await handler.handle([row], ctx)
     status, _ = ctx.get_response_status(0)
     return status, as_client_sees(answer)

@@ -107,6 +107,9 @@ class ServingOptions:
     # Async handlers: where answers are encoded (``handlers/runtime/async_handler.py``):
     # "engine" (where each batch ends: the CPU lane) or "loop"; None: engine on CPU, loop on CUDA.
     encode_answers: str | None = None
+    # The plain handler on CUDA: replay captured CUDA graphs, one per power-of-two
+    # batch size up to ``batch_size`` (``handlers/cpu_handler.py``).
+    cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
         if self.handler not in HANDLERS:
@@ -141,6 +144,8 @@ class ServingOptions:
             from handlers.runtime.async_handler import parse_encode_answers
 
             parse_encode_answers(self.encode_answers)
+        if self.cuda_graphs and self.handler != "packrat":
+            raise ValueError(f"cuda_graphs applies to the plain handler; {self.handler!r} has its own settings")
         if self.metrics_flush_interval_s is not None:
             from handlers.runtime.metrics import parse_flush_interval
 
@@ -191,6 +196,8 @@ def model_config(spec: ModelSpec, options: ServingOptions) -> dict:
             config["handler"]["worker_pump"] = options.worker_pump
         if options.encode_answers is not None:
             config["handler"]["encode_answers"] = options.encode_answers
+    if options.cuda_graphs:
+        config["handler"]["cuda_graphs"] = True
     if options.metrics_flush_interval_s is not None:
         config["handler"]["metrics_flush_interval_s"] = options.metrics_flush_interval_s
     if options.token_lengths:

@@ -465,6 +465,7 @@ def test_close_finishes_admitted_requests_then_refuses_new_ones(make_handler):
         ({"cpu_batch_cap": 0}, "cpu_batch_cap"),
         ({"cpu_batch_cap": "big"}, "cpu_batch_cap"),
         ({"cpu_quiet_batches": "yes"}, "cpu_quiet_batches must be true or false"),
+        ({"cuda_graphs": 1}, "cuda_graphs must be true or false"),
     ],
 )
 def test_bad_ebird_config_is_refused_at_build_time(settings, message):

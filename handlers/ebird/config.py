@@ -10,6 +10,7 @@ handler:
     cpu_rule: lane                        # CPU only: "lane" (one batch per free lane) or "plan" (the paper's)
     cpu_batch_cap: auto                   # CPU lane rule: largest batch; "auto": from measured costs
     cpu_quiet_batches: true               # CPU only: read no requests while every lane runs a batch
+    cuda_graphs: true                     # CUDA only: each worker replays a captured graph of its batch size
 ```
 
 ``cpu_lanes`` is how the CPU path splits intra-op threads: workers hand
@@ -37,6 +38,16 @@ every lane runs one, the worker's message reader waits
 could only be decoded after the batch, since decodes queue on the lane;
 reading and starting it during the batch costs the batch's OpenMP team a
 core and its thread the GIL.  ``false`` reads requests as they arrive.
+
+``cuda_graphs`` (CUDA only) captures one CUDA graph per engine worker at
+start-up, at the worker's batch size, with its own input buffer and memory
+pool (workers run at once on their streams, so none may share
+intermediates).  A batch is then one copy into that buffer and one graph
+launch.  Without it each batch launches the model's kernels one by one from
+its worker thread, and on the lent H200 several such threads contending for
+the GIL made the batch stage 30 ms around an 8.5 ms model
+(``docs/benchmarks/ebird_direct_resnet50_cuda.md``).  ``false`` runs the
+model eagerly; the CPU ignores it.
 """
 
 from __future__ import annotations
@@ -63,6 +74,7 @@ class EbirdConfig:
     cpu_rule: str = "lane"
     cpu_batch_cap: int | str = "auto"
     cpu_quiet_batches: bool = True
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         batches = self.worker_batches
@@ -81,6 +93,8 @@ class EbirdConfig:
             raise EbirdConfigError(f"cpu_batch_cap must be 'auto' or an integer ≥ 1, got {cap!r}")
         if not isinstance(self.cpu_quiet_batches, bool):
             raise EbirdConfigError(f"cpu_quiet_batches must be true or false, got {self.cpu_quiet_batches!r}")
+        if not isinstance(self.cuda_graphs, bool):
+            raise EbirdConfigError(f"cuda_graphs must be true or false, got {self.cuda_graphs!r}")
         if self.pool_slots < max(batches):
             raise EbirdConfigError(
                 f"pool_slots ({self.pool_slots}) must hold the largest worker batch ({max(batches)})"
@@ -104,4 +118,5 @@ class EbirdConfig:
             "cpu_rule": self.cpu_rule,
             "cpu_batch_cap": self.cpu_batch_cap,
             "cpu_quiet_batches": self.cpu_quiet_batches,
+            "cuda_graphs": self.cuda_graphs,
         }

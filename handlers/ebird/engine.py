@@ -7,7 +7,10 @@ frees its pool slots and goes back to the idle set, which wakes the loop.
 
 Threads: requests are admitted from one thread (the handler's event loop)
 and one scheduler thread runs the loop.  On CUDA each engine worker has a
-thread and a stream of its own, so workers overlap on the GPU.  On CPU a
+thread and a stream of its own, so workers overlap on the GPU, and (with
+``cuda_graphs``, the default) a captured graph of its batch size, so a
+batch is one copy and one launch from that thread, not one Python call per
+layer contending with the other workers for the GIL.  On CPU a
 worker is only a batch size: its batch goes straight to the runtime's lanes
 (``handlers/runtime/lanes.py``) and is answered from the lane thread when it
 finishes, as DVABatch's stages are, so a batch costs no hand-offs through a
@@ -37,6 +40,7 @@ from handlers.ebird.scheduler import ElasticScheduler, SchedulerState, WorkerSpe
 from handlers.errors import ServiceUnavailable, bad_request
 from handlers.runtime.arrivals import Arrivals
 from handlers.runtime.batch_costs import BatchCosts
+from handlers.runtime.cuda_graphs import CapturedBucket, capture
 from handlers.runtime.device import ExecutionDevice
 from handlers.runtime.engine import Engine, Ticket, drain_then_stop, layout_of, warm_up_sizes
 from handlers.runtime.lanes import CpuLanes
@@ -62,6 +66,9 @@ class EngineWorker:
         self.stream = stream
         self.jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self.thread: threading.Thread | None = None
+        # CUDA with ``cuda_graphs``: the model captured at this worker's batch
+        # size, with its own input buffer and memory pool (captured at warm-up).
+        self.graph: CapturedBucket | None = None
 
 
 class EbirdEngine(Engine):
@@ -235,17 +242,26 @@ class EbirdEngine(Engine):
             self.metrics.batch_finished(job.seconds)
 
     def _execute(self, worker: EngineWorker, run: Run) -> torch.Tensor:
-        """Run one batch (a slice of the pool, no copy) and bring its output to the host."""
+        """Run one batch (a slice of the pool, no copy) and bring its output to the host.
+
+        With a captured graph the output is the graph's static buffer: the
+        worker's next replay overwrites it, which is safe because this
+        returns only once the copy to the host is done.
+        """
         with torch.inference_mode(), self.device.on(worker.stream):
             self.pool.wait_copied(run, worker.stream)
-            output = self.model(*self.pool.views(run))
+            if worker.graph is not None:
+                output = worker.graph.replay(self.pool.views(run))
+            else:
+                output = self.model(*self.pool.views(run))
             if not self.device.is_cuda:
                 return output.float()
             # Results go back on the output stream, so the next batch on this
             # worker's stream does not queue behind the copy.
             computed = self.device.record(worker.stream)
             self.device.wait(self._output_stream, computed)
-            output.record_stream(self._output_stream)
+            if worker.graph is None:  # a graph's output lives as long as the graph
+                output.record_stream(self._output_stream)
             with self.device.on(self._output_stream):
                 host = output.float().to("cpu", non_blocking=True)
                 copied = self.device.record(self._output_stream)
@@ -263,8 +279,27 @@ class EbirdEngine(Engine):
         for tensor in self.pool.storage:
             tensor.zero_()
         warm_up_sizes(list(self.config.worker_batches), run_batch, self._lanes, self.device)
+        if self.device.is_cuda and self.config.cuda_graphs:
+            self._capture_workers()
         if self.costs is not None:
             self._time_sizes(run_batch)
+
+    def _capture_workers(self) -> None:
+        """One graph per worker at its batch size, each with a private memory pool.
+
+        Workers replay at once on their own streams, so, unlike Nimble's
+        buckets (one replay at a time), they may not share a pool: one
+        worker's intermediates would overwrite another's.
+        """
+        example = tuple(buf[:1] for buf in self.pool.storage)
+        started = time.perf_counter()
+        for worker in self.workers:
+            worker.graph = capture(self.model, example, worker.spec.batch)
+        torch.cuda.synchronize(self.device.device)
+        logger.info(
+            "Ebird: captured a CUDA graph for each of %d workers (batches %s) in %.1f s",
+            len(self.workers), list(self.config.worker_batches), time.perf_counter() - started,
+        )  # fmt: skip
 
     def _time_sizes(self, run_batch: Callable[[int], None], runs: int = COST_RUNS) -> None:
         """Each worker size's first cost guess: timed on a lane, warm (after ``warm_up_sizes``)."""

@@ -14,7 +14,8 @@ from handlers.settings import known_settings
 # one-stream ahead-of-time program; "eager" turns Nimble off, for comparison.
 STREAMS = ("auto", "multi", "single", "eager")
 # The candidates ``auto`` chooses among, by name (docs, logs, benchmarks).
-# COMPILED exists on CPU only: the frozen graph compiled by inductor, the CPU's
+# COMPILED is the frozen graph compiled by inductor: on CPU as it is (the CPU's
+# analogue of a captured graph), on CUDA captured per bucket like SINGLE.  Was: the CPU's
 # nearest thing to a captured CUDA graph (generated code, no per-operator
 # dispatch from Python).
 EAGER, SINGLE, MULTI, COMPILED = "eager", "single", "multi", "compiled"
@@ -44,6 +45,13 @@ class NimbleConfig:
     # compiles at start-up (about half a minute per model on 2 cores, once
     # more for a second batch size), which is why it can be turned off.
     cpu_compile: bool = True
+    # CUDA, streams "auto": also try the frozen graph compiled by inductor
+    # (fused kernels, static shapes) and captured into Nimble's own CUDA
+    # graph per bucket.  That is what torch.compile(mode="reduce-overhead")
+    # serves, kernels and replay alike, so with it among the candidates the
+    # choice is never slower than the compiler at start-up.  It compiles once
+    # per bucket at start-up; false leaves it out.
+    cuda_compile: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.buckets, str | bytes) or not self.buckets:
@@ -57,8 +65,9 @@ class NimbleConfig:
             raise NimbleConfigError(f"streams must be one of {', '.join(STREAMS)}, got {self.streams!r}")
         if isinstance(self.min_gain, bool) or not isinstance(self.min_gain, int | float) or not 0 <= self.min_gain < 1:
             raise NimbleConfigError(f"min_gain must be a number in [0, 1), got {self.min_gain!r}")
-        if not isinstance(self.cpu_compile, bool):
-            raise NimbleConfigError(f"cpu_compile must be true or false, got {self.cpu_compile!r}")
+        for name in ("cpu_compile", "cuda_compile"):
+            if not isinstance(getattr(self, name), bool):
+                raise NimbleConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         for name in ("timing_runs", "side_threads"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

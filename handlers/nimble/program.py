@@ -10,9 +10,11 @@ Preparation, once per worker:
    frozen graph on one stream; on CUDA captured into one CUDA graph per
    bucket), ``multi`` (the same graph on its assigned streams; on CPU its
    chains on threads; on CUDA captured with its streams and events), when
-   the graph has more than one stream, and on CPU ``compiled`` (the frozen
-   graph under torch.compile: generated code, the CPU's analogue of a
-   captured graph);
+   the graph has more than one stream, and ``compiled`` (the frozen graph
+   under torch.compile: on CPU generated code, the CPU's analogue of a
+   captured graph; on CUDA inductor's fused kernels captured into one CUDA
+   graph per bucket, which is what ``torch.compile(mode="reduce-overhead")``
+   itself serves, so Nimble's choice is never behind it);
 4. for each bucket, check every candidate's output against eager's and time
    it (median of a few runs), and keep the fastest.  Eager is a candidate,
    so a bucket is never served by something measured slower than eager:
@@ -212,6 +214,10 @@ def build_candidates(model: nn.Module, example: Sequence[torch.Tensor], config: 
             out.programs[MULTI] = runner
     if config.streams == "auto" and config.cpu_compile and not cuda:
         out.programs[COMPILED] = torch.compile(frozen)  # compiled lazily, at its first call in ``choose``
+    if config.streams == "auto" and config.cuda_compile and cuda:
+        # Inductor's kernels under Nimble's own graphs (not inductor's CUDA-graph trees): compiled for
+        # each bucket's static shape during the capture's warm-up runs, then replayed like SINGLE.
+        out.programs[COMPILED] = _captured(torch.compile(frozen, dynamic=False), example, config)
     return out
 
 

@@ -53,12 +53,22 @@ class ReefConfig:
     max_inflight: int = 64  # requests admitted at once (then the runtime waits for room)
     priority_header: bool = True  # whether X-Priority may override a model's default
     policy: str = "reef"  # or a baseline: "seq", "concurrent" (POLICIES)
+    # CUDA, policy reef: dynamic kernel padding in the form PyTorch allows.  In
+    # real-time mode a BE executor does not stop at the gate: it launches one
+    # unit at a time on its low-priority stream and waits for it before the
+    # next, so BE fills what the RT stream leaves of the GPU, and at most one
+    # BE unit per executor is ever queued beside RT work.  False: BE stops in
+    # real-time mode (plain priority streams).  The CPU ignores it (a BE unit
+    # there takes cores from the RT batch).
+    padding: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.realtime, str) or not all(isinstance(n, str) for n in self.realtime):
             raise ReefConfigError(f"realtime must be a list of model names, got {self.realtime!r}")
         for name in ("segments", "c", "rt_max_batch", "be_max_batch", "max_inflight"):
             _positive_int(name, getattr(self, name))
+        if not isinstance(self.padding, bool):
+            raise ReefConfigError(f"padding must be true or false, got {self.padding!r}")
         if not isinstance(self.priority_header, bool):
             raise ReefConfigError(f"priority_header must be true or false, got {self.priority_header!r}")
         if self.policy not in POLICIES:

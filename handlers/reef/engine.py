@@ -132,6 +132,7 @@ class ReefEngine(Engine):
         self._rt_stream = device.new_stream(RT_STREAM_PRIORITY)
         self._be_streams = {name: device.new_stream(BE_STREAM_PRIORITY) for name in self.members}
         self._gated = config.policy != "concurrent"
+        self._padding = config.padding and config.policy == "reef" and device.is_cuda
         self._serial = threading.Lock() if config.policy == "seq" else contextlib.nullcontext()
         self._warm: list[concurrent.futures.Future] = []
         self._threads = [self._start("reef-rt", self._realtime_loop)]
@@ -243,6 +244,15 @@ class ReefEngine(Engine):
         state = member.sliced.start(*inputs)
         launched: deque = deque()
         for segment in member.sliced:
+            if self._padding and self.gate.realtime_mode:
+                # Padding (``ReefConfig.padding``): one unit at a time beside the RT
+                # stream, none queued ahead of it; RT does not wait for these.
+                while launched:
+                    self.device.synchronize(launched.popleft())
+                state = segment(state)
+                self.device.synchronize(self.device.record(stream))
+                self._count("pad")
+                continue
             with self.gate.unit() as waited:
                 state = segment(state)
                 event = self.device.record(stream)
