@@ -278,7 +278,8 @@ def render(data: dict[str, Any], stem: str) -> str:
         f"{data['repeats']} rounds, each a median of {data['runs']} calls; the systems' order reversed every other "
         "round. *Nimble* is the candidate its start-up timing chose for that batch (column *chosen*); "
         "*multi ÷ single* is the gain of Nimble's stream assignment over the same graph on one stream; "
-        "*frozen+compile* (CPU) is Nimble's frozen graph under torch.compile, *torch.compile* the eager model's.\n",
+        "*frozen+compile* is Nimble's frozen graph under torch.compile (on CUDA captured per batch size), "
+        "*torch.compile* the eager model's.\n",
     ]
     for m in data["models"]:
         lines.append(

@@ -481,6 +481,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="async handlers: encode each answer where its batch ends (on CPU, the lane, before its next job) or "
         "on the event loop (default: engine on CPU, loop on CUDA)",
     )
+    parser.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="the plain handler on a GPU: replay captured CUDA graphs, one per power-of-two batch up to --batch-size",
+    )
     parser.add_argument("--force", action="store_true", help="rebuild archives that already exist")
 
 
@@ -500,11 +505,12 @@ def run(args: argparse.Namespace) -> int:
             token_lengths=args.token_lengths,
             worker_pump=args.worker_pump,
             encode_answers=args.encode_answers,
+            cuda_graphs=args.cuda_graphs,
         )
     except (ValueError, AttributeError) as exc:
         print(
             "error: bad --handler/--handler-config/--decode-threads/--metrics-flush-interval/--token-lengths/"
-            f"--worker-pump/--encode-answers: {exc}",
+            f"--worker-pump/--encode-answers/--cuda-graphs: {exc}",
             file=sys.stderr,
         )
         return 2
