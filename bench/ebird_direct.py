@@ -27,6 +27,10 @@ against the same baselines; token models get requests of mixed lengths
 (``bench/dvabatch.py``'s ``TOKEN_LENGTH_MIX``), which the baselines pad to
 the sequence length and DVABatch to its length classes.
 
+``--twin`` serves NO Wait a second time as a system of its own
+(``nowait-twin``): its ratio to NO Wait, on the same arrivals, is the band
+inside which this bench cannot tell two systems apart on this machine.
+
 On CUDA, ``--graphs-compare`` (the default there) adds two systems, so the
 table tells Ebird's scheduling apart from its execution:
 
@@ -87,6 +91,7 @@ from packrat_plugin.loadgen import LoadResult, Sample, arrival_times
 
 BASELINE = "nowait"
 GRAPH_BASELINE = "nowait-graphs"
+TWIN = "nowait-twin"  # NO Wait again, as a system of its own: its ratio to NO Wait is the bench's A/A band
 EBIRD_EAGER = "ebird-eager"
 DVABATCH = "dvabatch"
 NOWAIT_BATCH = 32
@@ -126,6 +131,8 @@ def label(system: str) -> str:
         return "NO Wait"
     if system == GRAPH_BASELINE:
         return "NO Wait (graphs)"
+    if system == TWIN:
+        return "NO Wait (twin)"
     if system == "ebird":
         return "Ebird"
     if system == DVABATCH:
@@ -448,7 +455,7 @@ def summary(data: dict[str, Any]) -> list[dict[str, Any]]:
                 row[name].update(ratio_spread(system_runs, runs[BASELINE]))
             if name.startswith("ebird") and GRAPH_BASELINE in runs:
                 row[name]["vs_graphs"] = ratio_spread(system_runs, runs[GRAPH_BASELINE])
-            if not is_baseline(name) and name != GRAPH_BASELINE:
+            if not is_baseline(name) and name not in (GRAPH_BASELINE, TWIN):
                 row[name]["vs_best"] = ratio_spread(system_runs, best_baseline(runs))
         out.append(row)
     return out
@@ -492,7 +499,7 @@ def render(data: dict[str, Any], stem: str) -> str:
             header.append(f"{label(n)} ÷ NO Wait (min–max)")
         if n.startswith("ebird") and GRAPH_BASELINE in names:
             header.append(f"{label(n)} ÷ NO Wait (graphs)")
-        if not is_baseline(n) and n != GRAPH_BASELINE:
+        if not is_baseline(n) and n not in (GRAPH_BASELINE, TWIN):
             header.append(f"{label(n)} ÷ better stock baseline")
     header += ["mean batch (" + " / ".join(label(n) for n in names) + ")", "requests (failed)"]
     stable = [cells(r) for r in data["summary"] if not r["overload"]]
@@ -557,6 +564,9 @@ def main(argv: list[str] | None = None) -> int:
         help="also run Ebird without graphs and NO Wait replaying graphs (default: on CUDA; on a CPU, where "
         "neither has graphs, a dry run of the code)",
     )
+    parser.add_argument(
+        "--twin", action="store_true", help="also serve NO Wait twice: the twin ÷ NO Wait is the A/A band"
+    )
     parser.add_argument("--quick", action="store_true", help="8 s runs, 2 repeats, short capacity step")
     parser.add_argument("--suffix", default="", help="appended to the output files' name")
     add_output_arguments(parser)
@@ -590,6 +600,8 @@ def main(argv: list[str] | None = None) -> int:
     if any(w <= 0 for w in waits):
         parser.error("--wait-ms values must be positive (0 is NO Wait, always run)")
     args.systems += [f"wait{w:g}" for w in waits]
+    if args.twin:
+        args.systems.append(TWIN)
 
     def stem_of(data: dict[str, Any]) -> str:
         return f"{args.handler}_direct_{data['model']}_{args.device}{args.suffix}"

@@ -5,12 +5,15 @@
 #   bash bench/gpu_session.sh OUT_DIR TIER|STEP...     # e.g. `1`, `2`, `tests ebird`, `all`
 #   DRY=1 bash bench/gpu_session.sh /tmp/dry all       # the same steps on this CPU, tiny runs
 #
-# Tier 1 (about 7 minutes on an H200): the CUDA tests, Ebird against the
-# stock baselines (with and without CUDA graphs on either side), Nimble
-# against torch.compile on ResNet-50.
-# Tier 2 (about 5 minutes): REEF workload A (padding on and off), DVABatch on
-# BERT-base, Orca on GPT-2.
-# Tier 3: REEF workload C; Nimble on Inception-v3 and EfficientNet-B0.
+# Tiers follow what is still unmeasured on a GPU (after the H200 session of
+# 2026-11-26, commit 28bf96e; docs/benchmarks/README.md):
+# Tier 1 (about 6 minutes): the CUDA tests; DVABatch on BERT-base (never
+# measured: it ran past its limit); REEF workload C (never run); Nimble
+# against torch.compile on Inception-v3 and EfficientNet-B0 (the compiled
+# candidate is measured on ResNet-50 only).
+# Tier 2 (about 6 minutes): Ebird against the stock baselines with graphs on
+# either side, and its A/A twin; REEF workload A with two repeats.
+# Tier 3: Orca on GPT-2; Nimble on ResNet-50 again.
 # The next GPU session starts with whatever tier is still unmeasured.
 #
 # Needs TorchServe's Python package `ts` importable (the handlers raise its
@@ -28,9 +31,9 @@ work=$(mktemp -d)
 export PYTHONPATH="$PWD/.site:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
 
-tier1="tests ebird nimble_resnet50"
-tier2="reef_a dvabatch orca"
-tier3="reef_c nimble_others"
+tier1="tests dvabatch reef_c nimble_others"
+tier2="ebird reef_a"
+tier3="orca nimble_resnet50"
 steps=" "
 for arg in "${@:-1}"; do
     case $arg in
@@ -76,28 +79,32 @@ step tests 150 "$py" -m pytest -q -p no:cacheprovider -rs \
     tests/test_plain_handler_direct.py tests/test_dvabatch_engine.py tests/test_orca_batch_generate.py \
     tests/test_multistream.py tests/test_ebird_policy.py tests/test_cuda_graphs.py -k "$tests_k"
 
-# Ebird (graphs) vs NO Wait and a 5 ms wait, plus Ebird eager and NO Wait on graphs.
-step ebird 200 "$py" -m bench.ebird_direct --device "$dev" --wait-ms 5 --graphs-compare \
-    --fractions 0.3,0.85 --seconds "$secs" --repeats "$reps" --capacity-seconds "$cap" --warmup-seconds "$warm" \
+# DVABatch vs NO Wait and a 10 ms wait: three loads, but one repeat and a short capacity step (the H200 run
+# with two repeats reached 6 of 18 runs in 120 s).
+step dvabatch 150 "$py" -m bench.ebird_direct --handler dvabatch --model bert-base --device "$dev" --wait-ms 10 \
+    --fractions 0.25,0.6,0.9 --seconds "$secs" --repeats 1 --capacity-seconds 3 --warmup-seconds "$warm" \
     --out-dir "$work"
 
-# Nimble (now with inductor kernels in its own graphs as a candidate) vs torch.compile reduce-overhead.
-step nimble_resnet50 150 "$py" -m bench.nimble --device "$dev" --models resnet50 --batches "$batches" \
-    --repeats 3 --runs 10 --suffix _resnet50 --out-dir "$work"
+# REEF workload C: six models in four handlers, one repeat.
+step reef_c 150 "$py" -m bench.reef_direct --device "$dev" --workload C --padding \
+    --seconds $((secs + 3)) --repeats 1 --out-dir "$work"
+
+# Nimble (with its compiled candidate) vs torch.compile reduce-overhead on the two models not yet measured so.
+step nimble_others 150 "$py" -m bench.nimble --device "$dev" --models inception_v3,efficientnet_b0 \
+    --batches "$batches" --repeats 3 --runs 10 --suffix _others --out-dir "$work"
 
 # -- tier 2 ---------------------------------------------------------------
+# Ebird (graphs) vs NO Wait and a 5 ms wait, Ebird eager and NO Wait on graphs, and NO Wait's twin (A/A).
+step ebird 220 "$py" -m bench.ebird_direct --device "$dev" --wait-ms 5 --graphs-compare --twin \
+    --fractions 0.3,0.85 --seconds "$secs" --repeats "$reps" --capacity-seconds "$cap" --warmup-seconds "$warm" \
+    --out-dir "$work"
 step reef_a 120 "$py" -m bench.reef_direct --device "$dev" --workload A --padding \
-    --seconds $((secs * 2)) --repeats "$reps" --out-dir "$work"
-step dvabatch 120 "$py" -m bench.ebird_direct --handler dvabatch --model bert-base --device "$dev" --wait-ms 10 \
-    --fractions 0.25,0.6,0.9 --seconds "$secs" --repeats "$reps" --capacity-seconds "$cap" \
-    --warmup-seconds "$warm" --out-dir "$work"
-step orca 120 "$py" -m bench.orca --device "$dev" --fractions 0.3,0.7 --seconds $((secs * 2)) --capacity-seconds "$cap" \
-    --max-batches 16 --out-dir "$work"
+    --seconds $((secs + 3)) --repeats "$reps" --out-dir "$work"
 
 # -- tier 3 ---------------------------------------------------------------
-step reef_c 180 "$py" -m bench.reef_direct --device "$dev" --workload C --padding \
-    --seconds $((secs * 2)) --repeats "$reps" --out-dir "$work"
-step nimble_others 200 "$py" -m bench.nimble --device "$dev" --models inception_v3,efficientnet_b0 \
-    --batches "$batches" --repeats 3 --runs 10 --suffix _others --out-dir "$work"
+step orca 120 "$py" -m bench.orca --device "$dev" --fractions 0.3,0.7 --seconds $((secs * 2)) \
+    --capacity-seconds "$cap" --max-batches 16 --out-dir "$work"
+step nimble_resnet50 150 "$py" -m bench.nimble --device "$dev" --models resnet50 --batches "$batches" \
+    --repeats 3 --runs 10 --suffix _resnet50 --out-dir "$work"
 pack
 ls -la "$work"

@@ -11,6 +11,12 @@ request (decode, collate, encode) is timed at each thread count
 (``handler_cost.py``) and kept under the profile's ``"handler"`` key, so
 that plans and their predicted speedups account for what TorchServe's
 worker pays besides the model.
+
+An archive the user built with ``torch-model-archiver`` (any handler, with
+or without a model-config.yaml) is profiled whole instead: its own handler
+on the user's ``--sample`` request bodies, each point one batch through
+TorchServe's ``Service.predict`` in a pinned process (``foreign.py``).  Its
+points then include the handler's cost, so no separate handler cost is kept.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from tqdm import tqdm
 
 from model_store.build import catalog_name, write_artefact
 from model_store.catalog import ModelSpec, get_spec
+from packrat_plugin.foreign import ArchiveInfo, ForeignJob, ForeignProcess, Sample, read_archive, read_samples
 from packrat_plugin.handler_cost import measure_handler_cost
 from packrat_plugin.measure import InstanceJob, InstanceProcess, WindowResult
 from packrat_plugin.plan_types import Plan, PlanItem
@@ -125,6 +132,60 @@ def measure_point(
     latency_ms = stats.pop("latency_ms")
     extra = {**stats, "cores": list(first.affinity), "threads_seen": first.threads_seen}
     return ProfilePoint(threads, batch, latency_ms, extra)
+
+
+def measure_foreign_point(
+    info: ArchiveInfo, samples: list[Sample], threads: int, batch: int, warmup: int, iters: int,
+    max_seconds: float, topology: CpuTopology,
+) -> ProfilePoint:  # fmt: skip
+    """One point of a user's archive: its handler on ``batch`` sample requests, pinned to ``threads`` cores."""
+    cores = cores_for(threads, topology)
+    job = ForeignJob(str(info.path), info.model_name, info.handler, tuple(samples), threads, batch, cores, warmup)
+    with ForeignProcess(job) as proc:
+        affinity, seen = tuple(proc.seen["affinity"]), proc.seen["threads"]
+        if affinity != cores or seen != threads:
+            raise RuntimeError(f"the handler ran on cores {affinity} with {seen} threads, not {cores} with {threads}")
+        started = time.time()
+        lat = proc.time(iters, max_seconds)
+    stats = WindowResult(lat, started, time.time()).stats()
+    latency_ms = stats.pop("latency_ms")
+    return ProfilePoint(threads, batch, latency_ms, {**stats, "cores": list(affinity), "threads_seen": seen})
+
+
+def run_foreign_profile(
+    info: ArchiveInfo, samples: list[Sample], threads: list[int], batches: list[int], out: Path,
+    warmup: int = 2, iters: int = 10, max_seconds_per_point: float = 30.0, command: str | None = None,
+) -> Profile:  # fmt: skip
+    """Profile a user's archive whole (handler and model), saving after every point."""
+    topology = CpuTopology.from_system()
+    usable = len(topology.cores)
+    if max(threads) > usable:
+        raise ValueError(f"cannot profile {max(threads)} threads: only {usable} cores are usable here")
+    meta = {
+        "mode": "archive",
+        "source": {"archive": info.path.name, "handler": info.handler, "samples": [s.name for s in samples]},
+        "handler_included": True,  # each point is the whole handler: no separate handler cost
+        "warmup": warmup,
+        "iters": iters,
+        "passes": 1,
+        "command": command or "",
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    points: list[ProfilePoint] = []
+    hardware = hardware_fingerprint()
+
+    def save(complete: bool) -> Profile:
+        profile = Profile(info.model_name, tuple(points), hardware, {**meta, "complete": complete})
+        profile.save(out, grid={"threads": threads, "batches": batches})
+        return profile
+
+    grid = [(t, b) for t in threads for b in batches]
+    with tqdm(grid, desc=f"profile {info.model_name} (its archive's handler)", unit="point") as bar:
+        for t, b in bar:
+            bar.set_postfix_str(f"t={t} b={b}")
+            points.append(measure_foreign_point(info, samples, t, b, warmup, iters, max_seconds_per_point, topology))
+            save(complete=False)
+    return save(complete=True)
 
 
 def passes_of(point: ProfilePoint | None) -> list[float]:
@@ -232,6 +293,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--passes", type=int, default=1,
                         help="sweep the grid this many times; each point's latency is the median of its passes "
                              "(on a shared VM whose speed drifts, 3 keeps one slow phase out of the plan)")  # fmt: skip
+    parser.add_argument("--sample", action="append", default=[], metavar="FILE",
+                        help="an archive you built yourself: a request body its handler accepts (a JPEG, a JSON file, "
+                             "text); repeatable, or a folder of files")  # fmt: skip
     parser.add_argument("--handler-requests", type=int, default=32,
                         help="requests to time the serving handler's per-request cost with, at each thread count "
                              "(decode + collate + encode; plans account for it); 0: the model alone")  # fmt: skip
@@ -240,9 +304,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     threads = parse_int_list(args.threads) if args.threads else list(range(1, len(CpuTopology.from_system().cores) + 1))
     batches = parse_int_list(args.batches)
+    command = "packrat profile " + " ".join(shlex.quote(a) for a in sys.argv[2:])
+    if args.model.endswith(".mar"):
+        info = read_archive(args.model)
+        if not info.ours:  # the user's own archive: its handler, on the user's samples
+            if args.resume or args.passes != 1 or args.time_budget is not None:
+                raise ValueError("--resume, --passes and --time-budget apply to catalog models and packrat archives")
+            samples = read_samples(args.sample)
+            out = args.out or PROFILE_DIR / f"{info.model_name}.json"
+            profile = run_foreign_profile(info, samples, threads, batches, out, args.warmup, args.iters,
+                                          args.max_seconds_per_point, command)  # fmt: skip
+            print(f"wrote {out}: {len(profile.points)} points (the archive's handler {info.handler!r}, "
+                  f"{len(samples)} sample(s))")  # fmt: skip
+            print(format_table(profile))
+            return 0
+    if args.sample:
+        raise ValueError("--sample is for archives you built yourself; this one's handler decodes the catalog's inputs")
     name = catalog_name(args.model) if args.model.endswith(".mar") else args.model
     out = args.out or PROFILE_DIR / f"{name}.json"
-    command = "packrat profile " + " ".join(shlex.quote(a) for a in sys.argv[2:])
     profile = run_profile(
         args.model, threads, batches, out, args.mode, args.warmup, args.iters,
         args.max_seconds_per_point, args.resume, args.time_budget, command, args.handler_requests, args.passes,

@@ -1,0 +1,121 @@
+"""``packrat profile`` on archives users build themselves with ``torch-model-archiver``.
+
+The archives are made here by the real archiver from a TorchScript model
+defined in this file, with TorchServe's stock ``image_classifier`` handler or
+a handler file of the test's own; each point runs that handler through
+TorchServe's model loader in a pinned process.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+from packrat_plugin.cli import main
+from packrat_plugin.foreign import ArchiveError, read_archive, read_samples
+from packrat_plugin.profiler import cores_for
+from packrat_plugin.topology import CpuTopology
+
+ARCHIVER = str(Path(sys.executable).with_name("torch-model-archiver"))
+
+CUSTOM_HANDLER = '''
+import json
+
+import torch
+
+
+class Doubler:
+    """A user's handler: JSON lists in, the TorchScript model's output out."""
+
+    def initialize(self, context):
+        props = context.system_properties
+        self.model = torch.jit.load(f"{props['model_dir']}/{context.manifest['model']['serializedFile']}")
+
+    def handle(self, data, context):
+        rows = [json.loads(row.get("body") or row.get("data")) for row in data]
+        with torch.inference_mode():
+            out = self.model(torch.tensor(rows, dtype=torch.float32).reshape(len(rows), 3, 8, 8))
+        return [o.tolist() for o in out]
+'''
+
+
+class Tiny(torch.nn.Module):
+    """Not a catalog model: a convolution and a ten-way linear layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3, stride=2)
+        self.fc = torch.nn.Linear(8, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.conv(x).mean((2, 3)))
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("foreign")
+    torch.manual_seed(0)
+    torch.jit.script(Tiny().eval()).save(str(root / "tiny.pt"))
+    Image.new("RGB", (300, 260), (120, 30, 200)).save(root / "cat.jpg")
+    (root / "grid.json").write_text(json.dumps([0.5] * (3 * 8 * 8)))
+    (root / "doubler.py").write_text(CUSTOM_HANDLER)
+    for name, handler in (("tiny", "image_classifier"), ("tinycustom", str(root / "doubler.py"))):
+        subprocess.run(
+            [ARCHIVER, "--model-name", name, "--version", "1.0", "--serialized-file", str(root / "tiny.pt"),
+             "--handler", handler, "--export-path", str(root)],
+            check=True,
+        )  # fmt: skip
+    return root
+
+
+def test_a_users_archive_is_read_as_foreign_and_bad_files_get_one_line(workdir: Path, tmp_path: Path):
+    info = read_archive(workdir / "tiny.mar")
+    assert (info.model_name, info.handler, info.serialized_file, info.config) == ("tiny", "image_classifier",
+                                                                                  "tiny.pt", {})  # fmt: skip
+    assert not info.ours
+    (tmp_path / "junk.mar").write_bytes(b"not a zip")
+    with pytest.raises(ArchiveError, match="not a zip file"):
+        read_archive(tmp_path / "junk.mar")
+    with pytest.raises(ValueError, match="--sample FILE"):
+        read_samples([])
+    with pytest.raises(ValueError, match="no such file"):
+        read_samples([str(tmp_path / "missing.jpg")])
+
+
+@pytest.mark.parametrize(
+    "archive, sample",
+    [("tiny.mar", "cat.jpg"), ("tinycustom.mar", "grid.json")],
+    ids=["stock-image-classifier", "custom-handler-file"],
+)
+def test_packrat_profile_times_the_archives_own_handler_pinned(workdir: Path, tmp_path: Path, archive, sample):
+    out = tmp_path / "profile.json"
+    argv = ["profile", str(workdir / archive), "--sample", str(workdir / sample), "--threads", "1",
+            "--batches", "1,2", "--iters", "2", "--warmup", "1", "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    profile = json.loads(out.read_text())
+    assert profile["model"] == archive.removesuffix(".mar") and profile["complete"] is True
+    assert profile["source"]["samples"] == [sample] and profile["handler_included"] is True
+    expected = list(cores_for(1, CpuTopology.from_system()))
+    assert [(p["threads"], p["batch"]) for p in profile["points"]] == [(1, 1), (1, 2)]
+    for point in profile["points"]:
+        assert point["cores"] == expected and point["threads_seen"] == 1 and point["latency_ms"] > 0
+
+
+def test_profiling_a_users_archive_says_what_is_missing_or_wrong(workdir: Path, tmp_path: Path, capsys):
+    out = tmp_path / "p.json"
+    assert main(["profile", str(workdir / "tiny.mar"), "--threads", "1", "--out", str(out)]) == 2
+    assert "pass --sample FILE" in capsys.readouterr().err
+    # A text body to an image handler: the handler's own failure, in one line, and no profile.
+    (tmp_path / "words.txt").write_text("not an image")
+    argv = ["profile", str(workdir / "tiny.mar"), "--sample", str(tmp_path / "words.txt"), "--threads", "1",
+            "--batches", "1", "--iters", "1", "--warmup", "1", "--out", str(out)]  # fmt: skip
+    assert main(argv) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("packrat profile: error")]
+    assert len(errors) == 1 and "failed on the samples" in errors[0] and "UnidentifiedImageError" in errors[0]
+    assert not out.exists()
