@@ -62,6 +62,7 @@ import multiprocessing as mp
 import statistics
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -252,11 +253,19 @@ async def open_loop(driver: Any, rows: list[dict], times: list[float]) -> LoadRe
     """Every arrival's sample; latency counts from the scheduled send time, since the event loop that
     would send late is the handler's own (Ebird decodes on it)."""
     await driver.start()
+    result = await play(times, lambda i: driver.request(rows[i % len(rows)]))
+    await driver.stop()
+    return result
+
+
+async def play(times: list[float], send: Callable[[int], Awaitable[int]]) -> LoadResult:
+    """``send(i)`` at each of ``times`` (seconds from now), concurrently; each sample's latency counts from
+    its scheduled time, so a send the event loop made late is charged to the system, not hidden."""
     samples: list[Sample] = []
     t0 = time.perf_counter()
 
     async def one(i: int, at: float) -> None:
-        status = await driver.request(rows[i % len(rows)])
+        status = await send(i)
         samples.append(Sample(at, time.perf_counter() - t0 - at, status))
 
     tasks = []
@@ -266,7 +275,6 @@ async def open_loop(driver: Any, rows: list[dict], times: list[float]) -> LoadRe
             await asyncio.sleep(delay)
         tasks.append(asyncio.create_task(one(i, at)))
     await asyncio.gather(*tasks)
-    await driver.stop()
     return LoadResult(samples, time.perf_counter() - t0)
 
 

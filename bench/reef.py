@@ -85,6 +85,16 @@ def members_of(workload: dict[str, Any]) -> list[str]:
     return list(dict.fromkeys([*workload["rt"], *workload["be"]]))
 
 
+def workload_settings(args: argparse.Namespace, workload: dict[str, Any]) -> dict[str, Any]:
+    """A REEF archive's settings for a workload: its RT models real-time by default; the run's segments, batches."""
+    return {
+        "realtime": list(workload["rt"]),
+        "segments": args.segments,
+        "rt_max_batch": args.rt_max_batch,
+        "be_max_batch": args.be_max_batch,
+    }
+
+
 def longest_segment_ms(names: list[str], segments: int, batch: int) -> dict[str, float]:
     """Each BE model's slowest segment at the BE batch size on one thread (a BE executor's share on 2 cores)."""
     threads = torch.get_num_threads()
@@ -159,12 +169,7 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     workload = WORKLOADS[args.workload]
     names = members_of(workload)
     specs = {n: get_spec(n) for n in names}
-    settings = {
-        "realtime": list(workload["rt"]),
-        "segments": args.segments,
-        "rt_max_batch": args.rt_max_batch,
-        "be_max_batch": args.be_max_batch,
-    }
+    settings = workload_settings(args, workload)
     bound_ms = longest_segment_ms(workload["be"], args.segments, args.be_max_batch)
     store = workdir / "model_store"
     store.mkdir(parents=True)
@@ -209,19 +214,22 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                 wall = time.monotonic() - started
                 time.sleep(0.5)  # the worker's log line of the last preemption
                 latencies, offset = preemptions_since(log, offset)
-                rows[policy].append(
-                    {
-                        "rt_mean_ms": rt.mean_latency_ms(),
-                        "rt_p99_ms": rt.percentile_ms(99),
-                        "rt_answered": len(rt.ok),
-                        "be_answered": sum(len(r.ok) for r in be_results),
-                        "failed": rt.failed + sum(r.failed for r in be_results),
-                        "wall_s": wall,
-                        "preemption_ms": latencies if policy in ("reef", "rt-only") else [],
-                    }
-                )
+                rows[policy].append(run_row(rt, be_results, wall, latencies if policy in ("reef", "rt-only") else []))
                 print(f"repeat {repeat + 1}/{args.repeats} {policy}: {summary_line(rows[policy][-1])}", flush=True)
     return summarise(args, workload, names, settings, rows, l1_ms, rt_rates, bound_ms)
+
+
+def run_row(rt: LoadResult, be: list[LoadResult], wall_s: float, preemption_ms: list[float]) -> dict[str, Any]:
+    """One system's run: the RT clients' latencies, every client's answers and failures, its preemptions."""
+    return {
+        "rt_mean_ms": rt.mean_latency_ms(),
+        "rt_p99_ms": rt.percentile_ms(99),
+        "rt_answered": len(rt.ok),
+        "be_answered": sum(len(r.ok) for r in be),
+        "failed": rt.failed + sum(r.failed for r in be),
+        "wall_s": wall_s,
+        "preemption_ms": preemption_ms,
+    }
 
 
 def summary_line(row: dict[str, Any]) -> str:

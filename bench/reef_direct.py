@@ -40,7 +40,8 @@ from tqdm import tqdm
 if __package__ in (None, ""):  # `python bench/NAME.py` from the repository root
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.reef import WORKLOADS, members_of, plot, render, summarise
+from bench.ebird_direct import play
+from bench.reef import WORKLOADS, members_of, plot, render, run_row, summarise, workload_settings
 from bench.report import add_output_arguments, run_benchmark
 from handlers.direct import call, group_load_context
 from handlers.reef.handler import ENGINE_KEY, ReefHandler
@@ -94,21 +95,7 @@ async def closed_loop(worker: Worker, spec: ModelSpec, priority: str, seconds: f
 
 async def scheduled(worker: Worker, spec: ModelSpec, times: list[float], seed: int) -> LoadResult:
     """RT requests at ``times``; latency counts from the scheduled time (a late send is the loop's fault)."""
-    samples: list[Sample] = []
-    t0 = time.perf_counter()
-
-    async def one(i: int, at: float) -> None:
-        status = await worker.request(body(spec, seed * 1000 + i), spec.name, "realtime")
-        samples.append(Sample(at, time.perf_counter() - t0 - at, status))
-
-    tasks = []
-    for i, at in enumerate(times):
-        delay = t0 + at - time.perf_counter()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        tasks.append(asyncio.create_task(one(i, at)))
-    await asyncio.gather(*tasks)
-    return LoadResult(samples, time.perf_counter() - t0)
+    return await play(times, lambda i: worker.request(body(spec, seed * 1000 + i), spec.name, "realtime"))
 
 
 def rt_times(rate: float, seconds: float, poisson: bool, seed: int) -> list[float]:
@@ -140,12 +127,7 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     workload = WORKLOADS[args.workload]
     names = members_of(workload)
     specs = {n: get_spec(n) for n in names}
-    settings = {
-        "realtime": list(workload["rt"]),
-        "segments": args.segments,
-        "rt_max_batch": args.rt_max_batch,
-        "be_max_batch": args.be_max_batch,
-    }
+    settings = workload_settings(args, workload)
     gpu = 0 if args.device == "cuda" else None
     policies = ["seq", "concurrent", "reef", *([PADDED] if args.padding else [])]
     workers = {}
@@ -175,19 +157,9 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                                                      specs))  # fmt: skip
                 wall = time.monotonic() - started
                 latencies = [1e3 * p.latency_s for p in engine.preemptions if id(p) not in seen]
-                rows[system].append(
-                    {
-                        "rt_mean_ms": rt.mean_latency_ms(),
-                        "rt_p99_ms": rt.percentile_ms(99),
-                        "rt_answered": len(rt.ok),
-                        "be_answered": sum(len(r.ok) for r in be_results),
-                        "failed": rt.failed + sum(r.failed for r in be_results),
-                        "wall_s": wall,
-                        "preemption_ms": latencies,
-                        "preemptions": engine.counts["preempt"] - preempted,
-                        "padded_units": engine.counts["pad"] - padded,
-                    }
-                )
+                row = run_row(rt, be_results, wall, latencies)
+                row.update(preemptions=engine.counts["preempt"] - preempted, padded_units=engine.counts["pad"] - padded)
+                rows[system].append(row)
                 bar.update()
     for worker in workers.values():
         worker.handler.close()

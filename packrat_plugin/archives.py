@@ -4,6 +4,13 @@ TorchServe takes a model's version from its archive's MANIFEST.json, and the
 register API has no version parameter.  Active/passive swapping needs two
 versions of one model, so the controller writes two copies of the user's
 archive whose manifests differ only in ``modelVersion``.
+
+An archive the user built with ``torch-model-archiver`` (not by ``packrat
+archive``) keeps its handler, wrapped: the copy's manifest names Packrat's
+wrapping handler (``handlers/wrapped.py``, its entry file added) and its
+model-config.yaml, written when the archive had none, keeps the user's
+handler under ``packrat.handler``, less the batch size, batch delay and
+worker counts Packrat plans.  Nothing else of the archive changes.
 """
 
 from __future__ import annotations
@@ -18,6 +25,20 @@ MANIFEST = "MAR-INF/MANIFEST.json"
 MODEL_CONFIG = "model-config.yaml"
 # The mixed-plan handler's entry file, added to a grouped copy (handlers/plan_handler.py).
 PLAN_ENTRY = Path(__file__).resolve().parent.parent / "handlers" / "entry" / "packrat_plan_handler.py"
+# The wrapping handler's entry file, added to a copy of a user's own archive (handlers/wrapped.py).
+WRAP_ENTRY = PLAN_ENTRY.with_name("packrat_wrapped_handler.py")
+
+
+def is_users_archive(path: Path) -> bool:
+    """Built by the user, not by ``packrat archive``: its model-config.yaml carries no ``handler.spec``."""
+    with zipfile.ZipFile(path) as mar:
+        names = set(mar.namelist())
+        if MANIFEST not in names:
+            raise ValueError(f"{path} is not a TorchServe archive (no {MANIFEST})")
+        config_file = json.loads(mar.read(MANIFEST)).get("model", {}).get("configFile")
+        config = yaml.safe_load(mar.read(config_file)) if config_file and config_file in names else {}
+    handler = (config or {}).get("handler") if isinstance(config, dict) else None
+    return not (isinstance(handler, dict) and "spec" in handler)
 
 
 def archive_version(path: Path) -> str:
@@ -37,20 +58,28 @@ def versioned_copy(
     """
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_name(f".{target.name}.partial")
+    wrap = is_users_archive(source)
+    if grouped and wrap:
+        raise ValueError(f"{source} is your own archive: mixed plans need one built with `packrat archive`")
     with zipfile.ZipFile(source) as src, zipfile.ZipFile(partial, "w", zipfile.ZIP_STORED) as dst:
         names = src.namelist()
-        if MANIFEST not in names:
-            raise ValueError(f"{source} is not a TorchServe archive (no {MANIFEST})")
         if grouped and MODEL_CONFIG not in names:
             raise ValueError(f"{source} has no {MODEL_CONFIG}: build it with `packrat archive` to serve mixed plans")
+        manifest = json.loads(src.read(MANIFEST))
+        config_file = manifest["model"].get("configFile") or (MODEL_CONFIG if MODEL_CONFIG in names else None)
+        users_handler = str(manifest["model"].get("handler", ""))
         for info in src.infolist():
             data = src.read(info)
             if info.filename == MANIFEST:
-                manifest = json.loads(data)
                 manifest["model"]["modelVersion"] = version
                 if grouped:
                     manifest["model"]["handler"] = PLAN_ENTRY.name
+                if wrap:
+                    manifest["model"]["handler"] = WRAP_ENTRY.name
+                    manifest["model"]["configFile"] = config_file or MODEL_CONFIG
                 data = json.dumps(manifest, indent=2).encode()
+            elif wrap and info.filename == config_file:
+                data = _wrapped_config(yaml.safe_load(data) or {}, users_handler)
             elif grouped and info.filename == MODEL_CONFIG:
                 config = yaml.safe_load(data) or {}
                 config.update(asyncCommunication=True, batchSize=1, maxBatchDelay=0)
@@ -59,5 +88,21 @@ def versioned_copy(
             dst.writestr(info, data, compress_type=zipfile.ZIP_STORED)
         if grouped:
             dst.write(PLAN_ENTRY, PLAN_ENTRY.name, compress_type=zipfile.ZIP_STORED)
+        if wrap:
+            if not config_file:
+                dst.writestr(MODEL_CONFIG, _wrapped_config({}, users_handler))
+            dst.write(WRAP_ENTRY, WRAP_ENTRY.name, compress_type=zipfile.ZIP_STORED)
     partial.replace(target)
     return target
+
+
+# What Packrat decides per version at register and scale time; an archive's own would override it.
+PLANNED_KEYS = ("batchSize", "maxBatchDelay", "minWorkers", "maxWorkers")
+
+
+def _wrapped_config(config: dict, handler: str) -> bytes:
+    """The user's model-config.yaml with their handler kept for the wrapping one to load, and without the
+    batching and worker counts Packrat plans (``PLANNED_KEYS``)."""
+    config = {k: v for k, v in config.items() if k not in PLANNED_KEYS} if isinstance(config, dict) else {}
+    config["packrat"] = {**(config.get("packrat") or {}), "handler": handler}
+    return yaml.safe_dump(config, sort_keys=False).encode()

@@ -357,8 +357,13 @@ def profile_for_this_machine(
     mode: str = "script",
     batches: list[int] | None = None,
     local_dir: Path = LOCAL_PROFILE_DIR,
+    users_archive: Path | None = None,
 ) -> tuple[Profile, Path]:
     """A profile of ``model`` that is valid on this machine, measuring one if need be.
+
+    ``users_archive``: the model is an archive the user built, whose handler
+    only the user's samples can drive, so nothing is measured here: without
+    a fitting profile this says in one line how to make one.
 
     Tries ``path`` (default ``profiles/<model>.json``), then a profile this
     machine measured earlier under ``local_dir``; when neither fits this
@@ -373,6 +378,11 @@ def profile_for_this_machine(
             return load_profile(candidate, force=force), candidate
         except ProfileError as exc:
             reasons.append(str(exc))
+    if users_archive is not None:
+        raise ValueError(
+            f"no profile of {model} for this machine ({'; '.join(reasons)}): run `packrat profile {users_archive} "
+            f"--sample FILE` first (a request body its handler accepts), or pass --profile {model}=PATH"
+        )
     out = local_dir / f"{model}.json"
     cores = len(CpuTopology.from_system().cores)
     print(

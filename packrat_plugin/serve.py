@@ -10,8 +10,10 @@ import urllib.request
 from pathlib import Path
 
 from model_store.build import catalog_name
+from packrat_plugin.archives import is_users_archive
 from packrat_plugin.controller import ControllerConfig, ModelTarget, PackratController
 from packrat_plugin.division import OBJECTIVES, DivisionConfig
+from packrat_plugin.foreign import read_archive
 from packrat_plugin.load_monitor import MonitorConfig
 from packrat_plugin.plan_types import format_instances
 from packrat_plugin.policy import UP_RULES, PolicyConfig
@@ -120,9 +122,13 @@ def targets_from(args: argparse.Namespace) -> list[ModelTarget]:
     for name, archive in archives.items():
         path = Path(archive)
         if not path.is_file():
-            raise ValueError(f"no archive at {path} (build one with `packrat archive`)")
-        given = profiles.get(name)
-        profile, _ = profile_for_this_machine(catalog_name(path), Path(given) if given else None, args.force_profile)
+            raise ValueError(f"no archive at {path} (build one with torch-model-archiver or `packrat archive`)")
+        given = Path(profiles[name]) if name in profiles else None
+        if is_users_archive(path):  # profiled whole with the user's samples (`packrat profile X.mar --sample`)
+            model = read_archive(path).model_name
+            profile, _ = profile_for_this_machine(model, given, args.force_profile, users_archive=path)
+        else:
+            profile, _ = profile_for_this_machine(catalog_name(path), given, args.force_profile)
         targets.append(ModelTarget(name, path, profile))
     return targets
 

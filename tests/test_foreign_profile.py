@@ -1,7 +1,7 @@
 """``packrat profile`` on archives users build themselves with ``torch-model-archiver``.
 
-The archives are made here by the real archiver from a TorchScript model
-defined in this file, with TorchServe's stock ``image_classifier`` handler or
+The archives are made by the real archiver from a TorchScript model defined
+in ``tests/user_archives.py``, with TorchServe's stock ``image_classifier`` handler or
 a handler file of the test's own; each point runs that handler through
 TorchServe's model loader in a pinned process.
 """
@@ -9,68 +9,21 @@ TorchServe's model loader in a pinned process.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-import torch
-from PIL import Image
 
 from packrat_plugin.cli import main
 from packrat_plugin.foreign import ArchiveError, read_archive, read_samples
 from packrat_plugin.profiler import cores_for
 from packrat_plugin.topology import CpuTopology
-
-ARCHIVER = str(Path(sys.executable).with_name("torch-model-archiver"))
-
-CUSTOM_HANDLER = '''
-import json
-
-import torch
-
-
-class Doubler:
-    """A user's handler: JSON lists in, the TorchScript model's output out."""
-
-    def initialize(self, context):
-        props = context.system_properties
-        self.model = torch.jit.load(f"{props['model_dir']}/{context.manifest['model']['serializedFile']}")
-
-    def handle(self, data, context):
-        rows = [json.loads(row.get("body") or row.get("data")) for row in data]
-        with torch.inference_mode():
-            out = self.model(torch.tensor(rows, dtype=torch.float32).reshape(len(rows), 3, 8, 8))
-        return [o.tolist() for o in out]
-'''
-
-
-class Tiny(torch.nn.Module):
-    """Not a catalog model: a convolution and a ten-way linear layer."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv = torch.nn.Conv2d(3, 8, 3, stride=2)
-        self.fc = torch.nn.Linear(8, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc(self.conv(x).mean((2, 3)))
+from tests.user_archives import build_user_archives
 
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("foreign")
-    torch.manual_seed(0)
-    torch.jit.script(Tiny().eval()).save(str(root / "tiny.pt"))
-    Image.new("RGB", (300, 260), (120, 30, 200)).save(root / "cat.jpg")
-    (root / "grid.json").write_text(json.dumps([0.5] * (3 * 8 * 8)))
-    (root / "doubler.py").write_text(CUSTOM_HANDLER)
-    for name, handler in (("tiny", "image_classifier"), ("tinycustom", str(root / "doubler.py"))):
-        subprocess.run(
-            [ARCHIVER, "--model-name", name, "--version", "1.0", "--serialized-file", str(root / "tiny.pt"),
-             "--handler", handler, "--export-path", str(root)],
-            check=True,
-        )  # fmt: skip
+    build_user_archives(root)
     return root
 
 

@@ -1,0 +1,113 @@
+"""Packrat serving an archive the user built with ``torch-model-archiver``, through a real TorchServe.
+
+The archive's handler is TorchServe's stock ``image_classifier`` (or a handler
+file of the user's); Packrat wraps it (``handlers/wrapped.py``) so every worker
+claims a slot, is pinned to its cores and runs its thread count, and answers
+as the handler does in a TorchServe without Packrat.  The profile is written
+by hand, as in ``test_packrat_online.py``, so the plan is known on any machine.
+"""
+
+from __future__ import annotations
+
+import os
+import zipfile
+from pathlib import Path
+
+import pytest
+import yaml
+
+from packrat_plugin.archives import is_users_archive, versioned_copy
+from packrat_plugin.controller import ControllerConfig, ModelTarget, PackratController
+from packrat_plugin.load_monitor import MonitorConfig
+from packrat_plugin.profile import Profile, ProfilePoint
+from packrat_plugin.swapper import SwapperConfig
+from packrat_plugin.topology import CpuTopology
+from packrat_plugin.torchserve import TorchServeProcess
+from tests.test_packrat_online import affinity_of_tasks
+from tests.user_archives import build_user_archives, jpeg
+
+pytestmark = [
+    pytest.mark.torchserve,
+    pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="Packrat slots need two usable cores"),
+]
+
+
+@pytest.fixture(scope="module")
+def archives(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return build_user_archives(tmp_path_factory.mktemp("users"))
+
+
+def split_profile(model: str) -> Profile:
+    """At B=4 the optimizer's plan is two one-thread instances of batch 2 (one per core)."""
+    latency = {(1, 1): 100.0, (2, 1): 90.0, (1, 2): 190.0, (2, 2): 170.0, (1, 4): 380.0, (2, 4): 400.0}
+    return Profile(model, tuple(ProfilePoint(t, b, lat) for (t, b), lat in latency.items()))
+
+
+def test_the_swappers_copy_of_a_users_archive_wraps_its_handler_and_keeps_the_rest(archives, tmp_path):
+    source = archives["tiny"]
+    assert is_users_archive(source)
+    copy = versioned_copy(source, tmp_path / "tiny-t1b2.mar", "t1b2")
+    with zipfile.ZipFile(source) as a, zipfile.ZipFile(copy) as b:
+        manifest = yaml.safe_load(b.read("MAR-INF/MANIFEST.json"))
+        config = yaml.safe_load(b.read(manifest["model"]["configFile"]))
+        assert manifest["model"]["handler"] == "packrat_wrapped_handler.py"
+        assert manifest["model"]["modelVersion"] == "t1b2"
+        assert config == {"packrat": {"handler": "image_classifier"}}
+        assert b.read("tiny.pt") == a.read("tiny.pt")  # the user's model, byte for byte
+    with pytest.raises(ValueError, match="mixed plans need one built with `packrat archive`"):
+        versioned_copy(source, tmp_path / "grouped.mar", "g", grouped=True)
+
+
+def answers_of(server: TorchServeProcess, model: str, images: list[Path]) -> list:
+    client = server.inference()
+    out = []
+    for image in images:
+        answer = client.predict(model, image.read_bytes(), content_type="image/jpeg")
+        assert answer.status == 200, answer.body
+        out.append(answer.body)
+    return out
+
+
+def close(a: dict[str, float], b: dict[str, float], tol: float = 1e-4) -> bool:
+    return a.keys() == b.keys() and all(abs(a[k] - b[k]) <= tol for k in a)
+
+
+def test_packrat_serves_a_users_archive_pinned_per_slot_with_the_handlers_own_answers(archives, tmp_path):
+    images = [jpeg(tmp_path / f"img{i}.jpg", seed=10 + i) for i in range(4)]
+    store = tmp_path / "plain-store"
+    store.mkdir()
+    (store / "tiny.mar").write_bytes(archives["tiny"].read_bytes())
+    with TorchServeProcess(tmp_path / "plain", store) as plain:
+        plain.management().register("tiny.mar", model_name="tiny", initial_workers=1)
+        expected = answers_of(plain, "tiny", images)
+
+    config = ControllerConfig(
+        monitor=MonitorConfig(period_s=0.1), swapper=SwapperConfig(max_batch_delay_ms=20), standby_workers=0,
+        fixed_batch=4,
+    )  # fmt: skip
+    target = ModelTarget("tiny", archives["tiny"], split_profile("tiny"))
+    topology = CpuTopology({0: tuple(sorted(os.sched_getaffinity(0)))[:2]})
+    controller = PackratController(tmp_path / "packrat", [target], config, topology=topology).start()
+    try:
+        status = controller.status()["models"]["tiny"]
+        assert status["plan"]["instances"] == [{"count": 2, "threads": 1, "batch": 2}]
+        slots = {tuple(s["cores"]) for s in status["slots"]}
+        assert len(slots) == 2 and len(set().union(*slots)) == 2  # disjoint, one core each
+        workers = controller.server.management().describe("tiny", status["active_version"])[0]["workers"]
+        held = [affinity_of_tasks(w["pid"]) for w in workers]
+        assert len(held) == 2 and all(len(tasks) == 1 for tasks in held), held  # every thread on the slot's core
+        assert {next(iter(tasks)) for tasks in held} == slots  # one worker per slot
+        got = answers_of(controller.server, "tiny", images)
+        assert all(close(g, e) for g, e in zip(got, expected, strict=True)), (got, expected)
+    finally:
+        controller.stop()
+
+
+def test_serving_a_users_archive_without_a_profile_says_how_to_make_one(archives, tmp_path, capsys, monkeypatch):
+    from packrat_plugin.cli import main
+
+    monkeypatch.chdir(tmp_path)  # no profiles/ here
+    argv = ["serve", "--models", f"tiny={archives['tiny']}", "--free-ports", "--workdir", str(tmp_path / "w")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "packrat profile" in err[0] and "--sample FILE" in err[0], err
