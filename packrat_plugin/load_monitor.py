@@ -8,6 +8,19 @@ no I/O, so the tests feed it plain numbers.
 Counters are read per series: a version that is unregistered takes its series
 away, and a restarted frontend starts again at zero, so only positive steps of
 each series are added up.
+
+A change detector (``change_detector.py``, a two-sided CUSUM on the arrival
+rate) watches the same counts.  When it flags a change, the arrival process
+before the estimated change point no longer describes the load, so the short
+rate window reaches back at most to that point until it is younger than it:
+the policy's step rule reads the new regime's rate, with the (wider)
+confidence bounds of its fewer arrivals, instead of a window's average that
+still holds the old rate.  The long window is left whole: it is the slow
+rules' (a ramp, a fall, the expected-latency rule), whose point is many
+arrivals; on a slow ramp the detector flags a change too, and a long window
+cut short there made the expected rule move before the crossover.  A 7×
+rise is flagged about a second after it begins (issue 45: the windows held
+the old rate for the 6.5 s Packrat took to decide).
 """
 
 from __future__ import annotations
@@ -16,6 +29,7 @@ import collections
 import math
 from dataclasses import dataclass
 
+from packrat_plugin.change_detector import DetectorConfig, RateChange, RateChangeDetector
 from packrat_plugin.policy import Observation
 
 
@@ -24,6 +38,10 @@ class MonitorConfig:
     period_s: float = 0.25  # how often the controller samples
     short_window_s: float = 2.0
     long_window_s: float = 6.0
+    # The change detector: the smallest rate ratio it is tuned for, and the mean time between its
+    # false alarms under a constant rate, per direction (None: no detector, the windows alone).
+    change_ratio: float = 2.0
+    change_false_alarm_s: float | None = 3600.0
 
     def __post_init__(self) -> None:
         if self.period_s <= 0:
@@ -39,6 +57,9 @@ class LoadMonitor:
         self._last: dict[str, float] = {}
         keep = int(config.long_window_s / config.period_s) + 8
         self._samples: collections.deque[tuple[float, float, float]] = collections.deque(maxlen=keep)
+        self.detector: RateChangeDetector | None = None  # started once a long window's rate is known
+        self.regime_start: float | None = None  # the estimated start of the current arrival regime
+        self.changes: collections.deque[tuple[float, RateChange]] = collections.deque(maxlen=32)
 
     def record(self, now: float, counters: dict[str, float], depth: float) -> None:
         """``counters``: arrival counter per series; ``depth``: queued + in service."""
@@ -51,7 +72,21 @@ class LoadMonitor:
                 # registered meanwhile) counted its requests since then.
                 self.arrivals += value
             self._last[key] = value
+        previous = self._samples[-1] if self._samples else None
         self._samples.append((now, self.arrivals, float(depth)))
+        if previous is not None and self.config.change_false_alarm_s is not None:
+            self._watch(now, round(self.arrivals - previous[1]), now - previous[0])
+
+    def _watch(self, now: float, arrivals: int, dt: float) -> None:
+        if self.detector is None:
+            if self._samples[-1][0] - self._samples[0][0] >= self.config.long_window_s:
+                config = DetectorConfig(self.config.change_ratio, self.config.change_false_alarm_s)
+                self.detector = RateChangeDetector(self._rate_and_span(self.config.long_window_s)[0], config)
+            return
+        change = self.detector.observe(arrivals, dt)
+        if change is not None:
+            self.regime_start = now - change.since_s
+            self.changes.append((now, change))
 
     def _at_or_before(self, when: float) -> tuple[float, float, float]:
         oldest = self._samples[0]
@@ -60,14 +95,17 @@ class LoadMonitor:
                 return sample
         return oldest
 
-    def rate(self, window_s: float) -> float:
-        """Arrivals per second over the last ``window_s`` (or as much of it as was sampled)."""
-        return self._rate_and_span(window_s)[0]
+    def rate(self, window_s: float, since_change: bool = False) -> float:
+        """Arrivals per second over the last ``window_s`` (or as much of it as was sampled);
+        ``since_change``: and not before the last change the detector flagged."""
+        return self._rate_and_span(window_s, since_change)[0]
 
-    def _rate_and_span(self, window_s: float) -> tuple[float, float]:
+    def _rate_and_span(self, window_s: float, since_change: bool = False) -> tuple[float, float]:
         if len(self._samples) < 2:
             return 0.0, 0.0
         now, total, _ = self._samples[-1]
+        if since_change and self.regime_start is not None:  # the module doc says why
+            window_s = min(window_s, max(now - self.regime_start, self.config.period_s))
         then, before, _ = self._at_or_before(now - window_s)
         span = now - then
         return ((total - before) / span if span > 0 else 0.0), span
@@ -97,7 +135,7 @@ class LoadMonitor:
         deviations of the arrivals' Poisson noise, and holds at least two
         rounds: a queue near capacity wanders by about √N on its own.
         """
-        rate_short, span_short = self._rate_and_span(self.config.short_window_s)
+        rate_short, span_short = self._rate_and_span(self.config.short_window_s, since_change=True)
         rate_long, span_long = self._rate_and_span(self.config.long_window_s)
         noise = z * math.sqrt(max(1.0, rate_long * span_long))
         growing = self.depth_growth(self.config.long_window_s) > round_batch + noise and self.depth >= 2 * round_batch

@@ -30,14 +30,15 @@ def levels() -> list[Level]:
     return levels_for(optimizer, threads=2, max_batch=32)
 
 
-def simulate(policy, rates, start_batch=1, seed=0, warm=None, depth=None):
+def simulate(policy, rates, start_batch=1, seed=0, warm=None, depth=None, detector=True):
     """Play ``rates`` [(seconds, req/s)] as Poisson arrivals; apply every decision at once.
 
     The queue is a fluid one served at the current level's capacity, unless
-    ``depth(t)`` imposes one.
+    ``depth(t)`` imposes one.  ``detector=False``: the monitor without its
+    change detector (the rate windows alone).
     """
     rng = random.Random(seed)
-    monitor = LoadMonitor(MonitorConfig(period_s=PERIOD))
+    monitor = LoadMonitor(MonitorConfig(period_s=PERIOD, change_false_alarm_s=3600.0 if detector else None))
     current, total, now, moves, queue = start_batch, 0, 0.0, [], 0.0
     for seconds, rate in rates:
         for _ in range(int(seconds / PERIOD)):
@@ -386,3 +387,39 @@ def test_on_sixteen_cores_a_new_load_moves_once_to_the_level_best_at_its_rate(se
     assert len(moves) == 1, moves
     target = policy.level(moves[0][2])
     assert target.predicted_latency_s(rate) <= policy.best(rate).predicted_latency_s(rate) * 1.1, moves
+
+
+def test_after_a_detected_rise_the_short_window_holds_the_new_regime_only():
+    rng = random.Random(3)
+    watched = LoadMonitor(MonitorConfig(period_s=PERIOD))
+    plain = LoadMonitor(MonitorConfig(period_s=PERIOD, change_false_alarm_s=None))
+    total, now = 0, 0.0
+    for seconds, rate in [(12.0, 2.0), (1.5, 20.0)]:
+        for _ in range(int(seconds / PERIOD)):
+            now += PERIOD
+            total += _poisson(rng, rate * PERIOD)
+            for monitor in (watched, plain):
+                monitor.record(now, {"v": total}, 0)
+    assert watched.changes and watched.changes[-1][1].direction == "up" and not plain.changes
+    assert 11.0 <= watched.regime_start <= 12.75  # the rise began at 12 s
+    fast, slow = watched.observation(now, 1), plain.observation(now, 1)
+    assert fast.short_span_s < 2.0 and fast.rate_short > slow.rate_short  # the old 2/s no longer averaged in
+    assert (fast.rate_long, fast.long_span_s) == (slow.rate_long, slow.long_span_s)  # the slow rules' window: whole
+
+
+def test_the_change_detector_moves_sooner_on_a_large_step_and_never_more_often():
+    """From 2 to 20 req/s, 40 seeds: the first move's delay with and without the detector."""
+
+    def first_moves(detector: bool) -> tuple[list[float], int]:
+        delays, moves_total = [], 0
+        for seed in range(40):
+            policy = ReconfigurationPolicy(levels(), PolicyConfig())
+            moves = simulate(policy, [(20, 2.0), (20, 20.0)], seed=seed, warm={1, 2, 4, 8, 16, 32}, detector=detector)
+            assert moves and moves[0][0] > 20, moves
+            delays.append(moves[0][0] - 20)
+            moves_total += len(moves)
+        return delays, moves_total
+
+    (fast, fast_moves), (slow, slow_moves) = first_moves(True), first_moves(False)
+    assert statistics.median(fast) < statistics.median(slow), (statistics.median(fast), statistics.median(slow))
+    assert statistics.median(fast) <= 1.5 and fast_moves <= slow_moves
