@@ -371,7 +371,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--rt-load", type=float, default=0.3, help="RT arrivals per L1 (the RT model alone)")
     parser.add_argument(
-        "--segments", type=int, default=16, help="units a BE batch is cut into (preemption points; see the README)"
+        "--segments",
+        type=int,
+        default=16,
+        help="units a BE batch is cut into (preemption points: docs/handlers/reef.md)",
     )
     parser.add_argument("--rt-max-batch", type=int, default=4)
     parser.add_argument("--be-max-batch", type=int, default=1)
