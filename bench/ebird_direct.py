@@ -56,7 +56,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import math
 import multiprocessing as mp
 import statistics
@@ -317,10 +316,11 @@ def counters_since(before: dict[str, Any], after: dict[str, Any]) -> dict[str, A
 def serve(conn: Connection, system: str, model: str, mode: str, model_dir: str, device: str) -> None:
     """A system's process: load, say ready, then run the parent's load commands one at a time."""
     from bench.dvabatch import bench_payloads
+    from model_store.samples import request_body
 
     driver, handler = make_driver(system, model, mode, model_dir, device)
     payloads, _ = bench_payloads(get_spec(model, mode), count=64)  # token models: mixed lengths
-    rows = [{"body": p if isinstance(p, bytes) else json.dumps(p).encode()} for p in payloads]
+    rows = [{"body": request_body(p)} for p in payloads]
     conn.send(("ready", str(handler.device.device)))
     for command, kwargs in iter(conn.recv, None):
         try:

@@ -47,17 +47,14 @@ from handlers.direct import call, group_load_context
 from handlers.reef.handler import ENGINE_KEY, ReefHandler
 from model_store.build import ServingOptions
 from model_store.catalog import ModelSpec, get_spec
-from model_store.samples import client_payload
+from model_store.samples import client_payload, request_body
 from packrat_plugin.loadgen import LoadResult, Sample
 
 PADDED = "reef-pad"
 
 
 def body(spec: ModelSpec, seed: int) -> dict[str, Any]:
-    import json
-
-    payload = client_payload(spec, seed)
-    return {"body": payload if isinstance(payload, bytes) else json.dumps(payload).encode()}
+    return {"body": request_body(client_payload(spec, seed))}
 
 
 class Worker:

@@ -10,7 +10,6 @@ with the status set for its index (``context.set_response_status``).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -122,15 +121,17 @@ class CPUModelHandler(PackratWorkerMixin):
         Nimble's graph rewriting: the same execution Ebird's workers replay,
         so a comparison of the two shows scheduling alone.
         """
-        from model_store.samples import client_payload
-
-        payload = client_payload(self.spec, seed=0)
-        sample = self.codec.decode({"body": payload if isinstance(payload, bytes) else json.dumps(payload).encode()})
-        example = tuple(t.unsqueeze(0).to(self.device.device) for t in sample.tensors)
+        example = tuple(t.unsqueeze(0).to(self.device.device) for t in self.client_sample().tensors)
         sizes = sorted({1 << k for k in range(batch.bit_length()) if 1 << k <= batch} | {batch})
         buckets = GraphBuckets(model, example, sizes)
         logger.info("captured CUDA graphs at batch sizes %s", sizes)
         return buckets
+
+    def client_sample(self) -> ModelInput:
+        """A request as a typical client sends it (a JPEG, token ids), decoded by this archive's codec."""
+        from model_store.samples import client_payload, request_body
+
+        return self.codec.decode({"body": request_body(client_payload(self.spec, seed=0))})
 
     def warm_up(self, batch: int = 1) -> None:
         """Send a client-shaped sample through the whole request path before READY.
@@ -143,11 +144,7 @@ class CPUModelHandler(PackratWorkerMixin):
         profiling executor optimises on the second call); the slot's batch
         size runs once more, so the largest shape is not first seen live.
         """
-        from model_store.samples import client_payload
-
-        payload = client_payload(self.spec, seed=0)
-        body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
-        sample = self.codec.decode({"body": body})
+        sample = self.client_sample()
         for size in (1, 1, batch) if batch > 1 else (1, 1):
             self.postprocess(self.inference(collate([sample] * size)))
 

@@ -37,12 +37,18 @@ def load_context(
     yaml_config = model_config(spec, options)
     yaml_config.update(overrides)
     artefact = next(model_dir.glob("*.pt")).name
+    manifest = {"model": {"modelName": spec.name, "serializedFile": artefact}}
+    return worker_context(f"{spec.name}-direct", model_dir, manifest, yaml_config, gpu)
+
+
+def worker_context(name: str, model_dir: Path, manifest: dict, yaml_config: dict, gpu: int | None) -> Context:
+    """TorchServe's ``Context`` for an unpacked archive, with the metric definitions its worker loads."""
     metrics = MetricsCacheYamlImpl(str(Path(ts.__file__).parent / "configs" / "metrics.yaml"))
     metrics.initialize_cache()
     return Context(
-        model_name=f"{spec.name}-direct",
+        model_name=name,
         model_dir=str(model_dir),
-        manifest={"model": {"modelName": spec.name, "serializedFile": artefact}},
+        manifest=manifest,
         batch_size=int(yaml_config.get("batchSize", 1)),  # as the frontend passes the archive's batchSize
         gpu=gpu,
         mms_version="direct",
@@ -62,18 +68,7 @@ def group_load_context(
     for entry, spec in zip(yaml_config["handler"]["members"], specs, strict=True):
         if not (model_dir / entry["artefact"]).exists():
             torch.save(build_model(spec).state_dict(), model_dir / entry["artefact"])
-    metrics = MetricsCacheYamlImpl(str(Path(ts.__file__).parent / "configs" / "metrics.yaml"))
-    metrics.initialize_cache()
-    return Context(
-        model_name="group-direct",
-        model_dir=str(model_dir),
-        manifest={"model": {"modelName": "group"}},
-        batch_size=1,
-        gpu=gpu,
-        mms_version="direct",
-        metrics=metrics,
-        model_yaml_config=yaml_config,
-    )
+    return worker_context("group-direct", model_dir, {"model": {"modelName": "group"}}, yaml_config, gpu)
 
 
 def request_context(load: Context, n_requests: int, headers: dict[str, str] | None = None) -> Context:

@@ -9,6 +9,7 @@ of request.
 from __future__ import annotations
 
 import io
+import json
 
 import numpy as np
 import torch
@@ -43,6 +44,11 @@ def image_tensor_json(spec: ModelSpec, seed: int = 0) -> dict:
 def token_ids_json(spec: ModelSpec, length: int, seed: int = 0) -> dict:
     gen = torch.Generator().manual_seed(seed)
     return {"input_ids": torch.randint(0, vocab_size(spec), (length,), generator=gen).tolist()}
+
+
+def request_body(payload: bytes | dict) -> bytes:
+    """A payload as the bytes of a POST body: a JPEG as it is, JSON encoded."""
+    return payload if isinstance(payload, bytes) else json.dumps(payload).encode()
 
 
 def client_payload(spec: ModelSpec, seed: int = 0) -> bytes | dict:

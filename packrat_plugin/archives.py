@@ -21,6 +21,8 @@ from pathlib import Path
 
 import yaml
 
+from packrat_plugin.foreign import read_archive
+
 MANIFEST = "MAR-INF/MANIFEST.json"
 MODEL_CONFIG = "model-config.yaml"
 # The mixed-plan handler's entry file, added to a grouped copy (handlers/plan_handler.py).
@@ -31,14 +33,7 @@ WRAP_ENTRY = PLAN_ENTRY.with_name("packrat_wrapped_handler.py")
 
 def is_users_archive(path: Path) -> bool:
     """Built by the user, not by ``packrat archive``: its model-config.yaml carries no ``handler.spec``."""
-    with zipfile.ZipFile(path) as mar:
-        names = set(mar.namelist())
-        if MANIFEST not in names:
-            raise ValueError(f"{path} is not a TorchServe archive (no {MANIFEST})")
-        config_file = json.loads(mar.read(MANIFEST)).get("model", {}).get("configFile")
-        config = yaml.safe_load(mar.read(config_file)) if config_file and config_file in names else {}
-    handler = (config or {}).get("handler") if isinstance(config, dict) else None
-    return not (isinstance(handler, dict) and "spec" in handler)
+    return not read_archive(path).ours
 
 
 def archive_version(path: Path) -> str:

@@ -13,6 +13,7 @@ import torch
 from model_store.build import ServingOptions, build_archive
 from model_store.catalog import get_spec
 from model_store.factory import build_model
+from model_store.samples import request_body
 
 pytestmark = pytest.mark.torchserve
 
@@ -49,7 +50,7 @@ def ids(seed: int, n: int) -> list[int]:
 
 async def _post(session: aiohttp.ClientSession, url: str, delay: float, payload: object) -> dict:
     await asyncio.sleep(delay)
-    data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+    data = request_body(payload)
     sent = time.monotonic()
     chunks: list[tuple[float, bytes]] = []
     async with session.post(url, data=data) as resp:
