@@ -37,8 +37,8 @@ from tqdm import tqdm
 
 from bench.report import provenance, publish
 from handlers.runtime.metrics import DEFAULT_FLUSH_INTERVAL_S
-from packrat_plugin.clients import ManagementClient, MetricsClient
-from packrat_plugin.loadgen import LoadResult, Payload, closed_loop, open_loop, run
+from serving_harness.clients import ManagementClient, MetricsClient
+from serving_harness.loadgen import LoadResult, Payload, closed_loop, open_loop, run
 
 TS_MAX_BATCH = 32  # the baselines' batch_size: larger than any batch these loads form
 Phases = list[tuple[float, float]]  # (seconds, requests/s) in order

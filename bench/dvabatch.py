@@ -80,9 +80,9 @@ from model_store.build import ServingOptions, build_archive
 from model_store.catalog import ModelSpec, get_spec
 from model_store.factory import build_model, example_inputs
 from model_store.samples import client_payload, token_ids_json
-from packrat_plugin.clients import MetricsClient
-from packrat_plugin.loadgen import Payload, closed_loop, run
-from packrat_plugin.torchserve import TorchServeProcess
+from serving_harness.clients import MetricsClient
+from serving_harness.loadgen import Payload, closed_loop, run
+from serving_harness.torchserve import TorchServeProcess
 
 SYSTEMS = ("dvabatch", "dvabatch1", "zerobatch", "delaybatch")
 VARIANTS = ("dvabatch", "dvabatch1")

@@ -72,8 +72,8 @@ from bench.report import (
 from model_store.build import ServingOptions, build_archive
 from model_store.catalog import get_spec
 from model_store.samples import client_payload
-from packrat_plugin.loadgen import LoadResult, closed_loop, run
-from packrat_plugin.torchserve import TorchServeProcess
+from serving_harness.loadgen import LoadResult, closed_loop, run
+from serving_harness.torchserve import TorchServeProcess
 
 SYSTEMS = ("ebird", "nowait", "optwait")
 TWIN = "nowait-twin"  # --twin: NO Wait again, as a system of its own: the bench's A/A check

@@ -87,7 +87,7 @@ from handlers.ebird.handler import EbirdHandler
 from handlers.runtime.decode import LANE
 from model_store.build import ServingOptions
 from model_store.catalog import get_spec
-from packrat_plugin.loadgen import LoadResult, Sample, arrival_times
+from serving_harness.loadgen import LoadResult, Sample, arrival_times
 
 BASELINE = "nowait"
 GRAPH_BASELINE = "nowait-graphs"

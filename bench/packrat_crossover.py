@@ -37,17 +37,17 @@ from bench.report import (
     publish,
     save_figure,
 )
+from handlers.pinning.slots import PLAN_DIR_ENV, PlanStore
 from model_store.build import ARCHIVE_DIR, build_archive
 from model_store.catalog import get_spec
 from model_store.samples import client_payload
 from packrat_plugin.calibration import Calibration
 from packrat_plugin.levels import Level
-from packrat_plugin.loadgen import open_loop, run
-from packrat_plugin.plans import PLAN_DIR_ENV, PlanStore
 from packrat_plugin.profiler import profile_for_this_machine
 from packrat_plugin.swapper import ActivePassiveSwapper, SwapperConfig, version_name
-from packrat_plugin.topology import CpuTopology
-from packrat_plugin.torchserve import TorchServeProcess
+from serving_harness.loadgen import open_loop, run
+from serving_harness.topology import CpuTopology
+from serving_harness.torchserve import TorchServeProcess
 
 
 def parse_rates(text: str) -> list[float]:

@@ -37,12 +37,13 @@ from bench.report import (
     speedup_bars,
     write_outputs,
 )
+from packrat_plugin.allocator import allocate
 from packrat_plugin.compare import fat_plan, median_and_spread
 from packrat_plugin.measure import InstanceJob, InstanceProcess, WindowResult, run_concurrently
 from packrat_plugin.optimizer import KnapsackOptimizer, expected_speedup
 from packrat_plugin.plan_types import Plan
 from packrat_plugin.profiler import PreparedModel, parse_int_list, prepare_model, profile_for_this_machine
-from packrat_plugin.topology import CpuTopology, allocate
+from serving_harness.topology import CpuTopology
 
 
 @dataclass

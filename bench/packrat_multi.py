@@ -48,12 +48,12 @@ from bench.report import (
 )
 from packrat_plugin.controller import ControllerConfig, ModelTarget, PackratController
 from packrat_plugin.division import OBJECTIVES, DivisionConfig
-from packrat_plugin.loadgen import LoadResult, open_loop
 from packrat_plugin.plan_types import format_instances
 from packrat_plugin.profile import Profile
 from packrat_plugin.swapper import SwapperConfig
-from packrat_plugin.topology import CpuTopology
-from packrat_plugin.torchserve import Ports, TorchServeProcess
+from serving_harness.loadgen import LoadResult, open_loop
+from serving_harness.topology import CpuTopology
+from serving_harness.torchserve import Ports, TorchServeProcess
 
 SYSTEMS = ("fat", "alone", "shared")
 

@@ -56,11 +56,11 @@ from bench.report import add_output_arguments, markdown_table, new_figure, prove
 from packrat_plugin.calibration import Calibration, profiled_round_ms
 from packrat_plugin.levels import Level, levels_for
 from packrat_plugin.load_monitor import LoadMonitor, MonitorConfig
-from packrat_plugin.loadgen import arrival_times
 from packrat_plugin.optimizer import KnapsackOptimizer
 from packrat_plugin.plan_types import format_instances
 from packrat_plugin.policy import Decision, PolicyConfig, ReconfigurationPolicy
 from packrat_plugin.profile import Profile, load_profile
+from serving_harness.loadgen import arrival_times
 
 PERIOD_S = 0.25
 LEAD_S = 8.0  # at the opening rate before the measured window, as bench/packrat_swap.py does

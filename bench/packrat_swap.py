@@ -44,20 +44,20 @@ from bench.report import (
     provenance_block,
     publish,
 )
+from handlers.pinning.slots import PLAN_DIR_ENV, PlanStore
 from model_store.build import ARCHIVE_DIR, build_archive
 from model_store.catalog import get_spec
 from model_store.samples import client_payload
 from packrat_plugin.controller import ControllerConfig, ModelTarget, PackratController
 from packrat_plugin.levels import levels_for
-from packrat_plugin.loadgen import LoadResult, Sample, open_loop, run
 from packrat_plugin.optimizer import KnapsackOptimizer, serving_costs
 from packrat_plugin.plan_types import Plan, PlanItem, format_instances
-from packrat_plugin.plans import PLAN_DIR_ENV, PlanStore
 from packrat_plugin.policy import UP_RULES, PolicyConfig
 from packrat_plugin.profiler import profile_for_this_machine
 from packrat_plugin.swapper import ActivePassiveSwapper, SwapperConfig
-from packrat_plugin.topology import CpuTopology
-from packrat_plugin.torchserve import TorchServeProcess
+from serving_harness.loadgen import LoadResult, Sample, open_loop, run
+from serving_harness.topology import CpuTopology
+from serving_harness.torchserve import TorchServeProcess
 
 SYSTEMS = ("packrat", "fat", "static")
 

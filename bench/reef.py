@@ -61,8 +61,8 @@ from model_store.build import ServingOptions, build_group_archive
 from model_store.catalog import ModelSpec, get_spec
 from model_store.factory import build_model, example_inputs
 from model_store.samples import client_payload
-from packrat_plugin.loadgen import LoadResult, closed_loop, open_loop
-from packrat_plugin.torchserve import TorchServeProcess
+from serving_harness.loadgen import LoadResult, closed_loop, open_loop
+from serving_harness.torchserve import TorchServeProcess
 
 FIVE = ["resnet152", "densenet201", "vgg19", "inception_v3", "distilbert"]
 WORKLOADS: dict[str, dict[str, Any]] = {

@@ -48,7 +48,7 @@ from handlers.reef.handler import ENGINE_KEY, ReefHandler
 from model_store.build import ServingOptions
 from model_store.catalog import ModelSpec, get_spec
 from model_store.samples import client_payload, request_body
-from packrat_plugin.loadgen import LoadResult, Sample
+from serving_harness.loadgen import LoadResult, Sample
 
 PADDED = "reef-pad"
 

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from packrat_plugin.profile import hardware_fingerprint
+from serving_harness.machine import hardware_fingerprint
 
 BENCH_DIR = Path("docs/benchmarks")
 

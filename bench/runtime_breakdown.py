@@ -63,8 +63,8 @@ from handlers.runtime.metrics import DEFAULT_FLUSH_INTERVAL_S
 from model_store.build import ServingOptions, build_archive
 from model_store.catalog import get_spec
 from model_store.samples import client_payload
-from packrat_plugin.loadgen import closed_loop, open_loop, run
-from packrat_plugin.torchserve import TorchServeProcess
+from serving_harness.loadgen import closed_loop, open_loop, run
+from serving_harness.torchserve import TorchServeProcess
 
 ALL_SYSTEMS = (
     "ebird",

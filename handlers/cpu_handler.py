@@ -21,11 +21,11 @@ import torch
 
 from handlers.codecs import DEFAULT_MAX_PAYLOAD_BYTES, InputCodec, ModelInput, answer_bytes, collate, encode_output
 from handlers.errors import RequestError
+from handlers.pinning.worker import PackratWorkerMixin, process_age_s, startup_priority
 from handlers.runtime.cuda_graphs import GraphBuckets
 from handlers.runtime.device import ExecutionDevice
 from handlers.runtime.metrics import HandlerMetrics
 from model_store.catalog import ModelSpec
-from packrat_plugin.worker import PackratWorkerMixin, process_age_s, startup_priority
 
 logger = logging.getLogger(__name__)
 

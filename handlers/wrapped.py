@@ -29,7 +29,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from packrat_plugin.worker import PackratWorkerMixin, process_age_s, startup_priority
+from handlers.pinning.worker import PackratWorkerMixin, process_age_s, startup_priority
 
 logger = logging.getLogger(__name__)
 

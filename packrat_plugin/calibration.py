@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from packrat_plugin.plans import ServiceTotals
+from handlers.pinning.slots import ServiceTotals
 
 
 @dataclass(frozen=True)

@@ -27,15 +27,15 @@ from typing import Any
 
 from tqdm import tqdm
 
+from handlers.pinning.slots import PLAN_DIR_ENV, PlanStore, ServiceTotals
 from packrat_plugin.calibration import profiled_round_ms
-from packrat_plugin.loadgen import LoadResult, closed_loop, run
 from packrat_plugin.optimizer import InfeasibleError, KnapsackOptimizer, expected_speedup, serving_costs
 from packrat_plugin.plan_types import Plan, PlanItem
-from packrat_plugin.plans import PLAN_DIR_ENV, PlanStore, ServiceTotals
 from packrat_plugin.profile import Profile
 from packrat_plugin.swapper import ActivePassiveSwapper, SwapperConfig
-from packrat_plugin.topology import CpuTopology
-from packrat_plugin.torchserve import Ports, TorchServeProcess
+from serving_harness.loadgen import LoadResult, closed_loop, run
+from serving_harness.topology import CpuTopology
+from serving_harness.torchserve import Ports, TorchServeProcess
 
 
 @dataclass(frozen=True)

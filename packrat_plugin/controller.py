@@ -28,14 +28,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from handlers.pinning.slots import PLAN_DIR_ENV, PlanStore
 from packrat_plugin.calibration import Calibration, CalibrationConfig, ServiceCalibrator
-from packrat_plugin.clients import ManagementClient, MetricsClient, TorchServeAPIError
 from packrat_plugin.division import OVERLOAD_S, DivisionConfig, DivisionPolicy, ModelDemand, split_topology
 from packrat_plugin.levels import Level, level_of, levels_for
 from packrat_plugin.load_monitor import LoadMonitor, MonitorConfig
 from packrat_plugin.optimizer import InfeasibleError, KnapsackOptimizer, serving_costs
 from packrat_plugin.plan_types import Plan, PlanItem
-from packrat_plugin.plans import PLAN_DIR_ENV, PlanStore
 from packrat_plugin.policy import Decision, PolicyConfig, ReconfigurationPolicy, standby_items
 from packrat_plugin.profile import Profile
 from packrat_plugin.swapper import (
@@ -46,8 +45,9 @@ from packrat_plugin.swapper import (
     cores_tag,
     ready_counts,
 )
-from packrat_plugin.topology import CpuTopology
-from packrat_plugin.torchserve import Ports, TorchServeProcess
+from serving_harness.clients import ManagementClient, MetricsClient, TorchServeAPIError
+from serving_harness.topology import CpuTopology
+from serving_harness.torchserve import Ports, TorchServeProcess
 
 logger = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from tqdm import tqdm
 from model_store.build import ARCHIVE_DIR, build_many, catalog_name, select
 from model_store.catalog import get_spec
 from model_store.samples import client_payload
-from packrat_plugin.torchserve import Ports, TorchServeProcess
+from serving_harness.torchserve import Ports, TorchServeProcess
 
 DEMO_DIR = Path("logs/demo")
 
@@ -67,10 +67,10 @@ def run_demo(models: list[str] | None, mode: str, requests: int, ports: Ports) -
 def packrat_demo(args: argparse.Namespace) -> int:
     from packrat_plugin.compare import ComparisonConfig, compare_fat_and_plan
     from packrat_plugin.controller import ControllerConfig, ModelTarget, PackratController
-    from packrat_plugin.loadgen import closed_loop, run
     from packrat_plugin.plan_types import format_instances
     from packrat_plugin.profiler import profile_for_this_machine
     from packrat_plugin.serve import format_status
+    from serving_harness.loadgen import closed_loop, run
 
     spec = get_spec(args.model, "script")
     (archive,) = build_many([spec], ARCHIVE_DIR)

@@ -36,7 +36,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from packrat_plugin.topology import CpuTopology
+from serving_harness.topology import CpuTopology
 
 Objective = Literal["worst", "mean"]
 OBJECTIVES: tuple[Objective, ...] = ("worst", "mean")

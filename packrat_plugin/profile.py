@@ -18,12 +18,13 @@ hardware fingerprint and refuses a mismatch unless forced.
 from __future__ import annotations
 
 import json
-import os
-import platform
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from serving_harness.jsonfile import write_json_atomic
+from serving_harness.machine import fingerprint_differences
 
 
 class ProfileError(ValueError):
@@ -39,43 +40,6 @@ class ProfilePoint:
 
     def to_dict(self) -> dict[str, Any]:
         return {"threads": self.threads, "batch": self.batch, "latency_ms": self.latency_ms, **self.extra}
-
-
-def write_json_atomic(path: Path, data: Any) -> None:
-    """Write-then-rename: a reader (a starting worker, a resumed profiler) never
-    sees half a file, and an interrupted write leaves the old file intact."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".partial")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    tmp.replace(path)
-
-
-def _read_cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def hardware_fingerprint() -> dict[str, Any]:
-    """What makes latencies comparable: CPU model, core counts, sockets, torch."""
-    import psutil
-    import torch
-
-    from packrat_plugin.topology import CpuTopology
-
-    topo = CpuTopology.from_system()
-    return {
-        "cpu_model": _read_cpu_model(),
-        "logical_cores": os.cpu_count(),
-        "physical_cores": psutil.cpu_count(logical=False),
-        "usable_cores": len(topo.cores),
-        "sockets": len(topo.sockets),
-        "torch": torch.__version__,
-    }
 
 
 HANDLER_KEY = "handler"  # top-level key of the handler's per-request cost (handler_cost.py)
@@ -110,7 +74,6 @@ class HandlerCost:
 
 
 # Keys whose mismatch makes a profile invalid on this machine.
-FINGERPRINT_KEYS = ("cpu_model", "logical_cores", "torch")
 
 
 @dataclass(frozen=True)
@@ -227,12 +190,7 @@ def profile_from_dict(data: Any, allow_incomplete: bool = False) -> Profile:
 
 
 def check_hardware(profile: Profile, current: dict[str, Any] | None = None) -> None:
-    current = current if current is not None else hardware_fingerprint()
-    diffs = [
-        f"{key}: profile {profile.hardware.get(key)!r} vs this machine {current.get(key)!r}"
-        for key in FINGERPRINT_KEYS
-        if profile.hardware.get(key) != current.get(key)
-    ]
+    diffs = fingerprint_differences(profile.hardware, current)
     if diffs:
         raise ProfileError(
             f"profile of {profile.model} was measured on other hardware ({'; '.join(diffs)}); "

@@ -37,20 +37,14 @@ from tqdm import tqdm
 
 from model_store.build import catalog_name, write_artefact
 from model_store.catalog import ModelSpec, get_spec
+from packrat_plugin.allocator import allocate
 from packrat_plugin.foreign import ArchiveInfo, ForeignJob, ForeignProcess, Sample, read_archive, read_samples
 from packrat_plugin.handler_cost import measure_handler_cost
 from packrat_plugin.measure import InstanceJob, InstanceProcess, WindowResult
 from packrat_plugin.plan_types import Plan, PlanItem
-from packrat_plugin.profile import (
-    HANDLER_KEY,
-    HandlerCost,
-    Profile,
-    ProfileError,
-    ProfilePoint,
-    hardware_fingerprint,
-    load_profile,
-)
-from packrat_plugin.topology import CpuTopology, allocate
+from packrat_plugin.profile import HANDLER_KEY, HandlerCost, Profile, ProfileError, ProfilePoint, load_profile
+from serving_harness.machine import hardware_fingerprint
+from serving_harness.topology import CpuTopology
 
 PROFILE_DIR = Path("profiles")
 

@@ -19,7 +19,7 @@ from packrat_plugin.plan_types import format_instances
 from packrat_plugin.policy import UP_RULES, PolicyConfig
 from packrat_plugin.profiler import profile_for_this_machine
 from packrat_plugin.swapper import SwapperConfig
-from packrat_plugin.torchserve import REPO_CONFIG, Ports, read_properties
+from serving_harness.torchserve import REPO_CONFIG, Ports, read_properties
 
 DEFAULT_STATUS_PORT = 8083
 

@@ -33,11 +33,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from handlers.pinning.slots import PlanStore, VersionPlan
+from packrat_plugin.allocator import allocate
 from packrat_plugin.archives import versioned_copy
-from packrat_plugin.clients import ManagementClient, TorchServeAPIError
 from packrat_plugin.plan_types import Plan, PlanItem
-from packrat_plugin.plans import PlanStore, VersionPlan
-from packrat_plugin.topology import CpuTopology, allocate
+from serving_harness.clients import ManagementClient, TorchServeAPIError
+from serving_harness.topology import CpuTopology
 
 logger = logging.getLogger(__name__)
 

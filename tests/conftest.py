@@ -19,7 +19,7 @@ from hypothesis import settings
 
 from model_store.build import ServingOptions, build_archive
 from model_store.catalog import ModelSpec, get_spec, load_catalog
-from packrat_plugin.torchserve import TorchServeProcess
+from serving_harness.torchserve import TorchServeProcess
 
 # Property tests draw the same examples on every run, so that a commit's test
 # result does not depend on the draw (a new counterexample once turned CI red

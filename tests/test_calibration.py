@@ -4,10 +4,10 @@ import math
 
 import pytest
 
+from handlers.pinning.slots import ServiceTotals
 from packrat_plugin.calibration import Calibration, CalibrationConfig, ServiceCalibrator, profiled_round_ms
 from packrat_plugin.levels import Level
 from packrat_plugin.plan_types import Plan, PlanItem
-from packrat_plugin.plans import ServiceTotals
 from packrat_plugin.policy import ReconfigurationPolicy
 
 ROUNDS = ((1, 100.0), (2, 180.0), (4, 340.0))

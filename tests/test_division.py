@@ -19,7 +19,7 @@ from packrat_plugin.division import (
     evaluate,
     split_topology,
 )
-from packrat_plugin.topology import CpuTopology
+from serving_harness.topology import CpuTopology
 
 
 def brute_force(demands: list[ModelDemand], total: int, min_cores: int, objective: str) -> float:

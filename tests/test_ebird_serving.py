@@ -22,7 +22,7 @@ import yaml
 from model_store.build import ServingOptions, build_archive
 from model_store.catalog import get_spec
 from model_store.samples import image_tensor_json, jpeg_bytes
-from packrat_plugin.loadgen import open_loop, run
+from serving_harness.loadgen import open_loop, run
 from tests.conftest import EBIRD_TEST_SETTINGS
 from tests.metrics_endpoint import handler_metric, requests_batched
 from tests.test_serving import assert_matches_reference

@@ -16,7 +16,7 @@ import pytest
 from packrat_plugin.cli import main
 from packrat_plugin.foreign import ArchiveError, read_archive, read_samples
 from packrat_plugin.profiler import cores_for
-from packrat_plugin.topology import CpuTopology
+from serving_harness.topology import CpuTopology
 from tests.user_archives import build_user_archives
 
 

@@ -17,16 +17,16 @@ import zipfile
 import pytest
 import yaml
 
+from handlers.pinning.slots import read_counters
 from model_store.catalog import get_spec
 from model_store.samples import client_payload
 from packrat_plugin.archives import MANIFEST, MODEL_CONFIG, PLAN_ENTRY, versioned_copy
 from packrat_plugin.controller import ControllerConfig, ModelTarget, PackratController
-from packrat_plugin.loadgen import closed_loop, open_loop, run
 from packrat_plugin.optimizer import KnapsackOptimizer
 from packrat_plugin.plan_types import Plan, PlanItem
-from packrat_plugin.plans import read_counters
 from packrat_plugin.swapper import SwapperConfig
-from packrat_plugin.topology import CpuTopology
+from serving_harness.loadgen import closed_loop, open_loop, run
+from serving_harness.topology import CpuTopology
 from tests.test_packrat_online import affinity_of_tasks, two_core_profile
 
 SPEC = get_spec("resnet50", "script")

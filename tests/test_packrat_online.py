@@ -20,10 +20,10 @@ from model_store.samples import client_payload, image_tensor_json
 from packrat_plugin.compare import ComparisonConfig, compare_fat_and_plan, format_rows
 from packrat_plugin.controller import ControllerConfig, ModelTarget, PackratController
 from packrat_plugin.load_monitor import MonitorConfig
-from packrat_plugin.loadgen import open_loop, run
 from packrat_plugin.profile import Profile, ProfilePoint
 from packrat_plugin.swapper import SwapperConfig
-from packrat_plugin.topology import CpuTopology
+from serving_harness.loadgen import open_loop, run
+from serving_harness.topology import CpuTopology
 
 pytestmark = [
     pytest.mark.torchserve,

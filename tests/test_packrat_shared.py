@@ -20,10 +20,10 @@ from model_store.samples import client_payload
 from packrat_plugin.controller import ControllerConfig, ModelTarget, PackratController
 from packrat_plugin.division import DivisionConfig
 from packrat_plugin.load_monitor import MonitorConfig
-from packrat_plugin.loadgen import open_loop, run
 from packrat_plugin.serve import format_status
 from packrat_plugin.swapper import SwapperConfig
-from packrat_plugin.topology import CpuTopology
+from serving_harness.loadgen import open_loop, run
+from serving_harness.topology import CpuTopology
 from tests.test_packrat_online import affinity_of_tasks, two_core_profile
 
 pytestmark = [

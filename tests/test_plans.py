@@ -2,8 +2,7 @@
 
 import subprocess
 
-from packrat_plugin.plans import _COUNTERS, PlanStore, ServiceTotals, SlotCounters, VersionPlan
-from packrat_plugin.topology import Slot
+from handlers.pinning.slots import _COUNTERS, PlanStore, ServiceTotals, Slot, SlotCounters, VersionPlan
 
 
 def test_plans_round_trip_and_in_service_ignores_dead_workers(tmp_path):
@@ -41,7 +40,7 @@ def test_a_record_torn_by_a_concurrent_write_is_not_read(tmp_path):
 def test_grouped_plans_round_trip_and_older_plan_files_read_as_ungrouped(tmp_path):
     from packrat_plugin.plan_types import Plan, PlanItem
     from packrat_plugin.swapper import cores_tag, mixed_version_name
-    from packrat_plugin.topology import CpuTopology
+    from serving_harness.topology import CpuTopology
 
     store = PlanStore(tmp_path)
     grouped = VersionPlan("m", "mix-1x1t2b-1x1t1b", 2, 3, (Slot((0,), 1, 2), Slot((1,), 1, 1)), grouped=True)

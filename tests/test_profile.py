@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from packrat_plugin.profile import ProfileError, hardware_fingerprint, load_profile
+from packrat_plugin.profile import ProfileError, load_profile
+from serving_harness.machine import hardware_fingerprint
 
 
 def write(tmp_path, data) -> str:

@@ -211,8 +211,8 @@ def test_bert_sliced_through_export_runs_other_batch_sizes_and_lengths():
 
 
 def test_segment_profile_reads_between_and_beyond_measured_sizes(tmp_path):
-    from handlers.runtime.segment_profile import SegmentProfile, load_segment_profile
-    from packrat_plugin.profile import ProfileError, hardware_fingerprint
+    from handlers.runtime.segment_profile import ProfileError, SegmentProfile, load_segment_profile
+    from serving_harness.machine import hardware_fingerprint
 
     prof = SegmentProfile("m", 2, (1, 2, 8), ((1.0, 2.0, 5.0), (3.0, 3.0, 9.0)), hardware_fingerprint())
     assert prof.segments == 2

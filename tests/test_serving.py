@@ -12,7 +12,7 @@ import yaml
 
 from model_store.catalog import ModelSpec, get_spec
 from model_store.factory import outputs_close
-from packrat_plugin.clients import TorchServeAPIError
+from serving_harness.clients import TorchServeAPIError
 from tests.metrics_endpoint import handler_metric, requests_batched
 from tests.payloads import image_tensor_json, jpeg_bytes, png_bytes, reference_logits, token_ids_json
 

@@ -4,8 +4,10 @@ import os
 
 import pytest
 
+from handlers.pinning.slots import AllocationError, Slot
+from packrat_plugin.allocator import allocate
 from packrat_plugin.plan_types import Plan, PlanItem
-from packrat_plugin.topology import AllocationError, CpuTopology, Slot, allocate
+from serving_harness.topology import CpuTopology
 
 
 def plan(*items: tuple[int, int, int], T: int = 64) -> Plan:

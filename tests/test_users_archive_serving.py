@@ -21,8 +21,8 @@ from packrat_plugin.controller import ControllerConfig, ModelTarget, PackratCont
 from packrat_plugin.load_monitor import MonitorConfig
 from packrat_plugin.profile import Profile, ProfilePoint
 from packrat_plugin.swapper import SwapperConfig
-from packrat_plugin.topology import CpuTopology
-from packrat_plugin.torchserve import TorchServeProcess
+from serving_harness.topology import CpuTopology
+from serving_harness.torchserve import TorchServeProcess
 from tests.test_packrat_online import affinity_of_tasks
 from tests.user_archives import build_user_archives, jpeg
 

@@ -10,9 +10,8 @@ import time
 
 import pytest
 
-from packrat_plugin.plans import PlanStore, ServiceTotals, VersionPlan
-from packrat_plugin.topology import Slot
-from packrat_plugin.worker import PackratWorkerMixin, claim_slot
+from handlers.pinning.slots import PlanStore, ServiceTotals, Slot, VersionPlan
+from handlers.pinning.worker import PackratWorkerMixin, claim_slot
 
 pytestmark = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="a 2-thread slot needs two usable cores")
 

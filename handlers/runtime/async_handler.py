@@ -43,6 +43,7 @@ import torch
 from handlers.codecs import DEFAULT_MAX_PAYLOAD_BYTES, InputCodec, ModelInput, answer_bytes, encode_output
 from handlers.cpu_handler import load_model
 from handlers.errors import ResponseError, ServiceUnavailable, bad_request
+from handlers.pinning.worker import PackratWorkerMixin
 from handlers.runtime import worker_pump
 from handlers.runtime.arrivals import Arrivals
 from handlers.runtime.decode import LANE, RequestDecoder, default_decode_placement, parse_decode_threads
@@ -51,7 +52,6 @@ from handlers.runtime.engine import Engine, StageTimes, input_key
 from handlers.runtime.lanes import CpuLanes
 from handlers.runtime.metrics import HandlerMetrics
 from model_store.catalog import ModelSpec
-from packrat_plugin.worker import PackratWorkerMixin
 
 logger = logging.getLogger(__name__)
 

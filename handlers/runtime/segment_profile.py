@@ -29,7 +29,11 @@ import torch
 from tqdm import tqdm
 
 from handlers.runtime.segments import SegmentedModel, State, dynamic_dims_for, slice_model
-from packrat_plugin.profile import ProfileError, check_hardware, hardware_fingerprint
+from serving_harness.machine import fingerprint_differences, hardware_fingerprint
+
+
+class ProfileError(ValueError):
+    """A segment profile is malformed or was measured on other hardware."""
 
 
 @dataclass(frozen=True)
@@ -115,7 +119,12 @@ def load_segment_profile(path: Path, force: bool = False) -> SegmentProfile:
     except json.JSONDecodeError as exc:
         raise ProfileError(f"{path}: malformed JSON: {exc.msg}") from None
     if not force:
-        check_hardware(profile)  # the same fingerprint rule as a Packrat profile's
+        diffs = fingerprint_differences(profile.hardware)  # the same rule as a Packrat profile's
+        if diffs:
+            raise ProfileError(
+                f"segment profile of {profile.model} was measured on other hardware ({'; '.join(diffs)}); "
+                "re-profile here, or pass force=True to use it anyway"
+            )
     return profile
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import requests
 
-from packrat_plugin.clients import InferenceClient, ManagementClient, MetricsClient
+from serving_harness.clients import InferenceClient, ManagementClient, MetricsClient
 
 REPO_CONFIG = Path(__file__).resolve().parent.parent / "config.properties"
 

@@ -38,9 +38,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from packrat_plugin.plans import PlanStore, SlotCounters, VersionPlan
-from packrat_plugin.profile import write_json_atomic
-from packrat_plugin.topology import Slot
+from handlers.pinning.slots import PlanStore, Slot, SlotCounters, VersionPlan
+from serving_harness.jsonfile import write_json_atomic
 
 logger = logging.getLogger(__name__)
 

@@ -29,8 +29,30 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from packrat_plugin.profile import write_json_atomic
-from packrat_plugin.topology import Slot
+from serving_harness.jsonfile import write_json_atomic
+
+
+class AllocationError(ValueError):
+    """A plan does not fit the usable cores."""
+
+
+@dataclass(frozen=True)
+class Slot:
+    cores: tuple[int, ...]
+    threads: int
+    batch: int
+
+    def __post_init__(self) -> None:
+        if self.threads > len(self.cores):
+            raise AllocationError(f"slot would run {self.threads} threads on {len(self.cores)} cores")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"cores": list(self.cores), "threads": self.threads, "batch": self.batch}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Slot:
+        return cls(tuple(int(c) for c in data["cores"]), int(data["threads"]), int(data["batch"]))
+
 
 PLAN_DIR_ENV = "PACKRAT_PLAN_DIR"
 _COUNTERS = struct.Struct("<8q")  # the fields of CountersRecord
