@@ -50,6 +50,8 @@ if __package__ in (None, ""):  # `python bench/NAME.py` from the repository root
 
 import torch
 
+from archiver.build import build_archive
+from archiver.options import ServingOptions
 from bench.batching_compare import (
     batch_counts,
     capacity_summary,
@@ -76,7 +78,6 @@ from bench.report import (
 )
 from handlers.runtime.lanes import CpuLanes
 from handlers.runtime.segments import slice_model
-from model_store.build import ServingOptions, build_archive
 from model_store.catalog import ModelSpec, get_spec
 from model_store.factory import build_model, example_inputs
 from model_store.samples import client_payload, token_ids_json

@@ -45,6 +45,8 @@ from typing import Any
 if __package__ in (None, ""):  # `python bench/NAME.py` from the repository root
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from archiver.build import build_archive
+from archiver.options import ServingOptions
 from bench.batching_compare import (
     batch_counts,
     capacity_summary,
@@ -69,7 +71,6 @@ from bench.report import (
     provenance_block,
     save_figure,
 )
-from model_store.build import ServingOptions, build_archive
 from model_store.catalog import get_spec
 from model_store.samples import client_payload
 from serving_harness.loadgen import LoadResult, closed_loop, run

@@ -6,7 +6,7 @@
 TorchServe's frontend is Java, so a GPU machine without Java cannot run
 ``bench/ebird.py``.  Here each system runs in its own process, as a
 TorchServe worker would, and its handler object is called exactly as
-TorchServe's Python worker calls it (``handlers/direct.py``):
+TorchServe's Python worker calls it (``bench/direct.py``):
 
 - ``ebird``: the Ebird handler in async mode.  Every request is its own
   ``handle`` call on the worker's event loop, as ``asyncCommunication: true``
@@ -72,6 +72,8 @@ from tqdm import tqdm
 if __package__ in (None, ""):  # `python bench/NAME.py` from the repository root
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from archiver.options import ServingOptions
+from bench.direct import call, call_batch, load_context, model_dir_for
 from bench.report import (
     add_output_arguments,
     markdown_table,
@@ -80,12 +82,10 @@ from bench.report import (
     run_benchmark,
     save_figure,
 )
-from handlers.cpu_handler import CPUModelHandler
-from handlers.direct import call, call_batch, load_context, model_dir_for
 from handlers.dvabatch.handler import DvaBatchHandler
 from handlers.ebird.handler import EbirdHandler
+from handlers.plain_handler import PlainModelHandler
 from handlers.runtime.decode import LANE
-from model_store.build import ServingOptions
 from model_store.catalog import get_spec
 from serving_harness.loadgen import LoadResult, Sample, arrival_times
 
@@ -242,7 +242,7 @@ def make_driver(system: str, model: str, mode: str, model_dir: str, device: str)
         batch_size=NOWAIT_BATCH, max_batch_delay_ms=round(delay_ms), cuda_graphs=system == GRAPH_BASELINE
     )
     ctx = load_context(spec, Path(model_dir), options, gpu=gpu)
-    handler = CPUModelHandler()
+    handler = PlainModelHandler()
     return NoWaitDriver(
         handler, ctx, NOWAIT_BATCH, delay_ms / 1e3
     ), handler  # initialised on the driver's worker thread

@@ -26,6 +26,7 @@ from tqdm import tqdm
 if __package__ in (None, ""):  # `python bench/NAME.py` from the repository root
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from archiver.build import build_archive
 from bench.packrat_swap import static_plans
 from bench.report import (
     add_model_arguments,
@@ -38,7 +39,7 @@ from bench.report import (
     save_figure,
 )
 from handlers.pinning.slots import PLAN_DIR_ENV, PlanStore
-from model_store.build import ARCHIVE_DIR, build_archive
+from model_store import ARCHIVE_DIR
 from model_store.catalog import get_spec
 from model_store.samples import client_payload
 from packrat_plugin.calibration import Calibration

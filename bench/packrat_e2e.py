@@ -11,7 +11,7 @@ markdown table, the plot and the provenance under docs/benchmarks/.
     python -m bench.packrat_e2e --model resnet50 --mixed --batches 3,5,7
 
 compares the optimizer's exact plan where it is mixed (served by
-``handlers/plan_handler.py``) with the fat instance and the best uniform plan
+``handlers/mixed_plan/handler.py``) with the fat instance and the best uniform plan
 (``packrat_plugin.compare.compare_mixed_plans``).
 """
 
@@ -99,7 +99,8 @@ def render(data: dict, args: argparse.Namespace, stem: str) -> str:
 
 
 def run_mixed(args: argparse.Namespace) -> dict:
-    from model_store.build import ARCHIVE_DIR, build_archive
+    from archiver.build import build_archive
+    from model_store import ARCHIVE_DIR
     from model_store.catalog import get_spec
     from model_store.samples import client_payload
     from packrat_plugin.compare import ComparisonConfig, compare_mixed_plans

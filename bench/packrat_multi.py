@@ -157,7 +157,8 @@ class PackratSystem:
 
 
 def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
-    from model_store.build import ARCHIVE_DIR, build_archive
+    from archiver.build import build_archive
+    from model_store import ARCHIVE_DIR
     from model_store.catalog import get_spec
     from model_store.samples import client_payload
     from packrat_plugin.profiler import profile_for_this_machine

@@ -36,6 +36,7 @@ from tqdm import tqdm
 if __package__ in (None, ""):  # `python bench/packrat_swap.py` from the repository root
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from archiver.build import build_archive
 from bench.report import (
     add_model_arguments,
     add_output_arguments,
@@ -45,7 +46,7 @@ from bench.report import (
     publish,
 )
 from handlers.pinning.slots import PLAN_DIR_ENV, PlanStore
-from model_store.build import ARCHIVE_DIR, build_archive
+from model_store import ARCHIVE_DIR
 from model_store.catalog import get_spec
 from model_store.samples import client_payload
 from packrat_plugin.controller import ControllerConfig, ModelTarget, PackratController

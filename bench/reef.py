@@ -53,11 +53,12 @@ if __package__ in (None, ""):  # `python bench/NAME.py` from the repository root
 
 import torch
 
+from archiver.build import build_group_archive
+from archiver.options import ServingOptions
 from bench.batching_compare import run_and_publish
 from bench.report import markdown_table, new_figure, provenance_block, save_figure
 from handlers.reef.engine import PREEMPTION_LOG
 from handlers.runtime.segment_profile import measure_segments, slice_catalog_model
-from model_store.build import ServingOptions, build_group_archive
 from model_store.catalog import ModelSpec, get_spec
 from model_store.factory import build_model, example_inputs
 from model_store.samples import client_payload

@@ -7,7 +7,7 @@
 without Java cannot run it.  Here the same workloads (``WORKLOADS``), the same
 systems and the same table come from ``ReefHandler`` objects in this process,
 initialised and called as TorchServe's Python worker does
-(``handlers/direct.py``): each request is one ``handle`` call on the event
+(``bench/direct.py``): each request is one ``handle`` call on the event
 loop, with the ``X-Model`` and ``X-Priority`` headers a client would send.
 Left out: HTTP and the Java frontend, which every system pays alike.
 
@@ -40,12 +40,12 @@ from tqdm import tqdm
 if __package__ in (None, ""):  # `python bench/NAME.py` from the repository root
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from archiver.options import ServingOptions
+from bench.direct import call, group_load_context
 from bench.ebird_direct import play
 from bench.reef import WORKLOADS, members_of, plot, render, run_row, summarise, workload_settings
 from bench.report import add_output_arguments, run_benchmark
-from handlers.direct import call, group_load_context
 from handlers.reef.handler import ENGINE_KEY, ReefHandler
-from model_store.build import ServingOptions
 from model_store.catalog import ModelSpec, get_spec
 from model_store.samples import client_payload, request_body
 from serving_harness.loadgen import LoadResult, Sample

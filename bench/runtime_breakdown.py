@@ -49,6 +49,8 @@ from tqdm import tqdm
 if __package__ in (None, ""):  # `python bench/NAME.py` from the repository root
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from archiver.build import build_archive
+from archiver.options import ServingOptions
 from bench.batching_compare import batch_counts
 from bench.proc_cpu import CpuMeter, java_in_group
 from bench.report import (
@@ -60,7 +62,6 @@ from bench.report import (
     save_figure,
 )
 from handlers.runtime.metrics import DEFAULT_FLUSH_INTERVAL_S
-from model_store.build import ServingOptions, build_archive
 from model_store.catalog import get_spec
 from model_store.samples import client_payload
 from serving_harness.loadgen import closed_loop, open_loop, run

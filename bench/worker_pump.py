@@ -127,7 +127,7 @@ def drive(pump: str, model_dir: Path, body: bytes, messages: int, in_flight: int
 def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     import yaml
 
-    from model_store.build import ServingOptions, model_config
+    from archiver.options import ServingOptions, model_config
     from model_store.catalog import get_spec
     from model_store.samples import client_payload
 

@@ -7,7 +7,7 @@ archive whose manifests differ only in ``modelVersion``.
 
 An archive the user built with ``torch-model-archiver`` (not by ``packrat
 archive``) keeps its handler, wrapped: the copy's manifest names Packrat's
-wrapping handler (``handlers/wrapped.py``, its entry file added) and its
+wrapping handler (``handlers/wrapped.py``, its entry module added) and its
 model-config.yaml, written when the archive had none, keeps the user's
 handler under ``packrat.handler``, less the batch size, batch delay and
 worker counts Packrat plans.  Nothing else of the archive changes.
@@ -21,14 +21,17 @@ from pathlib import Path
 
 import yaml
 
+from archiver.entry import entry_module_text
+from handlers.mixed_plan.handler import PackratPlanHandler
+from handlers.wrapped import PackratWrappedHandler
 from packrat_plugin.foreign import read_archive
 
 MANIFEST = "MAR-INF/MANIFEST.json"
 MODEL_CONFIG = "model-config.yaml"
-# The mixed-plan handler's entry file, added to a grouped copy (handlers/plan_handler.py).
-PLAN_ENTRY = Path(__file__).resolve().parent.parent / "handlers" / "entry" / "packrat_plan_handler.py"
-# The wrapping handler's entry file, added to a copy of a user's own archive (handlers/wrapped.py).
-WRAP_ENTRY = PLAN_ENTRY.with_name("packrat_wrapped_handler.py")
+# The mixed-plan handler's entry module, added to a grouped copy (handlers/mixed_plan/handler.py).
+PLAN_ENTRY = "packrat_plan_handler.py"
+# The wrapping handler's entry module, added to a copy of a user's own archive (handlers/wrapped.py).
+WRAP_ENTRY = "packrat_wrapped_handler.py"
 
 
 def is_users_archive(path: Path) -> bool:
@@ -47,7 +50,7 @@ def versioned_copy(
     """Write ``target``: ``source`` with ``modelVersion`` set to ``version``.
 
     ``grouped``: the copy serves a mixed plan in one worker: its handler
-    becomes Packrat's plan handler (its entry file added) in TorchServe's
+    becomes Packrat's plan handler (its entry module added) in TorchServe's
     async mode, one request at a time to the worker, which batches itself
     (each instance waits up to ``max_batch_delay_ms`` for a fuller batch).
     """
@@ -68,9 +71,9 @@ def versioned_copy(
             if info.filename == MANIFEST:
                 manifest["model"]["modelVersion"] = version
                 if grouped:
-                    manifest["model"]["handler"] = PLAN_ENTRY.name
+                    manifest["model"]["handler"] = PLAN_ENTRY
                 if wrap:
-                    manifest["model"]["handler"] = WRAP_ENTRY.name
+                    manifest["model"]["handler"] = WRAP_ENTRY
                     manifest["model"]["configFile"] = config_file or MODEL_CONFIG
                 data = json.dumps(manifest, indent=2).encode()
             elif wrap and info.filename == config_file:
@@ -82,11 +85,11 @@ def versioned_copy(
                 data = yaml.safe_dump(config, sort_keys=False).encode()
             dst.writestr(info, data, compress_type=zipfile.ZIP_STORED)
         if grouped:
-            dst.write(PLAN_ENTRY, PLAN_ENTRY.name, compress_type=zipfile.ZIP_STORED)
+            dst.writestr(PLAN_ENTRY, entry_module_text(PackratPlanHandler), compress_type=zipfile.ZIP_STORED)
         if wrap:
             if not config_file:
                 dst.writestr(MODEL_CONFIG, _wrapped_config({}, users_handler))
-            dst.write(WRAP_ENTRY, WRAP_ENTRY.name, compress_type=zipfile.ZIP_STORED)
+            dst.writestr(WRAP_ENTRY, entry_module_text(PackratWrappedHandler), compress_type=zipfile.ZIP_STORED)
     partial.replace(target)
     return target
 

@@ -9,11 +9,11 @@ from pathlib import Path
 
 
 def _archive(sub: argparse._SubParsersAction) -> None:
-    from model_store import build
+    from archiver import cli as archive_cli
 
     p = sub.add_parser("archive", help="build TorchServe archives for catalog models")
-    build.add_arguments(p)
-    p.set_defaults(run=build.run)
+    archive_cli.add_arguments(p)
+    p.set_defaults(run=archive_cli.run)
 
 
 def _sklearn_archive(sub: argparse._SubParsersAction) -> None:

@@ -298,7 +298,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """Build the archive, find a profile for this machine, compare; returns the data."""
-    from model_store.build import ARCHIVE_DIR, build_archive
+    from archiver.build import build_archive
+    from model_store import ARCHIVE_DIR
     from model_store.catalog import get_spec
     from model_store.samples import client_payload
     from packrat_plugin.profiler import parse_int_list, profile_for_this_machine

@@ -81,7 +81,7 @@ class ControllerConfig:
     share_cores: bool = True
     division: DivisionConfig = field(default_factory=DivisionConfig)
     # With fixed_batch: serve the optimizer's exact plan for that B, mixed
-    # instance types included (one worker runs them all, handlers/plan_handler.py).
+    # instance types included (one worker runs them all, handlers/mixed_plan/handler.py).
     mixed_plans: bool = False
 
     def __post_init__(self) -> None:

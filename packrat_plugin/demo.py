@@ -21,7 +21,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from model_store.build import ARCHIVE_DIR, build_many, catalog_name, select
+from archiver.build import build_many, catalog_name, select
+from model_store import ARCHIVE_DIR
 from model_store.catalog import get_spec
 from model_store.samples import client_payload
 from serving_harness.torchserve import Ports, TorchServeProcess

@@ -11,7 +11,7 @@ TorchServe's own ``Service.predict`` on one batch of requests.  Nothing of the
 user's code is changed or copied.
 
 An archive is this project's own when its ``model-config.yaml`` carries
-``handler.spec`` (``model_store/build.py`` writes it); those are profiled
+``handler.spec`` (``archiver/build.py`` writes it); those are profiled
 model-only, as before (``profiler.py``).
 """
 

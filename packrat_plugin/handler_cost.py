@@ -11,7 +11,7 @@ per round) from a plan of several smaller instances (each paying its own
 its own gain (docs/benchmarks/packrat_e2e_resnet50.md, before this).
 
 ``measure_handler_cost`` runs the serving handler's own ``preprocess`` and
-``postprocess`` (``handlers.cpu_handler.CPUModelHandler``) on real client
+``postprocess`` (``handlers.plain_handler.PlainModelHandler``) on real client
 payloads, in a fresh process pinned to ``t`` cores with ``t`` intra-op
 threads, like a profile point, and returns the mean per request.  The model
 runs once, untimed, only to give ``postprocess`` real output rows.
@@ -35,11 +35,12 @@ def _child(spec_dict: dict, artefact: str, threads: int, cores: tuple[int, ...],
 
         torch.set_num_threads(threads)
         from handlers.codecs import DEFAULT_MAX_PAYLOAD_BYTES, InputCodec, collate
-        from handlers.cpu_handler import CPUModelHandler, load_model
+        from handlers.plain_handler import PlainModelHandler
+        from handlers.runtime.model_loading import load_model
         from model_store.samples import client_payload
 
         spec = ModelSpec.from_dict(spec_dict)
-        handler = CPUModelHandler()
+        handler = PlainModelHandler()
         handler.spec = spec
         handler.codec = InputCodec(spec, DEFAULT_MAX_PAYLOAD_BYTES)
         # TorchServe hands JSON bodies already parsed, anything else as bytes.

@@ -61,7 +61,7 @@ def _child(job: InstanceJob, commands: mp.Queue, results: mp.Queue) -> None:
         import torch
 
         torch.set_num_threads(job.threads)
-        from handlers.cpu_handler import load_model
+        from handlers.runtime.model_loading import load_model
         from model_store.factory import example_inputs
 
         spec = ModelSpec.from_dict(job.spec)

@@ -57,7 +57,7 @@ class HandlerCost:
         return {
             "per_request_ms": {str(t): round(ms, 3) for t, ms in sorted(self.per_request_ms.items())},
             "requests": self.requests,
-            "measures": "CPUModelHandler preprocess (decode) + collate + postprocess (encode), per request",
+            "measures": "PlainModelHandler preprocess (decode) + collate + postprocess (encode), per request",
         }
 
     @classmethod

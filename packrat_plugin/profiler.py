@@ -35,7 +35,7 @@ from pathlib import Path
 import yaml
 from tqdm import tqdm
 
-from model_store.build import catalog_name, write_artefact
+from archiver.build import catalog_name, write_artefact
 from model_store.catalog import ModelSpec, get_spec
 from packrat_plugin.allocator import allocate
 from packrat_plugin.foreign import ArchiveInfo, ForeignJob, ForeignProcess, Sample, read_archive, read_samples

@@ -9,7 +9,7 @@ import threading
 import urllib.request
 from pathlib import Path
 
-from model_store.build import catalog_name
+from archiver.build import catalog_name
 from packrat_plugin.archives import is_users_archive
 from packrat_plugin.controller import ControllerConfig, ModelTarget, PackratController
 from packrat_plugin.division import OBJECTIVES, DivisionConfig

@@ -207,7 +207,7 @@ class ActivePassiveSwapper:
         A uniform plan is a version of its class with one worker per
         instance; a mixed plan is a version of its own served by one worker
         that runs every instance on its own pinned lane (``grouped``, see
-        handlers/plan_handler.py).  The old set is retired *into* the
+        handlers/mixed_plan/handler.py).  The old set is retired *into* the
         standby set when its class is in ``standby``: scaling it to zero and
         letting ``keep_warm`` start it again would cost a cold start-up
         (imports, model load, warm-up: ~4 s of a core for ResNet-50) right

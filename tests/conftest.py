@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 
-from model_store.build import ServingOptions, build_archive
+from archiver.build import build_archive
+from archiver.options import ServingOptions
 from model_store.catalog import ModelSpec, get_spec, load_catalog
 from serving_harness.torchserve import TorchServeProcess
 

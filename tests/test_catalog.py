@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from model_store.build import ServingOptions
+from archiver.options import ServingOptions
 from model_store.catalog import EXECUTION_MODES, CatalogError, ModelSpec, get_spec, load_catalog
 
 REQUIRED = {
@@ -77,7 +77,8 @@ def test_spec_from_archive_rejects_unknown_keys():
 
 
 def test_archive_names_map_back_to_catalog_names():
-    from model_store.build import HANDLERS, archive_name, catalog_name
+    from archiver.build import archive_name, catalog_name
+    from handlers.registry import HANDLERS
 
     for name in ("resnet50", "bert-base", "inception_v3"):
         for mode in EXECUTION_MODES:
@@ -91,7 +92,7 @@ def test_archive_names_map_back_to_catalog_names():
     "options, message",
     [
         (dict(handler="triton"), "unknown handler 'triton'"),
-        (dict(handler="packrat", handler_settings=(("segments", 2),)), "packrat handler takes no handler settings"),
+        (dict(handler="packrat", handler_settings=(("segments", 2),)), "plain handler takes no handler settings"),
         (dict(handler="ebird", handler_settings=(("worker_batches", []),)), "worker_batches"),
         (dict(handler="dvabatch", handler_settings=(("segments", 0),)), "segments"),
         (dict(handler="packrat", decode_threads=2), "decode_threads applies to async handlers"),

@@ -7,9 +7,9 @@ import re
 import pytest
 import torch
 
+from archiver.options import ServingOptions, model_config
 from handlers.codecs import InputCodec, answer_bytes, collate, encode_output
 from handlers.errors import RequestError
-from model_store.build import ServingOptions, model_config
 from model_store.catalog import get_spec
 from tests.payloads import image_tensor_json, jpeg_bytes, png_bytes, token_ids_json
 

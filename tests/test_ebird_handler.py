@@ -18,12 +18,12 @@ import time
 import pytest
 import torch
 
-from handlers.direct import call, load_context, model_dir_for
+from archiver.options import ServingOptions, model_config
+from bench.direct import call, load_context, model_dir_for
 from handlers.ebird.config import EbirdConfig, EbirdConfigError
 from handlers.ebird.handler import EbirdHandler
 from handlers.ebird.scheduler import lane_batch_cap
 from handlers.runtime.decode import default_decode_placement
-from model_store.build import ServingOptions, model_config
 from model_store.catalog import get_spec
 from model_store.factory import outputs_close
 from model_store.samples import image_tensor_json, jpeg_bytes

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from handlers.ebird.batch_costs import BatchCosts
 from handlers.ebird.pool import InputPool, Run
 from handlers.ebird.scheduler import (
     ElasticScheduler,
@@ -13,7 +14,6 @@ from handlers.ebird.scheduler import (
     default_worker_batches,
     lane_batch_cap,
 )
-from handlers.runtime.batch_costs import BatchCosts
 
 
 def workers(*batches: int) -> list[WorkerSpec]:

@@ -19,7 +19,8 @@ import aiohttp
 import pytest
 import yaml
 
-from model_store.build import ServingOptions, build_archive
+from archiver.build import build_archive
+from archiver.options import ServingOptions
 from model_store.catalog import get_spec
 from model_store.samples import image_tensor_json, jpeg_bytes
 from serving_harness.loadgen import open_loop, run

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
+from archiver.options import ServingOptions, model_config
 from handlers.runtime.metrics import HandlerMetrics
-from model_store.build import ServingOptions, model_config
 from model_store.catalog import get_spec
 
 

@@ -11,7 +11,7 @@ import torch
 
 from handlers.codecs import ModelInput
 from handlers.errors import ServiceUnavailable
-from handlers.runtime.instances import Instance, InstanceEngine, InstancePool
+from handlers.mixed_plan.instances import Instance, InstanceEngine, InstancePool
 from handlers.runtime.lanes import CpuLanes, LanePlacement
 
 CORES = sorted(os.sched_getaffinity(0))

@@ -7,14 +7,8 @@ import pytest
 import torch
 from torch import fx, nn
 
-from handlers.runtime.multistream import (
-    OPERATOR_OPS,
-    ChainRunner,
-    assign_graph,
-    operator_graph,
-    rewrite_for_streams,
-)
-from handlers.runtime.stream_assignment import orders_equal
+from handlers.nimble.multistream import OPERATOR_OPS, ChainRunner, assign_graph, operator_graph, rewrite_for_streams
+from handlers.nimble.stream_assignment import orders_equal
 
 
 class Branchy(nn.Module):

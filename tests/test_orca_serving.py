@@ -10,7 +10,8 @@ import aiohttp
 import pytest
 import torch
 
-from model_store.build import ServingOptions, build_archive
+from archiver.build import build_archive
+from archiver.options import ServingOptions
 from model_store.catalog import get_spec
 from model_store.factory import build_model
 from model_store.samples import request_body

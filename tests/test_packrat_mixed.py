@@ -17,6 +17,8 @@ import zipfile
 import pytest
 import yaml
 
+from archiver.entry import entry_module_text
+from handlers.mixed_plan.handler import PackratPlanHandler
 from handlers.pinning.slots import read_counters
 from model_store.catalog import get_spec
 from model_store.samples import client_payload
@@ -39,15 +41,15 @@ def test_a_grouped_copy_runs_the_plan_handler_in_async_mode(tmp_path, archive):
         manifest = json.loads(mar.read(MANIFEST))
         config = yaml.safe_load(mar.read(MODEL_CONFIG))
         assert manifest["model"]["modelVersion"] == "mix-1x1t2b-1x1t1b"
-        assert manifest["model"]["handler"] == PLAN_ENTRY.name
-        assert mar.read(PLAN_ENTRY.name) == PLAN_ENTRY.read_bytes()
+        assert manifest["model"]["handler"] == PLAN_ENTRY
+        assert mar.read(PLAN_ENTRY).decode() == entry_module_text(PackratPlanHandler)
         assert config["asyncCommunication"] is True and config["batchSize"] == 1
         handler = yaml.safe_load(original.read(MODEL_CONFIG))["handler"]
         assert config["handler"] == {**handler, "plan": {"max_batch_delay_ms": 5}}  # spec kept
-        assert set(original.namelist()) | {PLAN_ENTRY.name} == set(mar.namelist())
+        assert set(original.namelist()) | {PLAN_ENTRY} == set(mar.namelist())
     plain = versioned_copy(source, tmp_path / "u.mar", "t1b2")
     with zipfile.ZipFile(plain) as mar:
-        assert json.loads(mar.read(MANIFEST))["model"]["handler"] != PLAN_ENTRY.name
+        assert json.loads(mar.read(MANIFEST))["model"]["handler"] != PLAN_ENTRY
         assert "asyncCommunication" not in yaml.safe_load(mar.read(MODEL_CONFIG))
 
 

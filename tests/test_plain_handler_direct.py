@@ -12,10 +12,10 @@ import json
 import pytest
 import torch
 
-from handlers.cpu_handler import CPUModelHandler
-from handlers.direct import call_batch, load_context, model_dir_for
+from archiver.options import ServingOptions
+from bench.direct import call_batch, load_context, model_dir_for
+from handlers.plain_handler import PlainModelHandler
 from handlers.runtime.cuda_graphs import GraphBuckets
-from model_store.build import ServingOptions
 from model_store.catalog import get_spec
 from model_store.factory import outputs_close
 from tests.payloads import image_tensor_json, jpeg_bytes, reference_logits
@@ -31,7 +31,7 @@ DEVICES = [
 def test_a_batch_runs_on_the_workers_device_and_a_bad_request_fails_alone(tmp_path, device):
     model_dir = model_dir_for(SPEC, tmp_path / "model")
     ctx = load_context(SPEC, model_dir, ServingOptions(batch_size=4), gpu=0 if device == "cuda" else None)
-    handler = CPUModelHandler()
+    handler = PlainModelHandler()
     handler.initialize(ctx)
     assert handler.device.device.type == device
     assert next(handler.model.parameters()).device.type == device
@@ -51,19 +51,19 @@ def test_cuda_graphs_are_for_the_plain_handler_only_and_ignored_on_a_cpu(tmp_pat
         ServingOptions(handler="ebird", cuda_graphs=True)
     ctx = load_context(SPEC, model_dir_for(SPEC, tmp_path / "model"), ServingOptions(batch_size=2, cuda_graphs=True))
     assert ctx.model_yaml_config["handler"]["cuda_graphs"] is True
-    handler = CPUModelHandler()
+    handler = PlainModelHandler()
     handler.initialize(ctx)
     assert isinstance(handler.model, torch.nn.Module)  # no graphs without CUDA: the model as loaded
     ctx.model_yaml_config["handler"]["cuda_graphs"] = "yes"
     with pytest.raises(RuntimeError, match="cuda_graphs must be true or false"):
-        CPUModelHandler().initialize(ctx)
+        PlainModelHandler().initialize(ctx)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_on_cuda_the_plain_handler_replays_captured_graphs_and_answers_as_the_model(tmp_path):
     model_dir = model_dir_for(SPEC, tmp_path / "model")
     ctx = load_context(SPEC, model_dir, ServingOptions(batch_size=4, cuda_graphs=True), gpu=0)
-    handler = CPUModelHandler()
+    handler = PlainModelHandler()
     handler.initialize(ctx)
     assert isinstance(handler.model, GraphBuckets) and handler.model.sizes == [1, 2, 4]
     good = [{"body": jpeg_bytes(seed=1)}, {"body": image_tensor_json(SPEC, seed=2)}, {"body": jpeg_bytes(seed=3)}]

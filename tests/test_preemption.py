@@ -1,4 +1,4 @@
-"""The preemption gate (handlers/runtime/preemption.py): real-time mode stops best-effort units at their boundaries."""
+"""The preemption gate (handlers/reef/preemption.py): real-time mode stops best-effort units at their boundaries."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from handlers.runtime.preemption import PreemptionGate
+from handlers.reef.preemption import PreemptionGate
 
 WAIT_S = 10.0  # a bound on waits that must end, far beyond what they take; not a timing assertion
 

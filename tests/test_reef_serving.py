@@ -11,7 +11,8 @@ import aiohttp
 import pytest
 import yaml
 
-from model_store.build import ServingOptions, build_group_archive
+from archiver.build import build_group_archive
+from archiver.options import ServingOptions
 from model_store.catalog import get_spec
 from model_store.samples import image_tensor_json, jpeg_bytes, png_bytes
 from tests.metrics_endpoint import handler_metric

@@ -57,9 +57,9 @@ def test_archive_carries_the_spec_and_the_handler(archive):
         names = set(mar.namelist())
         config = yaml.safe_load(mar.read("model-config.yaml"))
         manifest = json.loads(mar.read("MAR-INF/MANIFEST.json"))
-    assert {"model.pt", "packrat_handler.py", "model-config.yaml"} <= names
+    assert {"model.pt", "plain_handler.py", "model-config.yaml"} <= names
     assert ModelSpec.from_dict(config["handler"]["spec"]) == get_spec("resnet50", "script")
-    assert manifest["model"]["handler"] == "packrat_handler.py"
+    assert manifest["model"]["handler"] == "plain_handler.py"
 
 
 @pytest.mark.parametrize("mode", MODES)

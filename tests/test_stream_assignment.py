@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from handlers.runtime.stream_assignment import assign_streams, orders_equal
+from handlers.nimble.stream_assignment import assign_streams, orders_equal
 
 
 def dag(edges: list[tuple[str, str]], nodes: str = "") -> nx.DiGraph:

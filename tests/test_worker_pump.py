@@ -19,9 +19,9 @@ import time
 
 import pytest
 
+from archiver.options import ServingOptions, model_config
 from bench.ts_frames import Request, inference_frame, read_answer_frame, torchserve_service
 from handlers.runtime.worker_pump import LEAN, TORCHSERVE, WorkerPump, parse_worker_pump
-from model_store.build import ServingOptions, model_config
 from model_store.catalog import get_spec
 from tests.conftest import EBIRD_TEST_SETTINGS
 from tests.test_ebird_serving import archive_config, registered_apart, serve_good_and_bad, worker_log

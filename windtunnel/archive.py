@@ -5,7 +5,7 @@ pipeline (``joblib``, the serialized file), optionally fine-tuned weights
 (``torch.save(result.model.state_dict())``, loaded ``weights_only``), and a
 model-config.yaml whose ``handler.windtunnel`` section names the input
 columns, the tree mode and the request limits.  The worker translates the
-pipeline when it starts (``handlers/windtunnel_handler.py``), so the
+pipeline when it starts (``windtunnel/handler.py``), so the
 archive needs no pickled torch module.  A joblib file is a pickle: build
 archives only from pipelines you trust, as with any TorchServe model.
 """
@@ -23,7 +23,9 @@ from typing import Any
 
 import yaml
 
-ENTRY = Path(__file__).resolve().parent.parent / "handlers" / "entry" / "windtunnel_handler.py"
+from archiver.entry import write_entry_module
+
+ENTRY = "windtunnel_handler.py"  # the entry module's file name inside the archive
 DEFAULT_MAX_ROWS = 4096  # rows per request
 DEFAULT_MAX_PAYLOAD_BYTES = 4 * 1024 * 1024
 
@@ -61,6 +63,7 @@ def build_sklearn_archive(
     import joblib
     import torch
 
+    from windtunnel.handler import WindTunnelModelHandler
     from windtunnel.translate import translate
 
     model = translate(joblib.load(pipeline_path), columns)
@@ -79,9 +82,10 @@ def build_sklearn_archive(
         config.write_text(yaml.safe_dump(
             archive_config(columns, soft, max_rows, max_payload_bytes, batch_size, max_batch_delay_ms), sort_keys=False
         ))  # fmt: skip
+        entry = write_entry_module(WindTunnelModelHandler, work, ENTRY)
         cmd = [
             str(Path(sys.executable).with_name("torch-model-archiver")), "--model-name", name, "--version", "1.0",
-            "--serialized-file", str(serialized), "--handler", str(ENTRY), "--config-file", str(config),
+            "--serialized-file", str(serialized), "--handler", str(entry), "--config-file", str(config),
             "--export-path", str(work), "--archive-format", "zip-store", "--force",
         ]  # fmt: skip
         if extra:

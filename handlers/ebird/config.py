@@ -27,7 +27,7 @@ lanes are the workers' streams and all of them may run at once.
 ``lane``, the default, gives each free lane one batch, at most
 ``cpu_batch_cap`` inputs; ``auto`` caps at the smallest worker size within
 5 % of the cheapest per input, from costs timed at warm-up and then taken
-from served batches (``handlers/runtime/batch_costs.py``).  ``plan``
+from served batches (``handlers/ebird/batch_costs.py``).  ``plan``
 runs the paper's plan over every idle worker, its batches one after
 another on the lanes.  Neither applies on CUDA, where the paper's plan is
 the rule.

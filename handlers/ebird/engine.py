@@ -17,7 +17,7 @@ finishes, as DVABatch's stages are, so a batch costs no hand-offs through a
 worker thread on the way in or out.  There the policy gets one batch per
 free lane (``ElasticScheduler``'s lane rule), capped by each size's cost per
 input: timed at warm-up, then taken from the batches served
-(``handlers/runtime/batch_costs.py``).
+(``handlers/ebird/batch_costs.py``).
 """
 
 from __future__ import annotations
@@ -34,12 +34,12 @@ from dataclasses import dataclass
 import torch
 
 from handlers.codecs import ModelInput
+from handlers.ebird.batch_costs import BatchCosts
 from handlers.ebird.config import EbirdConfig
 from handlers.ebird.pool import InputPool, Run
 from handlers.ebird.scheduler import ElasticScheduler, SchedulerState, WorkerSpec, lane_batch_cap
 from handlers.errors import ServiceUnavailable, bad_request
 from handlers.runtime.arrivals import Arrivals
-from handlers.runtime.batch_costs import BatchCosts
 from handlers.runtime.cuda_graphs import CapturedBucket, capture
 from handlers.runtime.device import ExecutionDevice
 from handlers.runtime.engine import Engine, Ticket, drain_then_stop, layout_of, warm_up_sizes

@@ -109,7 +109,7 @@ def lane_batch_cap(per_input_ms: Mapping[int, float], tolerance: float = COST_TO
     does.  A larger size is worth that only where it is clearly cheaper per
     input; one that costs more per input (ResNet-50's batch of 16 on a
     2-core VM: +25 %) would also drain the queue more slowly.  The costs
-    are the served ones (``handlers/runtime/batch_costs.py``), which carry
+    are the served ones (``handlers/ebird/batch_costs.py``), which carry
     a per-batch stall that back-to-back timings miss.
     """
     if not per_input_ms or any(b < 1 or ms <= 0 for b, ms in per_input_ms.items()):

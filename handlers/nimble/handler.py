@@ -19,15 +19,15 @@ from typing import Any
 
 import torch
 
-from handlers.cpu_handler import CPUModelHandler
 from handlers.nimble.config import NimbleConfig
 from handlers.nimble.program import FALLBACK, NimbleProgram, prepare
+from handlers.plain_handler import PlainModelHandler
 from model_store.factory import example_inputs
 
 logger = logging.getLogger(__name__)
 
 
-class NimbleHandler(CPUModelHandler):
+class NimbleHandler(PlainModelHandler):
     """The CPU handler with Nimble's ahead-of-time programs in ``inference``."""
 
     def __init__(self) -> None:

@@ -5,7 +5,7 @@ Preparation, once per worker:
 1. trace the eager model to an fx graph and fold batch norms into the
    convolutions before them (``torch.fx.experimental.optimization.fuse``):
    the frozen graph every candidate below runs;
-2. assign its operators to streams (``handlers/runtime/stream_assignment``);
+2. assign its operators to streams (``handlers/nimble/stream_assignment``);
 3. build the candidates: ``eager`` (the model as loaded), ``single`` (the
    frozen graph on one stream; on CUDA captured into one CUDA graph per
    bucket), ``multi`` (the same graph on its assigned streams; on CPU its
@@ -39,9 +39,9 @@ from torch import fx, nn
 from torch.fx.experimental.optimization import fuse
 
 from handlers.nimble.config import COMPILED, EAGER, MULTI, SINGLE, NimbleConfig
-from handlers.runtime.multistream import ChainRunner, assign_graph, rewrite_for_streams
+from handlers.nimble.multistream import ChainRunner, assign_graph, rewrite_for_streams
+from handlers.nimble.stream_assignment import StreamAssignment
 from handlers.runtime.segments import batch_rows, trace
-from handlers.runtime.stream_assignment import StreamAssignment
 
 logger = logging.getLogger(__name__)
 

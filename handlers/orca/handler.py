@@ -26,12 +26,12 @@ import os
 from typing import Any
 
 from handlers.codecs import DEFAULT_MAX_PAYLOAD_BYTES, check_payload_size, parse_json, request_payload
-from handlers.cpu_handler import load_model
 from handlers.errors import ResponseError, ServiceUnavailable, bad_request
 from handlers.orca.config import OrcaConfig
 from handlers.orca.engine import GenerationError, OrcaEngine
 from handlers.orca.gpt2 import SelectiveGPT2
 from handlers.runtime.device import ExecutionDevice
+from handlers.runtime.model_loading import load_model
 from model_store.catalog import ModelSpec
 
 logger = logging.getLogger(__name__)

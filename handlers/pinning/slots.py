@@ -68,7 +68,7 @@ class VersionPlan:
     batch: int
     slots: tuple[Slot, ...]
     # One worker serves every slot, one pinned lane per slot (a mixed plan,
-    # handlers/runtime/instances.py); otherwise one worker per slot.
+    # handlers/mixed_plan/instances.py); otherwise one worker per slot.
     grouped: bool = False
 
     def to_dict(self) -> dict[str, Any]:

@@ -50,10 +50,10 @@ from torch import nn
 from handlers.codecs import ModelInput, collate
 from handlers.errors import ServiceUnavailable, bad_request
 from handlers.reef.config import BEST_EFFORT, PRIORITIES, REALTIME, ReefConfig
+from handlers.reef.preemption import Preemption, PreemptionGate
 from handlers.runtime.device import ExecutionDevice
 from handlers.runtime.engine import Engine, Ticket, drain_then_stop, layout_of
 from handlers.runtime.metrics import HandlerMetrics
-from handlers.runtime.preemption import Preemption, PreemptionGate
 from handlers.runtime.segments import SegmentedModel
 
 logger = logging.getLogger(__name__)

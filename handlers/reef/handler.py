@@ -18,7 +18,6 @@ from typing import Any
 import torch
 
 from handlers.codecs import DEFAULT_MAX_PAYLOAD_BYTES, InputCodec, ModelInput
-from handlers.cpu_handler import load_model
 from handlers.errors import RequestError, bad_request
 from handlers.reef.config import MODEL_HEADER, PRIORITY_HEADER, ReefConfig
 from handlers.reef.engine import Member, ReefEngine, RoutedInput
@@ -26,6 +25,7 @@ from handlers.runtime.async_handler import DEFAULT_RESPONSE_TIMEOUT_S, AsyncMode
 from handlers.runtime.decode import LANE, RequestDecoder, default_decode_placement, parse_decode_threads
 from handlers.runtime.device import ExecutionDevice
 from handlers.runtime.metrics import HandlerMetrics
+from handlers.runtime.model_loading import load_model
 from handlers.runtime.segments import dynamic_dims_for, slice_model
 from model_store.catalog import ModelSpec
 from model_store.factory import outputs_close

@@ -41,7 +41,6 @@ from typing import Any
 import torch
 
 from handlers.codecs import DEFAULT_MAX_PAYLOAD_BYTES, InputCodec, ModelInput, answer_bytes, encode_output
-from handlers.cpu_handler import load_model
 from handlers.errors import ResponseError, ServiceUnavailable, bad_request
 from handlers.pinning.worker import PackratWorkerMixin
 from handlers.runtime import worker_pump
@@ -51,6 +50,7 @@ from handlers.runtime.device import ExecutionDevice
 from handlers.runtime.engine import Engine, StageTimes, input_key
 from handlers.runtime.lanes import CpuLanes
 from handlers.runtime.metrics import HandlerMetrics
+from handlers.runtime.model_loading import load_model
 from model_store.catalog import ModelSpec
 
 logger = logging.getLogger(__name__)

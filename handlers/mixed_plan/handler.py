@@ -6,7 +6,7 @@ that archive copy).  The worker claims every slot of the plan
 (``worker.claim_group``), pins the process to their cores, and runs one CPU
 lane per slot, pinned to the slot's cores with its thread count.  Requests
 are decoded as they arrive and queued once; each idle instance takes up to
-its own batch size of the oldest (``runtime/instances.py``).  Each instance
+its own batch size of the oldest (``instances.py``).  Each instance
 records its batches in its own slot's counters, so the controller sees what
 every instance served.
 
@@ -24,9 +24,9 @@ from typing import Any
 import torch
 
 from handlers.codecs import ModelInput
+from handlers.mixed_plan.instances import Instance, InstanceEngine, InstancePool
 from handlers.runtime.async_handler import AsyncModelHandler
 from handlers.runtime.engine import Engine
-from handlers.runtime.instances import Instance, InstanceEngine, InstancePool
 from handlers.runtime.lanes import CpuLanes, LanePlacement
 
 logger = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """Run an fx graph on several streams (CUDA) or threads (CPU) from a stream assignment.
 
-``handlers/runtime/stream_assignment.py`` says which operator goes on which
+``handlers/nimble/stream_assignment.py`` says which operator goes on which
 stream and which edges need an event.  This module is the mechanism that
 carries it out, two ways:
 
@@ -36,7 +36,7 @@ import networkx as nx
 import torch
 from torch import fx, nn
 
-from handlers.runtime.stream_assignment import StreamAssignment, assign_streams
+from handlers.nimble.stream_assignment import StreamAssignment, assign_streams
 
 OPERATOR_OPS = frozenset({"call_module", "call_function", "call_method"})
 CONTEXT_ATTR = "nimble_streams"

@@ -1,4 +1,4 @@
-"""Base CPU handler for the catalog's vision and text models.
+"""The plain handler: one catalog vision or text model, batched by TorchServe, on CPU or CUDA.
 
 TorchServe's template (initialize / preprocess / inference / postprocess),
 with one difference from its ``BaseHandler``: a bad request fails alone.
@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +24,7 @@ from handlers.pinning.worker import PackratWorkerMixin, process_age_s, startup_p
 from handlers.runtime.cuda_graphs import GraphBuckets
 from handlers.runtime.device import ExecutionDevice
 from handlers.runtime.metrics import HandlerMetrics
+from handlers.runtime.model_loading import load_model
 from model_store.catalog import ModelSpec
 
 logger = logging.getLogger(__name__)
@@ -47,24 +47,7 @@ class Preprocessed:
     errors: dict[int, RequestError] = field(default_factory=dict)
 
 
-def load_model(spec: ModelSpec, artefact: str, device: str | torch.device = "cpu") -> torch.nn.Module:
-    """Load an archive's artefact in the archive's execution mode, on ``device``."""
-    if spec.mode == "script":
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", category=FutureWarning)  # torch.jit's deprecation notice
-            return torch.jit.load(artefact, map_location=device).eval()
-    from model_store.factory import build_model, compile_model
-
-    model = build_model(spec)
-    model.load_state_dict(torch.load(artefact, map_location="cpu", weights_only=True))
-    model = model.to(device)
-    if spec.mode == "compile":
-        # Compiled after the move: the graph is traced for the device it runs on.
-        model = compile_model(model)
-    return model
-
-
-class CPUModelHandler(PackratWorkerMixin):
+class PlainModelHandler(PackratWorkerMixin):
     """Serves one catalog model; reads everything it needs from the archive.
 
     Under a Packrat controller, ``configure_runtime`` (from the mixin) claims a

@@ -22,7 +22,7 @@ Algorithm 1) answers it, and proves the answer optimal:
    (correctness).
 
 This module is pure graph work (networkx) and knows nothing of streams or
-threads; ``handlers/runtime/multistream.py`` runs a model on the result.
+threads; ``handlers/nimble/multistream.py`` runs a model on the result.
 """
 
 from __future__ import annotations

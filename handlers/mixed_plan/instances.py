@@ -189,14 +189,16 @@ class InstancePool:
             logger.exception("batch of %d on instance %d failed", len(taken), index)
             outputs, error = None, ServiceUnavailable(f"inference failed: {type(exc).__name__}: {exc}")
         finished = time.monotonic()
-        for i, ticket in enumerate(tickets):
-            ticket.times.finished = finished
-            ticket.settle(result=None if error else outputs[i], error=error)
+        # Recorded before any answer leaves (one 64-byte write): a client that has every answer
+        # then reads counters that hold every batch, as the controller's calibration assumes.
         if self._on_batch is not None:
             try:
                 self._on_batch(instance, len(tickets), finished - started)
             except Exception:  # bookkeeping must not cost the instance its place
                 logger.exception("recording a batch of instance %d failed", index)
+        for i, ticket in enumerate(tickets):
+            ticket.times.finished = finished
+            ticket.settle(result=None if error else outputs[i], error=error)
         with self._cond:
             self._outstanding.difference_update(tickets)
             self._idle.add(index)

@@ -20,6 +20,7 @@ import torch
 
 from handlers.codecs import answer_bytes, check_payload_size, parse_json, request_payload
 from handlers.errors import RequestError, bad_request
+from windtunnel.translate import RowError, translate
 
 logger = logging.getLogger(__name__)
 
@@ -32,9 +33,7 @@ class WindTunnelModelHandler:
         self.max_payload_bytes = 4 * 1024 * 1024
 
     def initialize(self, context: Any) -> None:
-        import joblib
-
-        from windtunnel.translate import translate
+        import joblib  # scikit-learn's pickles: only the worker that loads a pipeline needs it
 
         started = time.perf_counter()
         settings = ((getattr(context, "model_yaml_config", None) or {}).get("handler") or {}).get("windtunnel")
@@ -78,8 +77,6 @@ class WindTunnelModelHandler:
 
     def encode(self, request: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         """One request's rows as the model's tensors, or a RequestError naming what is wrong."""
-        from windtunnel.translate import RowError
-
         try:
             return self.model.encode_rows(self.rows_of(request))
         except RowError as exc:

@@ -18,7 +18,8 @@ import ts
 from ts.context import Context, RequestProcessor
 from ts.metrics.metric_cache_yaml_impl import MetricsCacheYamlImpl
 
-from model_store.build import ServingOptions, group_model_config, model_config, write_artefact
+from archiver.build import write_artefact
+from archiver.options import ServingOptions, group_model_config, model_config
 from model_store.catalog import ModelSpec
 
 
