@@ -46,8 +46,9 @@ from bench.report import (
     run_benchmark,
     save_figure,
 )
-from packrat_plugin.controller import ControllerConfig, ModelTarget, PackratController
+from packrat_plugin.controller import PackratController
 from packrat_plugin.division import OBJECTIVES, DivisionConfig
+from packrat_plugin.model_control import ControllerConfig, ModelTarget
 from packrat_plugin.plan_types import format_instances
 from packrat_plugin.profile import Profile
 from packrat_plugin.swapper import SwapperConfig

@@ -49,8 +49,9 @@ from handlers.pinning.slots import PLAN_DIR_ENV, PlanStore
 from model_store import ARCHIVE_DIR
 from model_store.catalog import get_spec
 from model_store.samples import client_payload
-from packrat_plugin.controller import ControllerConfig, ModelTarget, PackratController
+from packrat_plugin.controller import PackratController
 from packrat_plugin.levels import levels_for
+from packrat_plugin.model_control import ControllerConfig, ModelTarget
 from packrat_plugin.optimizer import KnapsackOptimizer, serving_costs
 from packrat_plugin.plan_types import Plan, PlanItem, format_instances
 from packrat_plugin.policy import UP_RULES, PolicyConfig

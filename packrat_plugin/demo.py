@@ -67,7 +67,8 @@ def run_demo(models: list[str] | None, mode: str, requests: int, ports: Ports) -
 
 def packrat_demo(args: argparse.Namespace) -> int:
     from packrat_plugin.compare import ComparisonConfig, compare_fat_and_plan
-    from packrat_plugin.controller import ControllerConfig, ModelTarget, PackratController
+    from packrat_plugin.controller import PackratController
+    from packrat_plugin.model_control import ControllerConfig, ModelTarget
     from packrat_plugin.plan_types import format_instances
     from packrat_plugin.profiler import profile_for_this_machine
     from packrat_plugin.serve import format_status

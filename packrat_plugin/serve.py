@@ -11,10 +11,11 @@ from pathlib import Path
 
 from archiver.build import catalog_name
 from packrat_plugin.archives import is_users_archive
-from packrat_plugin.controller import ControllerConfig, ModelTarget, PackratController
+from packrat_plugin.controller import PackratController
 from packrat_plugin.division import OBJECTIVES, DivisionConfig
 from packrat_plugin.foreign import read_archive
 from packrat_plugin.load_monitor import MonitorConfig
+from packrat_plugin.model_control import ControllerConfig, ModelTarget
 from packrat_plugin.plan_types import format_instances
 from packrat_plugin.policy import UP_RULES, PolicyConfig
 from packrat_plugin.profiler import profile_for_this_machine

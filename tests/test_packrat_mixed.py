@@ -23,7 +23,8 @@ from handlers.pinning.slots import read_counters
 from model_store.catalog import get_spec
 from model_store.samples import client_payload
 from packrat_plugin.archives import MANIFEST, MODEL_CONFIG, PLAN_ENTRY, versioned_copy
-from packrat_plugin.controller import ControllerConfig, ModelTarget, PackratController
+from packrat_plugin.controller import PackratController
+from packrat_plugin.model_control import ControllerConfig, ModelTarget
 from packrat_plugin.optimizer import KnapsackOptimizer
 from packrat_plugin.plan_types import Plan, PlanItem
 from packrat_plugin.swapper import SwapperConfig

@@ -18,8 +18,9 @@ import pytest
 from model_store.catalog import get_spec
 from model_store.samples import client_payload, image_tensor_json
 from packrat_plugin.compare import ComparisonConfig, compare_fat_and_plan, format_rows
-from packrat_plugin.controller import ControllerConfig, ModelTarget, PackratController
+from packrat_plugin.controller import PackratController
 from packrat_plugin.load_monitor import MonitorConfig
+from packrat_plugin.model_control import ControllerConfig, ModelTarget
 from packrat_plugin.profile import Profile, ProfilePoint
 from packrat_plugin.swapper import SwapperConfig
 from serving_harness.loadgen import open_loop, run

@@ -17,9 +17,10 @@ import pytest
 
 from model_store.catalog import get_spec
 from model_store.samples import client_payload
-from packrat_plugin.controller import ControllerConfig, ModelTarget, PackratController
+from packrat_plugin.controller import PackratController
 from packrat_plugin.division import DivisionConfig
 from packrat_plugin.load_monitor import MonitorConfig
+from packrat_plugin.model_control import ControllerConfig, ModelTarget
 from packrat_plugin.serve import format_status
 from packrat_plugin.swapper import SwapperConfig
 from serving_harness.loadgen import open_loop, run

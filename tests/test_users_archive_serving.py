@@ -17,8 +17,9 @@ import pytest
 import yaml
 
 from packrat_plugin.archives import is_users_archive, versioned_copy
-from packrat_plugin.controller import ControllerConfig, ModelTarget, PackratController
+from packrat_plugin.controller import PackratController
 from packrat_plugin.load_monitor import MonitorConfig
+from packrat_plugin.model_control import ControllerConfig, ModelTarget
 from packrat_plugin.profile import Profile, ProfilePoint
 from packrat_plugin.swapper import SwapperConfig
 from serving_harness.topology import CpuTopology

@@ -1,0 +1,44 @@
+"""The controller's status endpoint: ``GET /status`` answers the controller's state as JSON (``packrat status``)."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+
+class _StatusHandler(BaseHTTPRequestHandler):
+    status: Callable[[], dict[str, Any]]
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+        if self.path.rstrip("/") not in ("/status", ""):
+            self.send_error(404, "try /status")
+            return
+        body = json.dumps(type(self).status(), indent=2).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: Any) -> None:  # keep the console for the controller's own log
+        pass
+
+
+class StatusServer:
+    """A loopback HTTP server on its own thread that answers ``status()`` at ``/status``."""
+
+    def __init__(self, status: Callable[[], dict[str, Any]], port: int = 0) -> None:
+        handler = type("StatusHandler", (_StatusHandler,), {"status": staticmethod(status)})
+        self._http = ThreadingHTTPServer(("127.0.0.1", port), handler)
+        threading.Thread(target=self._http.serve_forever, daemon=True, name="packrat-status").start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self._http.server_address[1]}/status"
+
+    def close(self) -> None:
+        self._http.shutdown()
+        self._http.server_close()
