@@ -73,11 +73,10 @@ cat "$work/machine.txt"
 echo "steps:$steps"
 
 # -- tier 1 ---------------------------------------------------------------
-# Every test that skips without CUDA (and the CUDA-default tests beside them).
+# Every test that skips without CUDA: tests/gpu, and the device-parametrized tests whose cuda case sits
+# beside its cpu twin (the CPU-default tests of those two files run too).
 step tests 150 "$py" -m pytest -q -p no:cacheprovider -rs \
-    tests/test_ebird_handler.py tests/test_reef_engine.py tests/test_nimble_program.py \
-    tests/test_plain_handler_direct.py tests/test_dvabatch_engine.py tests/test_orca_batch_generate.py \
-    tests/test_multistream.py tests/test_ebird_policy.py tests/test_cuda_graphs.py -k "$tests_k"
+    tests/gpu tests/unit/test_ebird_handler.py tests/unit/test_plain_handler_direct.py -k "$tests_k"
 
 # DVABatch vs NO Wait and a 10 ms wait: three loads, but one repeat and a short capacity step (the H200 run
 # with two repeats reached 6 of 18 runs in 120 s).

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("serving_harness", "model_store", "handlers", "archiver", "windtunnel", "packrat_plugin", "bench")
 LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")
 

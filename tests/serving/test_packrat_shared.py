@@ -25,7 +25,7 @@ from packrat_plugin.serve import format_status
 from packrat_plugin.swapper import SwapperConfig
 from serving_harness.loadgen import open_loop, run
 from serving_harness.topology import CpuTopology
-from tests.test_packrat_online import affinity_of_tasks, two_core_profile
+from tests.serving.test_packrat_online import affinity_of_tasks, two_core_profile
 
 pytestmark = [
     pytest.mark.torchserve,

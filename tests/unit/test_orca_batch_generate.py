@@ -5,13 +5,12 @@ from __future__ import annotations
 import threading
 
 import pytest
-import torch
 
 from handlers.orca.batch_generate import BatchGenerateEngine, padded_batch
 from handlers.orca.engine import GenerationError
 from model_store.catalog import get_spec
 from model_store.factory import build_model
-from tests.test_orca_engine import greedy, prompt
+from tests.unit.test_orca_engine import greedy, prompt
 
 
 @pytest.fixture(scope="module")
@@ -90,15 +89,3 @@ def test_a_failed_batch_fails_its_requests_and_the_next_batch_is_served(hf):
     finally:
         engine.close(timeout_s=30)
     assert calls == [1, 1]
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_on_cuda_a_batch_gives_each_request_the_greedy_tokens_of_the_model_on_cuda():
-    hf = build_model(get_spec("gpt2")).model.to("cuda")
-    engine = BatchGenerateEngine(hf, max_batch=2, max_new_tokens=8, max_tokens=32)
-    prompts = [prompt(30, 6), prompt(31, 6)]
-    try:
-        results = [f.result(timeout=120) for f in [engine.submit(p, 5) for p in prompts]]
-    finally:
-        engine.close(timeout_s=30)
-    assert results == [greedy(hf, p, 5) for p in prompts]

@@ -16,7 +16,7 @@ from archiver.options import ServingOptions
 from model_store.catalog import get_spec
 from model_store.samples import image_tensor_json, jpeg_bytes, png_bytes
 from tests.metrics_endpoint import handler_metric
-from tests.test_serving import assert_matches_reference
+from tests.serving.test_serving import assert_matches_reference
 
 pytestmark = pytest.mark.torchserve
 

@@ -24,7 +24,7 @@ from bench.ts_frames import Request, inference_frame, read_answer_frame, torchse
 from handlers.runtime.worker_pump import LEAN, TORCHSERVE, WorkerPump, parse_worker_pump
 from model_store.catalog import get_spec
 from tests.conftest import EBIRD_TEST_SETTINGS
-from tests.test_ebird_serving import archive_config, registered_apart, serve_good_and_bad, worker_log
+from tests.serving.test_ebird_serving import archive_config, registered_apart, serve_good_and_bad, worker_log
 
 EBIRD = tuple(sorted(EBIRD_TEST_SETTINGS.items()))
 

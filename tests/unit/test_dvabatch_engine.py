@@ -205,15 +205,3 @@ def test_stages_sharing_one_lane_still_answer_every_request_its_row(model):
     assert_rows_of(model, inputs, futures)
     engine.close()
     lanes.close()
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_stages_on_cuda_streams_give_the_models_rows(model):
-    engine, _ = make_engine(model, device="cuda", max_batch=4)
-    inputs = [torch.randn(64) for _ in range(12)]
-    futures = [engine.try_submit(ModelInput((x,))) for x in inputs]
-    with torch.no_grad():
-        expected = model(torch.stack(inputs))
-    for i, future in enumerate(futures):
-        assert torch.allclose(future.result(timeout=30), expected[i], atol=1e-4)  # answers come back on the host
-    engine.close()

@@ -26,7 +26,7 @@ from model_store.samples import image_tensor_json, jpeg_bytes
 from serving_harness.loadgen import open_loop, run
 from tests.conftest import EBIRD_TEST_SETTINGS
 from tests.metrics_endpoint import handler_metric, requests_batched
-from tests.test_serving import assert_matches_reference
+from tests.serving.test_serving import assert_matches_reference
 
 pytestmark = pytest.mark.torchserve
 

@@ -227,32 +227,3 @@ def test_config_is_validated_and_a_header_outranks_the_models_default():
     ]:
         with pytest.raises(ReefConfigError, match=message):
             ReefConfig.from_dict(bad)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("padding", [False, True])
-def test_on_cuda_rt_gets_the_higher_priority_stream_and_every_answer_is_the_models(padding):
-    device = ExecutionDevice("cuda:0")
-    members = []
-    for name, model, shape in (("held", Held(), (3, 8, 8)), ("small", Small(), (6,))):
-        torch.manual_seed(0)
-        model = model.eval().to(device.device)
-        example = (torch.randn(2, *shape, device=device.device),)
-        sliced = slice_model(model, example, 3, repeats=1, check=lambda g, e: outputs_close(g, e, 1e-5))
-        members.append(Member(name, model, sliced, ModelInput((torch.zeros(shape),))))
-    config = ReefConfig(segments=3, c=2, be_max_batch=2, padding=padding)
-    eng = ReefEngine(members, device, config, HandlerMetrics(None, "test"))
-    eng.warm_up()
-    try:
-        assert eng._rt_stream.priority < eng._be_streams["held"].priority
-        assert eng._padding is padding  # padded BE units (in real-time mode) must answer as the model, too
-        sent = []
-        for i in range(16):
-            model = "held" if i % 3 else "small"
-            sent.append((model, *request(eng, model, REALTIME if i % 4 == 0 else BEST_EFFORT, seed=300 + i)))
-        for model, x, future in sent:
-            with torch.inference_mode():
-                want = eng.members[model].model(x.unsqueeze(0).to(device.device))[0].float().cpu()
-            assert outputs_close(future.result(WAIT_S), want, 1e-4)
-    finally:
-        eng.close(5.0)

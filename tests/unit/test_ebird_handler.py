@@ -353,20 +353,6 @@ def test_decoding_defaults_to_a_pool_on_cuda_and_inline_is_a_choice(make_handler
     assert status == 200
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_lane_decoding_on_cuda_falls_back_to_decode_threads(make_handler):
-    handler, _ = make_handler("cuda", decode_threads="lane", worker_batches=[1, 2], pool_slots=4)
-    assert handler.lanes is None and handler.decoder.threads == default_decode_placement(is_cuda=True)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_on_cuda_answers_are_encoded_on_the_event_loop_even_when_asked_for_the_engine(make_handler):
-    handler, ctx = make_handler("cuda", encode_answers="engine", worker_batches=[1, 2], pool_slots=4)
-    assert not handler.encode_on_engine
-    [(status, _)] = serve_all(handler, ctx, [{"body": jpeg_bytes(seed=3)}])
-    assert status == 200
-
-
 @pytest.mark.parametrize("value", [-1, "two", True, 1.5])
 def test_bad_decode_threads_fail_the_load_with_a_reason(make_handler, value):
     with pytest.raises(ValueError, match="decode_threads must be an integer"):

@@ -242,18 +242,3 @@ def test_pool_refuses_misuse():
         pool.release(run)
     with pytest.raises(ValueError):
         pool.take(3)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_device_pool_lives_on_the_gpu():
-    pool = InputPool([((3, 4, 4), torch.float32)], 4, device="cuda")
-    for value in (1.0, 2.0):
-        pool.write(pool.reserve(), [torch.full((3, 4, 4), value)])
-    run = pool.take(2)
-    stream = torch.cuda.Stream()
-    pool.wait_copied(run, stream)  # the engine's stream waits on the copy stream's per-slot events
-    with torch.cuda.stream(stream):
-        (batch,) = pool.views(run)
-        total = batch.sum(dim=(1, 2, 3))
-    stream.synchronize()
-    assert batch.is_cuda and total.tolist() == [48.0, 96.0]

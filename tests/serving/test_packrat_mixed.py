@@ -30,7 +30,7 @@ from packrat_plugin.plan_types import Plan, PlanItem
 from packrat_plugin.swapper import SwapperConfig
 from serving_harness.loadgen import closed_loop, open_loop, run
 from serving_harness.topology import CpuTopology
-from tests.test_packrat_online import affinity_of_tasks, two_core_profile
+from tests.serving.test_packrat_online import affinity_of_tasks, two_core_profile
 
 SPEC = get_spec("resnet50", "script")
 

@@ -24,7 +24,7 @@ from packrat_plugin.profile import Profile, ProfilePoint
 from packrat_plugin.swapper import SwapperConfig
 from serving_harness.topology import CpuTopology
 from serving_harness.torchserve import TorchServeProcess
-from tests.test_packrat_online import affinity_of_tasks
+from tests.serving.test_packrat_online import affinity_of_tasks
 from tests.user_archives import build_user_archives, jpeg
 
 pytestmark = [

@@ -15,7 +15,6 @@ import torch
 from archiver.options import ServingOptions
 from bench.direct import call_batch, load_context, model_dir_for
 from handlers.plain_handler import PlainModelHandler
-from handlers.runtime.cuda_graphs import GraphBuckets
 from model_store.catalog import get_spec
 from model_store.factory import outputs_close
 from tests.payloads import image_tensor_json, jpeg_bytes, reference_logits
@@ -57,18 +56,3 @@ def test_cuda_graphs_are_for_the_plain_handler_only_and_ignored_on_a_cpu(tmp_pat
     ctx.model_yaml_config["handler"]["cuda_graphs"] = "yes"
     with pytest.raises(RuntimeError, match="cuda_graphs must be true or false"):
         PlainModelHandler().initialize(ctx)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_on_cuda_the_plain_handler_replays_captured_graphs_and_answers_as_the_model(tmp_path):
-    model_dir = model_dir_for(SPEC, tmp_path / "model")
-    ctx = load_context(SPEC, model_dir, ServingOptions(batch_size=4, cuda_graphs=True), gpu=0)
-    handler = PlainModelHandler()
-    handler.initialize(ctx)
-    assert isinstance(handler.model, GraphBuckets) and handler.model.sizes == [1, 2, 4]
-    good = [{"body": jpeg_bytes(seed=1)}, {"body": image_tensor_json(SPEC, seed=2)}, {"body": jpeg_bytes(seed=3)}]
-    for batch in (good, good[:1], [good[0], {"body": b"{not json"}, *good[1:]]):  # buckets 4, 1; a bad row
-        answers = [(status, body) for status, body in call_batch(handler, ctx, batch) if status == 200]
-        assert len(answers) == 3 if len(batch) > 1 else 1
-        for (_, body), row in zip(answers, reference_logits(SPEC, good), strict=False):
-            assert outputs_close(torch.tensor(body["logits"]), row, 1e-2)  # TF32 on CUDA

@@ -15,8 +15,8 @@ from model_store.catalog import get_spec
 from model_store.samples import image_tensor_json, jpeg_bytes, png_bytes, token_ids_json
 from tests.conftest import DVABATCH_TEST_SETTINGS
 from tests.metrics_endpoint import handler_metric, requests_batched
-from tests.test_ebird_serving import burst, post_all
-from tests.test_serving import assert_matches_reference
+from tests.serving.test_ebird_serving import burst, post_all
+from tests.serving.test_serving import assert_matches_reference
 
 pytestmark = pytest.mark.torchserve
 

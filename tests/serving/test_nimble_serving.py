@@ -13,14 +13,14 @@ from archiver.build import build_archive
 from archiver.options import ServingOptions
 from model_store.catalog import get_spec
 from model_store.samples import image_tensor_json, jpeg_bytes
-from tests.test_ebird_serving import post_all
-from tests.test_serving import assert_matches_reference
+from tests.serving.test_ebird_serving import post_all
+from tests.serving.test_serving import assert_matches_reference
 
 pytestmark = pytest.mark.torchserve
 
 # Buckets up to 2 while TorchServe batches up to 4: a full batch takes the eager fallback.
 # No compiled candidate: compiling ResNet-50 in the worker would add a minute
-# on 2 cores (tests/test_nimble_program.py covers that candidate).
+# on 2 cores (tests/unit/test_nimble_program.py covers that candidate).
 NIMBLE_TEST_SETTINGS = {"buckets": [1, 2], "timing_runs": 1, "cpu_compile": False}
 MODEL = "resnet50-nimble"
 
