@@ -117,11 +117,11 @@ def build_archive(
     with tempfile.TemporaryDirectory(prefix=f"mar-{name}-") as tmp:
         workdir = Path(tmp)
         artefact = write_artefact(spec, workdir, model)
-        _archive(name, workdir, [artefact], config, options, out_dir, target)
+        run_archiver(name, workdir, [artefact], config, options, out_dir, target)
     return target
 
 
-def _archive(
+def run_archiver(
     name: str, workdir: Path, artefacts: list[Path], config: dict, options: ServingOptions, out_dir: Path, target: Path
 ) -> None:
     """torch-model-archiver over ``artefacts`` (the first is the serialized file) and ``config``, into ``target``."""
@@ -186,7 +186,7 @@ def build_group_archive(
                 kind.check_model(spec, model, parsed)
             artefacts.append(workdir / f"weights-{spec.name}.pt")
             torch.save(model.state_dict(), artefacts[-1])
-        _archive(name, workdir, artefacts, config, options, out_dir, target)
+        run_archiver(name, workdir, artefacts, config, options, out_dir, target)
     return target
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from archiver.build import build_group_archive, build_many, select
 from archiver.options import ServingOptions
+from archiver.serialized import build_serialized_archive, describe
 from handlers.registry import ALIASES, HANDLERS
 from model_store import ARCHIVE_DIR
 from model_store.catalog import EXECUTION_MODES
@@ -31,6 +32,15 @@ def decode_threads_argument(text: str) -> int | str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--models", help="comma-separated catalog names (default: all, or the CI set with --ci)")
+    yours = parser.add_argument_group("your own model (instead of catalog models; archiver/serialized.py)")
+    yours.add_argument(
+        "--serialized-file",
+        type=Path,
+        help="a TorchScript file (torch.jit.save) or a torch.export program (torch.export.save)",
+    )
+    yours.add_argument("--name", help="the model's name (the archive is NAME.mar, or NAME-HANDLER.mar)")
+    yours.add_argument("--input", help="what the model takes: image:CxHxW (e.g. image:3x224x224) or tokens:LENGTH")
+    yours.add_argument("--vocab-size", type=int, help="token models: ids at or above it are refused with a 400")
     parser.add_argument("--modes", help=f"comma-separated modes from {','.join(EXECUTION_MODES)} (default: all)")
     parser.add_argument("--ci", action="store_true", help="only the catalog's CI-sized models")
     parser.add_argument("--all", action="store_true", help="every model in every mode")
@@ -88,7 +98,15 @@ def run(args: argparse.Namespace) -> int:
     def split(value: str | None) -> list[str] | None:
         return [v.strip() for v in value.split(",") if v.strip()] if value else None
 
-    specs = select(split(args.models), split(args.modes), ci=args.ci and not args.all)
+    yours = args.serialized_file is not None
+    if yours and (args.models or args.modes or args.ci or args.all):
+        print("error: --serialized-file archives your own model; --models/--modes/--ci/--all name catalog ones",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    if yours and not (args.name and args.input):
+        print("error: --serialized-file needs --name NAME and --input image:CxHxW or tokens:LENGTH", file=sys.stderr)
+        return 2
+    specs = [] if yours else select(split(args.models), split(args.modes), ci=args.ci and not args.all)
     try:
         options = ServingOptions(
             batch_size=args.batch_size,
@@ -110,14 +128,17 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     try:
-        if options.kind.group:  # one archive, every model: eager unless modes were named
+        if yours:
+            spec = describe(args.serialized_file, args.name, args.input, args.vocab_size)
+            paths = [build_serialized_archive(args.serialized_file, spec, args.out, options, args.force)]
+        elif options.kind.group:  # one archive, every model: eager unless modes were named
             group = specs if args.modes else [s for s in specs if s.mode == "eager"]
             paths = [build_group_archive(group, args.out, options, args.force)]
         else:
             paths = build_many(specs, args.out, options, args.force)
         for path in paths:
             print(path)
-    except ValueError as exc:  # an option that does not fit a model (token_lengths for an image model, ...)
+    except ValueError as exc:  # an option or a model that does not fit (token_lengths for an image model, ...)
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0

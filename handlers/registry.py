@@ -32,7 +32,7 @@ from handlers.plain_handler import PlainModelHandler
 from handlers.reef.config import ReefConfig
 from handlers.reef.handler import ReefHandler
 from handlers.runtime.segment_profile import slice_catalog_model
-from model_store.catalog import ModelSpec
+from model_store.catalog import SERIALIZED, ModelSpec
 from model_store.factory import example_inputs
 
 SpecCheck = Callable[[str, ModelSpec], None]
@@ -69,12 +69,22 @@ class HandlerKind:
         return f"{self.name}_handler.py"
 
 
+def _graph_of(name: str, spec: ModelSpec) -> None:
+    if spec.family == SERIALIZED and spec.arch != "export":
+        raise ValueError(
+            f"the {name} handler cuts the model's graph, and a TorchScript file cannot be cut: "
+            "save the model with torch.export.save instead"
+        )
+
+
 def _eager_only(name: str, spec: ModelSpec) -> None:
+    _graph_of(name, spec)
     if spec.mode != "eager":
         raise ValueError(f"the {name} handler slices the eager model; build {spec.name} in mode 'eager'")
 
 
 def _traceable_image_model(name: str, spec: ModelSpec) -> None:
+    _graph_of(name, spec)
     if spec.mode != "eager":
         raise ValueError(f"the {name} handler traces the eager model; build {spec.name} in mode 'eager'")
     if spec.input_kind != "image":

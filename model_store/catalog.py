@@ -19,6 +19,10 @@ CATALOG_PATH = Path(__file__).with_name("catalog.yaml")
 
 FAMILIES = ("torchvision", "unet", "bert", "distilbert", "gpt2")
 IMAGE_FAMILIES = ("torchvision", "unet")
+# A user's own model: not built from an architecture but loaded from the file its user saved
+# (``archiver/serialized.py``); ``arch`` names the file's format.
+SERIALIZED = "serialized"
+SERIALIZED_FORMATS = ("torchscript", "export")
 INPUT_KINDS = ("image", "tokens")
 EXECUTION_MODES = ("eager", "script", "compile")
 
@@ -43,6 +47,8 @@ class ModelSpec:
     image_shape: tuple[int, int, int] | None = None
     seq_len: int | None = None
     num_labels: int | None = None
+    # Token models outside the catalog families say their vocabulary (ids at or above it are refused).
+    vocab_size: int | None = None
     modes: tuple[str, ...] = EXECUTION_MODES
     ci: bool = False
     mode: str = "eager"
@@ -74,12 +80,16 @@ class ModelSpec:
         if "modes" in data:
             data["modes"] = tuple(data["modes"])
         spec = cls(**data)
-        _validate(spec)
+        validate_spec(spec)
         return spec
 
 
-def _validate(spec: ModelSpec) -> None:
+def validate_spec(spec: ModelSpec) -> None:
+    """Refuse a description no handler could serve, in one line naming what is wrong."""
     where = f"model {spec.name!r}"
+    if spec.family == SERIALIZED:
+        _validate_serialized(spec, where)
+        return
     if spec.family not in FAMILIES:
         raise CatalogError(f"{where}: family must be one of {FAMILIES}, got {spec.family!r}")
     if spec.input_kind not in INPUT_KINDS:
@@ -100,6 +110,22 @@ def _validate(spec: ModelSpec) -> None:
             raise CatalogError(f"{where}: token input needs a positive seq_len")
         if spec.family in IMAGE_FAMILIES:
             raise CatalogError(f"{where}: {spec.family} models take image input")
+
+
+def _validate_serialized(spec: ModelSpec, where: str) -> None:
+    if spec.arch not in SERIALIZED_FORMATS:
+        raise CatalogError(f"{where}: a serialized model's format must be one of {SERIALIZED_FORMATS}")
+    if spec.mode != "eager" or spec.modes != ("eager",):
+        raise CatalogError(f"{where}: a serialized model runs as it was saved (mode 'eager')")
+    if spec.input_kind == "image":
+        shape = spec.image_shape
+        if shape is None or len(shape) != 3 or min(shape) <= 0:
+            raise CatalogError(f"{where}: image input needs a shape C x H x W, got {shape}")
+    elif spec.input_kind == "tokens":
+        if spec.seq_len is None or spec.seq_len <= 0 or spec.vocab_size is None or spec.vocab_size <= 0:
+            raise CatalogError(f"{where}: token input needs a positive length and vocabulary size")
+    else:
+        raise CatalogError(f"{where}: input kind must be one of {INPUT_KINDS}")
 
 
 def _parse_entry(name: str, entry: dict[str, Any], defaults: dict[str, Any]) -> ModelSpec:
@@ -123,7 +149,7 @@ def _parse_entry(name: str, entry: dict[str, Any], defaults: dict[str, Any]) -> 
         )
     except KeyError as exc:
         raise CatalogError(f"model {name!r}: missing key {exc.args[0]!r}") from None
-    _validate(spec)
+    validate_spec(spec)
     return spec
 
 

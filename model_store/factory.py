@@ -15,7 +15,7 @@ import warnings
 import torch
 from torch import nn
 
-from model_store.catalog import ModelSpec
+from model_store.catalog import SERIALIZED, ModelSpec
 
 
 class LogitsOnly(nn.Module):
@@ -86,6 +86,8 @@ def build_model(spec: ModelSpec) -> nn.Module:
     The same spec always yields bit-identical weights, which is how tests
     compare a served result with the model's direct output.
     """
+    if spec.family == SERIALIZED:
+        raise ValueError(f"{spec.name} is loaded from the file its user saved, not built from an architecture")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(spec.seed)
         model = _build_architecture(spec)
@@ -93,7 +95,9 @@ def build_model(spec: ModelSpec) -> nn.Module:
 
 
 def vocab_size(spec: ModelSpec) -> int:
-    """Token-id upper bound (exclusive) of a text model, from its config."""
+    """Token-id upper bound (exclusive) of a text model: its own, or its family's config's."""
+    if spec.vocab_size is not None:
+        return spec.vocab_size
     import transformers
 
     configs = {

@@ -6,12 +6,19 @@ import warnings
 
 import torch
 
-from model_store.catalog import ModelSpec
+from model_store.catalog import SERIALIZED, ModelSpec
 from model_store.factory import build_model, compile_model
 
 
 def load_model(spec: ModelSpec, artefact: str, device: str | torch.device = "cpu") -> torch.nn.Module:
     """Load an archive's artefact in the archive's execution mode, on ``device``."""
+    if spec.family == SERIALIZED:  # a user's own file, run as it was saved
+        if spec.arch == "export":
+            # An exported program's module is already in inference form (and refuses .eval()).
+            return torch.export.load(artefact).module().to(device)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=FutureWarning)
+            return torch.jit.load(artefact, map_location=device).eval()
     if spec.mode == "script":
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", category=FutureWarning)  # torch.jit's deprecation notice
