@@ -19,6 +19,7 @@ import argparse
 import contextlib
 import json
 import statistics
+import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -285,6 +286,19 @@ def format_rows(data: dict[str, Any]) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="resnet50", help="catalog name")
+    parser.add_argument(
+        "--archive",
+        type=Path,
+        help="an archive instead of a catalog model: yours, from torch-model-archiver, or one that "
+        "`packrat archive` built (then --model and --mode do not apply)",
+    )
+    parser.add_argument(
+        "--sample",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="with --archive: a request body the archive's handler accepts (repeatable, or a folder); sent in turn",
+    )
     parser.add_argument("--mode", default="script", choices=("eager", "script", "compile"))
     parser.add_argument("--profile", type=Path, help="default: profiles/<model>.json, else a brief one")
     parser.add_argument("--batches", default="2,8", help="requests in flight, comma-separated")
@@ -296,27 +310,55 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path, help="also write the result here")
 
 
+def archive_payloads(archive: Path, samples: list[str]) -> tuple[str, list[Any]]:
+    """The model name and the request bodies to send to ``archive``: the ``--sample`` files, or, for an
+    archive `packrat archive` built, the client payloads its model description calls for."""
+    from model_store.catalog import ModelSpec
+    from model_store.samples import client_payload
+    from packrat_plugin.foreign import read_archive, read_samples
+
+    info = read_archive(archive)
+    if samples:
+        bodies = [json.loads(s.body) if s.content_type == "application/json" else s.body for s in read_samples(samples)]
+        return info.model_name, bodies
+    if not info.ours:
+        raise ValueError(f"{archive} runs your own handler: pass --sample FILE, a request body it accepts")
+    spec = ModelSpec.from_dict(info.config["handler"]["spec"])
+    return info.model_name, [client_payload(spec, seed=i) for i in range(32)]
+
+
 def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    """Build the archive, find a profile for this machine, compare; returns the data."""
+    """Build the archive (or take the one given), find a profile for this machine, compare; returns the data."""
     from archiver.build import build_archive
     from model_store import ARCHIVE_DIR
     from model_store.catalog import get_spec
     from model_store.samples import client_payload
     from packrat_plugin.profiler import parse_int_list, profile_for_this_machine
 
-    spec = get_spec(args.model, args.mode)
-    profile, profile_path = profile_for_this_machine(spec.name, args.profile, args.force, args.mode)
-    archive = build_archive(spec, ARCHIVE_DIR)
-    payloads = [client_payload(spec, seed=i) for i in range(32)]
+    if args.archive is not None:
+        name, payloads = archive_payloads(args.archive, args.sample)
+        profile, profile_path = profile_for_this_machine(name, args.profile, args.force, users_archive=args.archive)
+        archive, mode = args.archive, "as archived"
+    else:
+        if args.sample:
+            raise ValueError("--sample goes with --archive; a catalog model's requests are made for it")
+        spec = get_spec(args.model, args.mode)
+        profile, profile_path = profile_for_this_machine(spec.name, args.profile, args.force, args.mode)
+        archive, mode = build_archive(spec, ARCHIVE_DIR), spec.mode
+        payloads = [client_payload(spec, seed=i) for i in range(32)]
     config = ComparisonConfig(tuple(parse_int_list(args.batches)), args.seconds, args.warmup_seconds, args.repeats,
                               args.max_batch_delay)  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="packrat-compare-") as tmp:
         data = compare_fat_and_plan(archive, profile, lambda n: payloads[n % len(payloads)], Path(tmp), config)
-    return {**data, "mode": spec.mode, "profile": str(profile_path)}
+    return {**data, "mode": mode, "profile": str(profile_path)}
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    data = run_from_args(args)
+    try:
+        data = run_from_args(args)
+    except ValueError as exc:  # no archive, no sample, no profile for this machine: one line, no traceback
+        print(f"packrat bench: error: {exc}", file=sys.stderr)
+        return 2
     print(f"{data['model']} ({data['mode']}), T={data['threads']}, profile {data['profile']}\n" + format_rows(data))
     if args.json:
         args.json.write_text(json.dumps(data, indent=2) + "\n")

@@ -375,7 +375,7 @@ def profile_for_this_machine(
     if users_archive is not None:
         raise ValueError(
             f"no profile of {model} for this machine ({'; '.join(reasons)}): run `packrat profile {users_archive} "
-            f"--sample FILE` first (a request body its handler accepts), or pass --profile {model}=PATH"
+            f"--sample FILE` first (a request body its handler accepts), or pass the path of one with --profile"
         )
     out = local_dir / f"{model}.json"
     cores = len(CpuTopology.from_system().cores)

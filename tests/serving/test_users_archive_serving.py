@@ -112,3 +112,26 @@ def test_serving_a_users_archive_without_a_profile_says_how_to_make_one(archives
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "packrat profile" in err[0] and "--sample FILE" in err[0], err
+
+
+def test_packrat_bench_measures_a_users_archive_against_the_fat_worker_on_the_users_sample(archives, tmp_path, capsys):
+    from packrat_plugin.cli import main as packrat_main
+
+    sample = jpeg(tmp_path / "sample.jpg", seed=3)
+    profile = tmp_path / "tiny.json"
+    split_profile("tiny").save(profile)
+    result = tmp_path / "bench.json"
+    code = packrat_main(["bench", "--archive", str(archives["tiny"]), "--sample", str(sample), "--profile",
+                         str(profile), "--force", "--batches", "4", "--seconds", "2", "--warmup-seconds", "1",
+                         "--repeats", "1", "--json", str(result)])  # fmt: skip
+    assert code == 0, capsys.readouterr().err
+    data = yaml.safe_load(result.read_text())
+    [row] = data["rows"]
+    assert data["model"] == "tiny" and row["failed"] == 0
+    # The plan the profile calls for at B=4 (two one-thread workers of batch 2) against one fat worker,
+    # with the profile's prediction beside the measured ratio.
+    assert row["batch"] == 4 and row["plan"] == [{"count": 2, "threads": 1, "batch": 2}]
+    assert row["latency_speedup"] > 0 and row["expected_speedup"] == pytest.approx(400.0 / 190.0)
+    # Without a sample, a user's handler cannot be driven: one line says what to pass.
+    assert packrat_main(["bench", "--archive", str(archives["tiny"]), "--profile", str(profile)]) == 2
+    assert "pass --sample FILE" in capsys.readouterr().err
