@@ -138,3 +138,51 @@ def test_a_file_that_is_no_saved_model_is_refused_by_name(tmp_path, capsys):
     junk.write_bytes(b"not a model")
     assert archive_main(["--serialized-file", str(junk), "--name", "x", "--input", IMAGE, "--out", str(tmp_path)]) == 2
     assert "neither a TorchScript file" in capsys.readouterr().err
+
+
+class TinyTextNet(nn.Module):
+    """Token ids and their mask in, two logits out: a masked mean of embeddings through a linear head."""
+
+    def __init__(self, vocab: int = 100) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, 16)
+        self.head = nn.Linear(16, 2)
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        weights = mask.unsqueeze(-1).to(self.embed.weight.dtype)
+        pooled = (self.embed(ids) * weights).sum(1) / weights.sum(1).clamp(min=1.0)
+        return self.head(pooled)
+
+
+@pytest.mark.torchserve
+@pytest.mark.parametrize("handler", ["plain", "dvabatch"])
+def test_a_users_token_model_is_served_with_its_own_answers_and_its_vocabulary_enforced(
+    torchserve, model_store_dir, tmp_path, handler, capsys
+):
+    torch.manual_seed(3)
+    net = TinyTextNet().eval()
+    ids, mask = torch.randint(0, 100, (2, 12)), torch.ones(2, 12, dtype=torch.long)
+    batch = torch.export.Dim("batch", min=1, max=64)
+    program = torch.export.export(net, (ids, mask), dynamic_shapes=({0: batch}, {0: batch}))
+    torch.export.save(program, tmp_path / "text.pt2")
+    extra = ["--handler-config", json.dumps({"segments": 2, "max_batch": 4})] if handler == "dvabatch" else []
+    args = ["--serialized-file", str(tmp_path / "text.pt2"), "--name", "tinytext", "--input", "tokens:12",
+            "--vocab-size", "100", "--handler", handler, *extra, "--out", str(model_store_dir), "--force"]  # fmt: skip
+    assert archive_main(args) == 0, capsys.readouterr().err
+    name = capsys.readouterr().out.strip().splitlines()[-1].rsplit("/", 1)[-1].removesuffix(".mar")
+    torchserve.management().register(f"{name}.mar", model_name=name)
+    try:
+        url = f"{torchserve.inference_url}/predictions/{name}"
+        for row in ([5, 17, 42], list(range(12)), [99]):
+            answer = requests.post(url, json={"input_ids": row}, timeout=60)
+            assert answer.status_code == 200, answer.text
+            padded = torch.zeros(1, 12, dtype=torch.long)
+            padded[0, : len(row)] = torch.tensor(row)
+            row_mask = (torch.arange(12) < len(row)).long().unsqueeze(0)
+            with torch.no_grad():
+                expected = net(padded, row_mask)[0]
+            assert torch.allclose(torch.tensor(answer.json()["logits"]), expected, atol=1e-5)
+        outside = requests.post(url, json={"input_ids": [3, 100]}, timeout=60)
+        assert outside.status_code == 400 and "outside the vocabulary [0, 100)" in outside.json()["message"]
+    finally:
+        torchserve.management().unregister(name)
