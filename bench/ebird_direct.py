@@ -54,16 +54,9 @@ latency is reported per repeat, as median and spread.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
 import math
-import multiprocessing as mp
 import statistics
 import sys
-import time
-from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
-from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -72,8 +65,19 @@ from tqdm import tqdm
 if __package__ in (None, ""):  # `python bench/NAME.py` from the repository root
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from archiver.options import ServingOptions
-from bench.direct import call, call_batch, load_context, model_dir_for
+from bench.direct import model_dir_for
+from bench.direct_systems import (
+    BASELINE,
+    DVABATCH,
+    EBIRD_EAGER,
+    GRAPH_BASELINE,
+    NOWAIT_BATCH,
+    TWIN,
+    SystemProcess,
+    ebird_system,
+    is_baseline,
+    label,
+)
 from bench.report import (
     add_output_arguments,
     markdown_table,
@@ -82,292 +86,8 @@ from bench.report import (
     run_benchmark,
     save_figure,
 )
-from handlers.dvabatch.handler import DvaBatchHandler
-from handlers.ebird.handler import EbirdHandler
-from handlers.plain_handler import PlainModelHandler
-from handlers.runtime.decode import LANE
 from model_store.catalog import get_spec
-from serving_harness.loadgen import LoadResult, Sample, arrival_times
-
-BASELINE = "nowait"
-GRAPH_BASELINE = "nowait-graphs"
-TWIN = "nowait-twin"  # NO Wait again, as a system of its own: its ratio to NO Wait is the bench's A/A band
-EBIRD_EAGER = "ebird-eager"
-DVABATCH = "dvabatch"
-NOWAIT_BATCH = 32
-
-
-def ebird_system(decode_threads: str) -> str:
-    """A system's name for Ebird with a decode placement ("auto": the runtime's default)."""
-    if decode_threads == "auto":
-        return "ebird"
-    if decode_threads == LANE:
-        return "ebird-decodelane"
-    if int(decode_threads) < 0:
-        raise ValueError(decode_threads)
-    return f"ebird-decode{int(decode_threads)}"
-
-
-def decode_setting(system: str) -> int | str | None:
-    """The archive's ``decode_threads`` for an Ebird system name (None: the default)."""
-    if system == EBIRD_EAGER:
-        return None
-    placement = system.removeprefix("ebird").removeprefix("-decode")
-    return None if not placement else placement if placement == LANE else int(placement)
-
-
-def wait_ms(system: str) -> float:
-    """The frontend's ``max_batch_delay`` of a waiting baseline (``wait5`` → 5)."""
-    return float(system.removeprefix("wait"))
-
-
-def is_baseline(system: str) -> bool:
-    """The stock handler under the frontend's batching (eager): the systems a handler must beat."""
-    return system == BASELINE or system.startswith("wait")
-
-
-def label(system: str) -> str:
-    if system == BASELINE:
-        return "NO Wait"
-    if system == GRAPH_BASELINE:
-        return "NO Wait (graphs)"
-    if system == TWIN:
-        return "NO Wait (twin)"
-    if system == "ebird":
-        return "Ebird"
-    if system == DVABATCH:
-        return "DVABatch"
-    if system.startswith("wait"):
-        return f"wait {wait_ms(system):g} ms"
-    if system == EBIRD_EAGER:
-        return "Ebird (eager)"
-    placement = decode_setting(system)
-    if placement == LANE:
-        return "Ebird (decode on the lane)"
-    if placement == 0:
-        return "Ebird (inline decode)"
-    return f"Ebird ({placement} decode thread{'' if placement == 1 else 's'})"
-
-
-# -- inside a system's process ------------------------------------------------
-
-
-class AsyncDriver:
-    """An async handler (Ebird, DVABatch): one ``handle`` call per request."""
-
-    def __init__(self, handler: Any, load_ctx: Any) -> None:
-        self.handler, self.load_ctx = handler, load_ctx
-
-    async def start(self) -> None:
-        pass
-
-    async def request(self, row: dict) -> int:
-        status, _ = await call(self.handler, self.load_ctx, row)
-        return status
-
-    async def stop(self) -> None:
-        pass
-
-
-class NoWaitDriver:
-    """The plain handler behind a batch-aggregating frontend that never waits for a fuller batch."""
-
-    def __init__(self, handler: Any, load_ctx: Any, batch_size: int, delay_s: float = 0.0) -> None:
-        self.handler, self.load_ctx, self.batch_size, self.delay_s = handler, load_ctx, batch_size, delay_s
-        # The worker runs one batch at a time, on one thread, as TorchServe's worker runs ``handle`` on its
-        # main thread.  ``initialize`` runs there too: torch work on a second thread would start a second
-        # OpenMP team on the same cores (measured: 74 → 86-104 ms per image on 2 cores).
-        self.worker = ThreadPoolExecutor(1, thread_name_prefix="worker")
-        self.worker.submit(handler.initialize, load_ctx).result()
-
-    async def start(self) -> None:
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.batcher = asyncio.create_task(self._aggregate())
-
-    async def request(self, row: dict) -> int:
-        answer = asyncio.get_running_loop().create_future()
-        self.queue.put_nowait((row, answer))
-        return await answer
-
-    async def _aggregate(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            items = [await self.queue.get()]
-            deadline = loop.time() + self.delay_s  # max_batch_delay: a fuller batch may be waited for this long
-            while len(items) < self.batch_size:
-                if not self.queue.empty():
-                    items.append(self.queue.get_nowait())
-                    continue
-                remaining = deadline - loop.time()
-                if remaining <= 0:
-                    break
-                try:
-                    items.append(await asyncio.wait_for(self.queue.get(), remaining))
-                except TimeoutError:
-                    break
-            try:
-                answers = await loop.run_in_executor(self.worker, call_batch, self.handler, self.load_ctx,
-                                                     [row for row, _ in items])  # fmt: skip
-                statuses = [status for status, _ in answers]
-            except Exception:  # the worker died on this batch: its requests fail, none vanish
-                statuses = [0] * len(items)
-            for (_, answer), status in zip(items, statuses, strict=True):
-                answer.set_result(status)
-
-    async def stop(self) -> None:
-        self.batcher.cancel()
-
-
-def make_driver(system: str, model: str, mode: str, model_dir: str, device: str) -> tuple[Any, Any]:
-    """(driver, handler) for one system, initialised as TorchServe would initialise its worker."""
-    spec = get_spec(model, mode)
-    gpu = 0 if device == "cuda" else None
-    if system.startswith("ebird"):
-        settings = (("cuda_graphs", False),) if system == EBIRD_EAGER else ()
-        options = ServingOptions(handler="ebird", decode_threads=decode_setting(system), handler_settings=settings)
-        ctx = load_context(spec, Path(model_dir), options, gpu=gpu)
-        handler = EbirdHandler()
-        handler.initialize(ctx)
-        return AsyncDriver(handler, ctx), handler
-    if system == DVABATCH:
-        from bench.dvabatch import dvabatch_token_lengths
-
-        options = ServingOptions(handler="dvabatch", token_lengths=dvabatch_token_lengths(spec, "auto"))
-        ctx = load_context(spec, Path(model_dir), options, gpu=gpu)
-        handler = DvaBatchHandler()
-        handler.initialize(ctx)
-        return AsyncDriver(handler, ctx), handler
-    delay_ms = wait_ms(system) if system.startswith("wait") else 0.0
-    options = ServingOptions(
-        batch_size=NOWAIT_BATCH, max_batch_delay_ms=round(delay_ms), cuda_graphs=system == GRAPH_BASELINE
-    )
-    ctx = load_context(spec, Path(model_dir), options, gpu=gpu)
-    handler = PlainModelHandler()
-    return NoWaitDriver(
-        handler, ctx, NOWAIT_BATCH, delay_ms / 1e3
-    ), handler  # initialised on the driver's worker thread
-
-
-async def open_loop(driver: Any, rows: list[dict], times: list[float]) -> LoadResult:
-    """Every arrival's sample; latency counts from the scheduled send time, since the event loop that
-    would send late is the handler's own (Ebird decodes on it)."""
-    await driver.start()
-    result = await play(times, lambda i: driver.request(rows[i % len(rows)]))
-    await driver.stop()
-    return result
-
-
-async def play(times: list[float], send: Callable[[int], Awaitable[int]]) -> LoadResult:
-    """``send(i)`` at each of ``times`` (seconds from now), concurrently; each sample's latency counts from
-    its scheduled time, so a send the event loop made late is charged to the system, not hidden."""
-    samples: list[Sample] = []
-    t0 = time.perf_counter()
-
-    async def one(i: int, at: float) -> None:
-        status = await send(i)
-        samples.append(Sample(at, time.perf_counter() - t0 - at, status))
-
-    tasks = []
-    for i, at in enumerate(times):
-        delay = t0 + at - time.perf_counter()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        tasks.append(asyncio.create_task(one(i, at)))
-    await asyncio.gather(*tasks)
-    return LoadResult(samples, time.perf_counter() - t0)
-
-
-async def closed_loop(driver: Any, rows: list[dict], clients: int, seconds: float) -> float:
-    """Answered requests per second with ``clients`` requests always in flight."""
-    await driver.start()
-    samples: list[Sample] = []
-    t0 = time.perf_counter()
-
-    async def client(k: int) -> None:
-        i = k
-        while (sent := time.perf_counter()) - t0 < seconds:
-            status = await driver.request(rows[i % len(rows)])
-            samples.append(Sample(sent - t0, time.perf_counter() - sent, status))
-            i += clients
-
-    await asyncio.gather(*(client(k) for k in range(clients)))
-    result = LoadResult(samples, time.perf_counter() - t0)
-    await driver.stop()
-    return result.throughput()
-
-
-def stage_totals(metrics: Any) -> dict[str, Any]:
-    """The handler's own counters: batches run by size, and seconds and requests per stage."""
-    snap = metrics.snapshot()
-    return {"batches": snap["batches"], "seconds": dict(metrics.stage_seconds), "counts": dict(metrics.stage_counts)}
-
-
-def counters_since(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
-    """One run's share of the counters: batches by size, and mean ms per request in each stage."""
-    batches = {size: n - before["batches"].get(size, 0) for size, n in after["batches"].items()}
-    stages = {}
-    for stage, seconds in after["seconds"].items():
-        requests = after["counts"][stage] - before["counts"].get(stage, 0)
-        if requests:
-            stages[stage] = 1e3 * (seconds - before["seconds"].get(stage, 0.0)) / requests
-    return {"batches": {size: n for size, n in batches.items() if n}, "stages_ms": stages}
-
-
-def serve(conn: Connection, system: str, model: str, mode: str, model_dir: str, device: str) -> None:
-    """A system's process: load, say ready, then run the parent's load commands one at a time."""
-    from bench.dvabatch import bench_payloads
-    from model_store.samples import request_body
-
-    driver, handler = make_driver(system, model, mode, model_dir, device)
-    payloads, _ = bench_payloads(get_spec(model, mode), count=64)  # token models: mixed lengths
-    rows = [{"body": request_body(p)} for p in payloads]
-    conn.send(("ready", str(handler.device.device)))
-    for command, kwargs in iter(conn.recv, None):
-        try:
-            before = stage_totals(handler.metrics)
-            if command == "open":
-                result: Any = asyncio.run(open_loop(driver, rows, **kwargs))
-            else:
-                result = asyncio.run(closed_loop(driver, rows, **kwargs))
-            conn.send(("ok", (result, counters_since(before, stage_totals(handler.metrics)))))
-        except Exception as exc:  # the parent reports it; the process stays up for the next command
-            conn.send(("error", f"{type(exc).__name__}: {exc}"))
-
-
-# -- the parent --------------------------------------------------------------
-
-
-class SystemProcess:
-    def __init__(self, system: str, model: str, mode: str, model_dir: Path, device: str) -> None:
-        self.system = system
-        ctx = mp.get_context("spawn")  # a fresh interpreter: no torch thread state shared with the parent
-        self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=serve, args=(child, system, model, mode, str(model_dir), device))
-        self.process.start()
-        self.device: str | None = None
-
-    def wait_ready(self, timeout_s: float = 600.0) -> None:
-        """Block until the handler is initialised (processes start together and load side by side)."""
-        self.device = self._receive(timeout_s)
-
-    def _receive(self, timeout_s: float) -> Any:
-        if not self.conn.poll(timeout_s):
-            raise TimeoutError(f"{self.system}: no answer within {timeout_s:g} s")
-        kind, value = self.conn.recv()
-        if kind == "error":
-            raise RuntimeError(f"{self.system}: {value}")
-        return value
-
-    def run(self, command: str, timeout_s: float, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
-        self.conn.send((command, kwargs))
-        return self._receive(timeout_s)
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):  # the process is gone already
-            self.conn.send(None)
-        self.process.join(30)
-        if self.process.is_alive():
-            self.process.kill()
+from serving_harness.loadgen import LoadResult, arrival_times
 
 
 def latency_stats(result: LoadResult) -> dict[str, Any]:

@@ -42,7 +42,7 @@ if __package__ in (None, ""):  # `python bench/NAME.py` from the repository root
 
 from archiver.options import ServingOptions
 from bench.direct import call, group_load_context
-from bench.ebird_direct import play
+from bench.direct_systems import play
 from bench.reef import WORKLOADS, members_of, plot, render, run_row, summarise, workload_settings
 from bench.report import add_output_arguments, run_benchmark
 from handlers.reef.handler import ENGINE_KEY, ReefHandler
