@@ -167,6 +167,7 @@ class PackratController:
             "inference_url": self.server.inference_url,
             "management_url": self.server.management_url,
             "threads": len(self.topology.cores),
+            "cores_source": self.topology.source,  # the affinity mask, limited by a cgroup quota where one applies
             "division": division,
             "models": {name: mc.status() for name, mc in self.models.items()},
         }

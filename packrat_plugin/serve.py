@@ -174,7 +174,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def format_status(status: dict) -> str:
-    lines = []
+    lines = [f"{status.get('threads', '?')} cores: {status.get('cores_source', 'the affinity mask')}"]
     division = status.get("division")
     if division:
         shares = ", ".join(f"{name}: {count}" for name, count in (division["cores"] or {}).items())
