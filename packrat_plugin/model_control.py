@@ -21,6 +21,7 @@ import logging
 import math
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -150,6 +151,7 @@ class ModelController:
         self.swaps: list[SwapReport] = []
         self.decisions: list[dict[str, Any]] = []
         self.last_error: str | None = None
+        self.swap_errors = 0  # reconfigurations that failed (the old set kept serving)
         self.lock = threading.Lock()
 
     def _largest_feasible_batch(self, threads: int | None = None) -> int:
@@ -268,6 +270,7 @@ class ModelController:
             logger.error("%s: reconfiguration failed: %s", self.target.name, exc)
             with self.lock:
                 self.last_error = str(exc)
+                self.swap_errors += 1
             raise
         if report.kind != "none":
             # The new set's counters start where they are now; the drain is over,
@@ -372,6 +375,8 @@ class ModelController:
                 },  # fmt: skip
                 "calibration": self.calibrator.current.to_dict(),
                 "swaps": len(self.swaps),
+                "swaps_by_kind": dict(Counter(report.kind for report in self.swaps)),
+                "swap_errors": self.swap_errors,
                 "last_swap": last.to_dict() if last else None,
                 "last_decision": self.decisions[-1] if self.decisions else None,
                 "last_error": self.last_error,

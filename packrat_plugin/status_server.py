@@ -1,4 +1,5 @@
-"""The controller's status endpoint: ``GET /status`` answers the controller's state as JSON (``packrat status``)."""
+"""The controller's status endpoint: ``GET /status`` answers its state as JSON (``packrat status``), ``GET /metrics``
+the same state as Prometheus metrics (``metrics_export.py``)."""
 
 from __future__ import annotations
 
@@ -8,17 +9,23 @@ from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from packrat_plugin.metrics_export import CONTENT_TYPE, prometheus_text
+
 
 class _StatusHandler(BaseHTTPRequestHandler):
     status: Callable[[], dict[str, Any]]
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
-        if self.path.rstrip("/") not in ("/status", ""):
-            self.send_error(404, "try /status")
+        path = self.path.split("?", 1)[0].rstrip("/")
+        if path in ("/status", ""):
+            body, content_type = json.dumps(type(self).status(), indent=2).encode(), "application/json"
+        elif path == "/metrics":
+            body, content_type = prometheus_text(type(self).status()).encode(), CONTENT_TYPE
+        else:
+            self.send_error(404, "try /status or /metrics")
             return
-        body = json.dumps(type(self).status(), indent=2).encode()
         self.send_response(200)
-        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)

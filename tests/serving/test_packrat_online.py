@@ -9,11 +9,14 @@ processes, core pinning, HTTP load.
 from __future__ import annotations
 
 import os
+import re
 import signal
+import threading
 import time
 from pathlib import Path
 
 import pytest
+import requests
 
 from model_store.catalog import get_spec
 from model_store.samples import client_payload, image_tensor_json
@@ -162,8 +165,22 @@ def test_one_step_of_open_loop_load_swaps_warm_within_seconds_with_zero_failures
     # on the bare profile may be followed by a second, corrective move once
     # serving has been measured (seen in CI: 2×⟨1,1⟩, then 2×⟨1,2⟩ 8 s later).
     step_wall = time.time() + 8
+    # A scraper of the status port's /metrics during the load sees the plan change.
+    metrics_url = controller.status_url.replace("/status", "/metrics")
+    scraped: list[str] = []
+    scraping = threading.Event()
+
+    def scrape() -> None:
+        while not scraping.is_set():
+            scraped.append(requests.get(metrics_url, timeout=5).text)
+            scraping.wait(0.5)
+
+    scraper = threading.Thread(target=scrape, daemon=True)
+    scraper.start()
     result = run(open_loop(url, lambda i: payload, [(8, 3.0), (24, 10.0)], seed=7))
     time.sleep(3.0)  # a swap still in progress would finish, and count, before the state is read
+    scraping.set()
+    scraper.join(timeout=10)
     status = controller.status()["models"]["resnet50"]
     swaps = swaps_after(controller, 0)
     assert result.failed == 0, [s.status for s in result.samples if s.status != 200][:5]
@@ -188,6 +205,14 @@ def test_one_step_of_open_loop_load_swaps_warm_within_seconds_with_zero_failures
     # The workers' counters calibrated the profile: JPEG decoding costs time outside the model.
     assert status["calibration"]["updates"] >= 1 and status["calibration"]["overhead_ms"] > 0, status["calibration"]
     assert controller.server.inference().predict("resnet50", payload).status == 200
+    # What the scrapes saw: the fat plan, then the new one, with the swap counted and its duration.
+    versions = [re.findall(r'packrat_plan_info\{model="resnet50",version="(\w+)"', text) for text in scraped]
+    seen = [v[0] for v in versions if v]
+    assert seen[0] == "t2b1" and seen[-1] == status["active_version"], seen
+    last = scraped[-1]
+    assert 'packrat_swaps_total{model="resnet50",kind="swap"} 1.0' in last
+    serving_after = re.search(r'packrat_last_swap_serving_after_seconds\{model="resnet50"\} (\S+)', last)
+    assert serving_after and float(serving_after.group(1)) == pytest.approx(swap.serving_after_s, abs=1e-6)
 
 
 def test_constant_poisson_load_gives_no_swap_over_a_minute(controller_factory):
