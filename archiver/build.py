@@ -22,13 +22,14 @@ import subprocess
 import sys
 import tempfile
 import warnings
+import zipfile
 from pathlib import Path
 
 import torch
 import yaml
 from tqdm import tqdm
 
-from archiver.entry import write_entry_module
+from archiver.entry import entry_module_text, write_entry_module
 from archiver.options import ServingOptions, group_model_config, model_config
 from model_store import ARCHIVE_DIR
 from model_store.catalog import EXECUTION_MODES, ModelSpec, get_spec, load_catalog
@@ -48,6 +49,24 @@ def catalog_name(archive: str | Path) -> str:
     name, _, tail = stem.rpartition("_")
     mode = tail.split("-", 1)[0]
     return name if name and mode in EXECUTION_MODES else stem
+
+
+def is_current(target: Path, options: ServingOptions) -> bool:
+    """``target`` exists and names the handler as this version of the project writes it.
+
+    An archive built before a handler moved names a module that is gone, and
+    TorchServe would fail to start its workers; such an archive is rebuilt, not reused.
+    """
+    if not target.exists():
+        return False
+    try:
+        with zipfile.ZipFile(target) as mar:
+            current = mar.read(options.kind.entry_file).decode() == entry_module_text(options.kind.handler)
+    except (KeyError, zipfile.BadZipFile, OSError):
+        current = False
+    if not current:
+        print(f"{target.name} was built by an earlier version of its handler's entry; rebuilding it", file=sys.stderr)
+    return current
 
 
 def group_archive_name(models: list[str], handler: str) -> str:
@@ -103,7 +122,7 @@ def build_archive(
     out_dir.mkdir(parents=True, exist_ok=True)
     name = archive_name(spec.name, spec.mode, options.handler)
     target = out_dir / f"{name}.mar"
-    if target.exists() and not force:
+    if is_current(target, options) and not force:
         return target
     kind = options.kind
     if kind.group:
@@ -174,7 +193,7 @@ def build_group_archive(
     out_dir.mkdir(parents=True, exist_ok=True)
     name = group_archive_name(names, options.handler)
     target = out_dir / f"{name}.mar"
-    if target.exists() and not force:
+    if is_current(target, options) and not force:
         return target
     config = group_model_config(specs, options)
     with tempfile.TemporaryDirectory(prefix=f"mar-{name}-") as tmp:

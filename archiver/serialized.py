@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from archiver.build import run_archiver
+from archiver.build import is_current, run_archiver
 from archiver.options import ServingOptions, model_config
 from handlers.runtime.model_loading import load_model
 from model_store import ARCHIVE_DIR
@@ -119,7 +119,7 @@ def build_serialized_archive(
         raise ValueError(f"the {kind.name} handler serves a group of models; archive the catalog's with --models")
     name = spec.name if kind.name == "plain" else f"{spec.name}-{kind.name}"
     target = out_dir / f"{name}.mar"
-    if target.exists() and not force:
+    if is_current(target, options) and not force:
         return target
     if kind.check_spec is not None:
         kind.check_spec(kind.name, spec)
