@@ -53,17 +53,15 @@ def serialized_format(path: Path) -> str:
 def parse_input(text: str, vocab_size: int | None = None) -> dict:
     """``image:3x224x224`` or ``tokens:128`` (with ``vocab_size``) into the spec's input fields."""
     kind, _, shape = text.partition(":")
+    if kind == "tokens" and vocab_size is None:
+        raise ValueError("token input needs --vocab-size (ids at or above it are refused with a 400)")
     try:
         if kind == "image":
-            dims = tuple(int(d) for d in shape.lower().split("x"))
-            return {"input_kind": "image", "image_shape": dims}
+            return {"input_kind": "image", "image_shape": tuple(int(d) for d in shape.lower().split("x"))}
         if kind == "tokens":
-            if vocab_size is None:
-                raise ValueError("token input needs --vocab-size (ids at or above it are refused with a 400)")
             return {"input_kind": "tokens", "seq_len": int(shape), "vocab_size": int(vocab_size)}
-    except ValueError as exc:
-        if "vocab" in str(exc):
-            raise
+    except ValueError:
+        pass  # a malformed shape: the same one-line usage as an unknown kind
     raise ValueError(f"--input must be image:CxHxW (e.g. image:3x224x224) or tokens:LENGTH, got {text!r}")
 
 

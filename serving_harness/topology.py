@@ -163,12 +163,13 @@ class CpuTopology:
         affinity: set[int] | None = None,
     ) -> CpuTopology:
         allowed = sorted(affinity if affinity is not None else os.sched_getaffinity(0))
+        socket = {cpu: _socket_of(cpu, sys_root) for cpu in allowed}
         ordered = physical_first(allowed, sys_root)
         quota = read_cpu_quota(cgroup_root, proc_cgroup)
         source = f"{len(allowed)} CPUs in the affinity mask"
         if quota.cores is not None and quota.cores < len(ordered):
             # Whole physical cores first, socket by socket: an instance as large as the quota stays on one socket.
-            compact = sorted(ordered, key=lambda cpu: _socket_of(cpu, sys_root))  # stable: physical-first kept
+            compact = sorted(ordered, key=socket.__getitem__)  # stable: physical-first kept
             kept = set(compact[: quota.cores])
             ordered = [cpu for cpu in ordered if cpu in kept]
             source += f", limited to {quota.cores} by {quota.source}"
@@ -176,7 +177,7 @@ class CpuTopology:
             source += f" (the quota, {quota.source}, allows them all)"
         by_socket: dict[int, list[int]] = {}
         for cpu in ordered:
-            by_socket.setdefault(_socket_of(cpu, sys_root), []).append(cpu)
+            by_socket.setdefault(socket[cpu], []).append(cpu)
         return cls({s: tuple(c) for s, c in sorted(by_socket.items())}, source)
 
     @classmethod

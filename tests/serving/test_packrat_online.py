@@ -27,7 +27,7 @@ from packrat_plugin.model_control import ControllerConfig, ModelTarget
 from packrat_plugin.profile import Profile, ProfilePoint
 from packrat_plugin.swapper import SwapperConfig
 from serving_harness.loadgen import open_loop, run
-from serving_harness.topology import CpuTopology
+from serving_harness.topology import CpuTopology, parse_cpu_list
 
 pytestmark = [
     pytest.mark.torchserve,
@@ -65,14 +65,6 @@ def affinity_of_tasks(pid: int) -> set[tuple[int, ...]]:
         line = next(x for x in text.splitlines() if x.startswith("Cpus_allowed_list"))
         seen.add(tuple(parse_cpu_list(line.split(":", 1)[1].strip())))
     return seen
-
-
-def parse_cpu_list(text: str) -> list[int]:
-    cores: list[int] = []
-    for part in text.split(","):
-        lo, _, hi = part.partition("-")
-        cores += range(int(lo), int(hi or lo) + 1)
-    return cores
 
 
 def workers(controller: PackratController, version: str) -> list[dict]:
