@@ -9,10 +9,11 @@ from pathlib import Path
 
 from archiver.build import build_group_archive, build_many, select
 from archiver.options import ServingOptions
-from archiver.serialized import build_serialized_archive, describe
+from archiver.serialized import build_serialized_archive
 from handlers.registry import ALIASES, HANDLERS
 from model_store import ARCHIVE_DIR
 from model_store.catalog import EXECUTION_MODES
+from model_store.user_models import describe
 
 
 def token_lengths_argument(text: str) -> tuple[int, ...]:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-import zipfile
 from pathlib import Path
 
 import torch
@@ -27,55 +26,12 @@ from archiver.build import is_current, run_archiver
 from archiver.options import ServingOptions, model_config
 from handlers.runtime.model_loading import load_model
 from model_store import ARCHIVE_DIR
-from model_store.catalog import SERIALIZED, CatalogError, ModelSpec, validate_spec
+from model_store.catalog import ModelSpec
 from model_store.factory import example_inputs, outputs_close
+from model_store.user_models import describe_input
 
 # The artefact's name inside the archive, by format (TorchServe's serializedFile).
 ARTEFACT_NAMES = {"torchscript": "model.pt", "export": "model.pt2"}
-
-
-def serialized_format(path: Path) -> str:
-    """``export`` or ``torchscript``, read from the file's zip records (neither loads the model)."""
-    try:
-        with zipfile.ZipFile(path) as archive:
-            names = archive.namelist()
-    except (OSError, zipfile.BadZipFile):
-        names = []
-    if any(n.endswith("/archive_format") for n in names):
-        return "export"
-    if any(n.endswith("/constants.pkl") or "/code/" in n for n in names):
-        return "torchscript"
-    raise ValueError(
-        f"{path} is neither a TorchScript file (torch.jit.save) nor a torch.export program (torch.export.save)"
-    )
-
-
-def parse_input(text: str, vocab_size: int | None = None) -> dict:
-    """``image:3x224x224`` or ``tokens:128`` (with ``vocab_size``) into the spec's input fields."""
-    kind, _, shape = text.partition(":")
-    if kind == "tokens" and vocab_size is None:
-        raise ValueError("token input needs --vocab-size (ids at or above it are refused with a 400)")
-    try:
-        if kind == "image":
-            return {"input_kind": "image", "image_shape": tuple(int(d) for d in shape.lower().split("x"))}
-        if kind == "tokens":
-            return {"input_kind": "tokens", "seq_len": int(shape), "vocab_size": int(vocab_size)}
-    except ValueError:
-        pass  # a malformed shape: the same one-line usage as an unknown kind
-    raise ValueError(f"--input must be image:CxHxW (e.g. image:3x224x224) or tokens:LENGTH, got {text!r}")
-
-
-def describe(path: Path, name: str, input_text: str, vocab_size: int | None = None) -> ModelSpec:
-    """The model's description, checked as a catalog entry is (a bad one is refused in one line)."""
-    spec = ModelSpec(
-        name=name, family=SERIALIZED, arch=serialized_format(path), modes=("eager",),
-        **parse_input(input_text, vocab_size),
-    )  # fmt: skip
-    try:
-        validate_spec(spec)
-    except CatalogError as exc:
-        raise ValueError(str(exc)) from None
-    return spec
 
 
 def check_batches(spec: ModelSpec, model: torch.nn.Module) -> None:
@@ -98,12 +54,6 @@ def check_batches(spec: ModelSpec, model: torch.nn.Module) -> None:
         raise ValueError(f"{spec.name}: a row's answer depends on the other rows of its batch; it cannot be batched")
 
 
-def describe_input(spec: ModelSpec) -> str:
-    if spec.input_kind == "image":
-        return "images of shape " + "x".join(str(d) for d in spec.image_shape)
-    return f"token ids (input_ids, attention_mask) of length {spec.seq_len}"
-
-
 def build_serialized_archive(
     path: Path,
     spec: ModelSpec,
@@ -114,7 +64,10 @@ def build_serialized_archive(
     """Write ``<out_dir>/<name>.mar`` (``<name>-<handler>.mar`` for a scheduling handler); returns its path."""
     kind = options.kind
     if kind.group:
-        raise ValueError(f"the {kind.name} handler serves a group of models; archive the catalog's with --models")
+        raise ValueError(
+            f"the {kind.name} handler serves a group of models: list yours under handler.members of a "
+            "torch-model-archiver archive (docs/your_models.md), or archive the catalog's with --models"
+        )
     name = spec.name if kind.name == "plain" else f"{spec.name}-{kind.name}"
     target = out_dir / f"{name}.mar"
     if is_current(target, options) and not force:

@@ -54,6 +54,8 @@ class HandlerKind:
     group: bool = False
     check_spec: SpecCheck | None = None
     check_model: ModelCheck | None = None
+    # Serves a language model from its checkpoint (config.json + weights), not a saved module.
+    checkpoint: bool = False
 
     def parse_settings(self, settings: Mapping[str, Any]) -> Any:
         """The handler's settings object (refused with a ``ValueError`` naming the bad key); None if it takes none."""
@@ -125,7 +127,7 @@ HANDLERS: dict[str, HandlerKind] = {
         HandlerKind("nimble", NimbleHandler, False, NimbleConfig, check_spec=_traceable_image_model,
                     check_model=_freezes),
         # Async: every request joins the generation pool as it arrives; tokens streamed back.
-        HandlerKind("orca", OrcaHandler, True, OrcaConfig, check_spec=_gpt2_eager),
+        HandlerKind("orca", OrcaHandler, True, OrcaConfig, check_spec=_gpt2_eager, checkpoint=True),
     )
 }  # fmt: skip
 # The plain handler's name before it had one of its own; still accepted wherever a handler is named.

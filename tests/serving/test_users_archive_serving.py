@@ -9,7 +9,9 @@ by hand, as in ``test_packrat_online.py``, so the plan is known on any machine.
 
 from __future__ import annotations
 
+import json
 import os
+import time
 import zipfile
 from pathlib import Path
 
@@ -22,6 +24,7 @@ from packrat_plugin.load_monitor import MonitorConfig
 from packrat_plugin.model_control import ControllerConfig, ModelTarget
 from packrat_plugin.profile import Profile, ProfilePoint
 from packrat_plugin.swapper import SwapperConfig
+from serving_harness.loadgen import open_loop, run
 from serving_harness.topology import CpuTopology
 from serving_harness.torchserve import TorchServeProcess
 from tests.serving.test_packrat_online import affinity_of_tasks
@@ -100,6 +103,62 @@ def test_packrat_serves_a_users_archive_pinned_per_slot_with_the_handlers_own_an
         assert {next(iter(tasks)) for tasks in held} == slots  # one worker per slot
         got = answers_of(controller.server, "tiny", images)
         assert all(close(g, e) for g, e in zip(got, expected, strict=True)), (got, expected)
+    finally:
+        controller.stop()
+
+
+def pinned_to_their_slots(controller: PackratController, model: str) -> list[tuple[int, ...]]:
+    """Every worker the management API lists for the active version, read from /proc: each thread of each
+    worker on exactly its slot's cores, one worker per slot.  Returns the slots' cores."""
+    status = controller.status()["models"][model]
+    slots = sorted(tuple(s["cores"]) for s in status["slots"])
+    listed = controller.server.management().describe(model, status["active_version"])[0]["workers"]
+    held = []
+    for worker in listed:
+        tasks = affinity_of_tasks(worker["pid"])
+        assert len(tasks) == 1, (worker["pid"], tasks)  # all its threads on one set of cores
+        held.append(next(iter(tasks)))
+    assert sorted(held) == slots, (held, slots)  # one worker per slot, on the slot's cores
+    threads = [i["threads"] for i in status["plan"]["instances"] for _ in range(i["count"])]
+    assert sorted(len(cores) for cores in slots) == sorted(threads)  # a slot of t threads holds t cores
+    return slots
+
+
+PAYLOADS = {
+    "tiny": lambda root: jpeg(root / "load.jpg", seed=21).read_bytes(),  # the stock image_classifier eats JPEGs
+    "tinycustom": lambda root: json.dumps([0.25] * (3 * 8 * 8)).encode(),  # the user's handler eats JSON lists
+}
+
+
+@pytest.mark.parametrize("model", list(PAYLOADS))
+def test_a_load_rise_on_a_users_archive_swaps_to_a_plan_pinned_per_slot_without_failures(archives, tmp_path, model):
+    # On the bare profile (no calibration: the user's model is far faster than the profile says, and
+    # calibrated it would never need a second core), 3 requests/s fit the fat worker and 16 do not.
+    config = ControllerConfig(
+        monitor=MonitorConfig(period_s=0.1), swapper=SwapperConfig(max_batch_delay_ms=20), standby_workers=8,
+        calibrate=False,
+    )  # fmt: skip
+    target = ModelTarget(model, archives[model], split_profile(model))
+    topology = CpuTopology({0: tuple(sorted(os.sched_getaffinity(0)))[:2]})
+    controller = PackratController(tmp_path / "packrat", [target], config, topology=topology).start()
+    try:
+        first = controller.status()["models"][model]
+        assert first["plan"]["instances"] == [{"count": 1, "threads": 2, "batch": 1}]
+        assert pinned_to_their_slots(controller, model) == [tuple(sorted(os.sched_getaffinity(0)))[:2]]
+        payload = PAYLOADS[model](tmp_path)
+        url = f"{controller.server.inference_url}/predictions/{model}"
+        result = run(open_loop(url, lambda i: payload, [(6, 3.0), (12, 16.0)], seed=3))
+        time.sleep(2.0)  # a swap still in progress finishes before the state is read
+        assert result.failed == 0, [s.status for s in result.samples if s.status != 200][:5]
+        swaps = [r for r in controller.models[model].swaps if r.kind != "initial"]
+        assert len(swaps) == 1 and swaps[0].warm, [(s.kind, s.before, s.after) for s in swaps]
+        after = controller.status()["models"][model]
+        assert [(i["count"], i["threads"]) for i in after["plan"]["instances"]] == [(2, 1)], after["plan"]
+        slots = pinned_to_their_slots(controller, model)
+        assert len(slots) == 2 and len(set().union(*slots)) == 2  # two disjoint one-core slots
+        assert (
+            controller.server.inference().predict(model, payload, content_type="application/octet-stream").status == 200
+        )
     finally:
         controller.stop()
 

@@ -20,9 +20,10 @@ from torch import nn
 
 from archiver.cli import main as archive_main
 from archiver.options import ServingOptions
-from archiver.serialized import build_serialized_archive, describe
+from archiver.serialized import build_serialized_archive
 from model_store.catalog import SERIALIZED
 from model_store.samples import image_tensor_json
+from model_store.user_models import describe
 
 IMAGE = "image:3x32x32"
 
@@ -116,8 +117,8 @@ def test_a_torchscript_file_serves_plainly_but_cannot_be_cut(saved, tmp_path):
     [
         ("static", IMAGE, "plain", "does not run on images of shape 3x32x32 at batch 1 and 3.*dynamic batch"),
         ("export", "image:3x64", "plain", "image input needs a shape C x H x W"),
-        ("export", "video:3x64", "plain", "--input must be image:CxHxW"),
-        ("export", "tokens:16", "plain", "needs --vocab-size"),
+        ("export", "video:3x64", "plain", "input must be image:CxHxW"),
+        ("export", "tokens:16", "plain", r"needs a vocabulary size \(--vocab-size"),
         ("export", IMAGE, "orca", "the orca handler serves GPT-2"),
         ("export", IMAGE, "reef", "serves a group of models"),
     ],
