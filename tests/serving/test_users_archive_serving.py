@@ -16,6 +16,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from packrat_plugin.archives import is_users_archive, versioned_copy
@@ -62,46 +63,56 @@ def test_the_swappers_copy_of_a_users_archive_wraps_its_handler_and_keeps_the_re
         versioned_copy(source, tmp_path / "grouped.mar", "g", grouped=True)
 
 
-def answers_of(server: TorchServeProcess, model: str, images: list[Path]) -> list:
+def answers_of(server: TorchServeProcess, model: str, payloads: list[bytes]) -> list:
     client = server.inference()
     out = []
-    for image in images:
-        answer = client.predict(model, image.read_bytes(), content_type="image/jpeg")
+    for payload in payloads:
+        answer = client.predict(model, payload)
         assert answer.status == 200, answer.body
         out.append(answer.body)
     return out
 
 
-def close(a: dict[str, float], b: dict[str, float], tol: float = 1e-4) -> bool:
-    return a.keys() == b.keys() and all(abs(a[k] - b[k]) <= tol for k in a)
+def close(a, b, tol: float = 1e-4) -> bool:
+    """The stock handler answers {label: probability}; the user's handler a nested list of logits."""
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(abs(a[k] - b[k]) <= tol for k in a)
+    return torch.allclose(torch.tensor(a), torch.tensor(b), atol=tol)
 
 
-def test_packrat_serves_a_users_archive_pinned_per_slot_with_the_handlers_own_answers(archives, tmp_path):
-    images = [jpeg(tmp_path / f"img{i}.jpg", seed=10 + i) for i in range(4)]
+def sample_payloads(model: str, root: Path) -> list[bytes]:
+    if model == "tiny":  # the stock image_classifier eats JPEGs
+        return [jpeg(root / f"img{i}.jpg", seed=10 + i).read_bytes() for i in range(4)]
+    return [json.dumps([0.1 * i - 0.3 * k for k in range(3 * 8 * 8)]).encode() for i in range(4)]
+
+
+@pytest.mark.parametrize("model", ["tiny", "tinycustom"])
+def test_packrat_serves_a_users_archive_pinned_per_slot_with_the_handlers_own_answers(archives, tmp_path, model):
+    payloads = sample_payloads(model, tmp_path)
     store = tmp_path / "plain-store"
     store.mkdir()
-    (store / "tiny.mar").write_bytes(archives["tiny"].read_bytes())
-    with TorchServeProcess(tmp_path / "plain", store) as plain:
-        plain.management().register("tiny.mar", model_name="tiny", initial_workers=1)
-        expected = answers_of(plain, "tiny", images)
+    (store / f"{model}.mar").write_bytes(archives[model].read_bytes())
+    with TorchServeProcess(tmp_path / "plain", store) as plain:  # TorchServe without Packrat
+        plain.management().register(f"{model}.mar", model_name=model, initial_workers=1)
+        expected = answers_of(plain, model, payloads)
 
     config = ControllerConfig(
         monitor=MonitorConfig(period_s=0.1), swapper=SwapperConfig(max_batch_delay_ms=20), standby_workers=0,
         fixed_batch=4,
     )  # fmt: skip
-    target = ModelTarget("tiny", archives["tiny"], split_profile("tiny"))
+    target = ModelTarget(model, archives[model], split_profile(model))
     topology = CpuTopology({0: tuple(sorted(os.sched_getaffinity(0)))[:2]})
     controller = PackratController(tmp_path / "packrat", [target], config, topology=topology).start()
     try:
-        status = controller.status()["models"]["tiny"]
+        status = controller.status()["models"][model]
         assert status["plan"]["instances"] == [{"count": 2, "threads": 1, "batch": 2}]
         slots = {tuple(s["cores"]) for s in status["slots"]}
         assert len(slots) == 2 and len(set().union(*slots)) == 2  # disjoint, one core each
-        workers = controller.server.management().describe("tiny", status["active_version"])[0]["workers"]
+        workers = controller.server.management().describe(model, status["active_version"])[0]["workers"]
         held = [affinity_of_tasks(w["pid"]) for w in workers]
         assert len(held) == 2 and all(len(tasks) == 1 for tasks in held), held  # every thread on the slot's core
         assert {next(iter(tasks)) for tasks in held} == slots  # one worker per slot
-        got = answers_of(controller.server, "tiny", images)
+        got = answers_of(controller.server, model, payloads)
         assert all(close(g, e) for g, e in zip(got, expected, strict=True)), (got, expected)
     finally:
         controller.stop()
