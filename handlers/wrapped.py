@@ -29,6 +29,8 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
+import torch
+
 from handlers.pinning.worker import PackratWorkerMixin, process_age_s, startup_priority
 
 logger = logging.getLogger(__name__)
@@ -91,8 +93,22 @@ class PackratWrappedHandler(PackratWorkerMixin):
             self._handle, initialize = entry_points(*handler_module(str(handler)))
             initialize(context)
         self.record_startup({"spawn_s": spawn_s, "load_s": time.perf_counter() - started, "warmup_s": 0.0})
+        self.keep_slot_threads()
         self.initialized = True
-        logger.info("serving %s with the archive's handler %r inside Packrat's slot", context.model_name, handler)
+        claim = self.packrat_claim
+        logger.info(
+            "serving %s with the archive's handler %r in Packrat's slot: cores %s, %d intra-op threads",
+            context.model_name, handler, list(claim.slot.cores) if claim else "unpinned", torch.get_num_threads(),
+        )  # fmt: skip
+
+    def keep_slot_threads(self) -> None:
+        """A user's handler may set its own thread count in ``initialize``; inside a slot the slot's count holds
+        (more threads than the slot's cores would contend with each other; fewer would leave cores idle)."""
+        claim = self.packrat_claim
+        if claim is not None and torch.get_num_threads() != claim.slot.threads:
+            logger.warning("the archive's handler set %d intra-op threads; Packrat's slot runs %d",
+                           torch.get_num_threads(), claim.slot.threads)  # fmt: skip
+            torch.set_num_threads(claim.slot.threads)
 
     def handle(self, data: list[dict[str, Any]] | None, context: Any) -> Any:
         if data is None:  # TorchServe's initialise-by-handle convention, should anyone call it so

@@ -173,6 +173,12 @@ def test_orca_serves_a_users_gpt2_checkpoint_token_for_token(files, torchserve, 
 
 REFUSALS = [
     ("dvabatch", "script", {**ASYNC, "handler": {"input": IMAGE}}, "a TorchScript file cannot be cut"),
+    (
+        "reef",
+        "script",
+        {**ASYNC, "handler": {"members": [{"name": "tinynet", "file": "tinynet.pt", "input": IMAGE}]}},
+        "a TorchScript file cannot be cut",
+    ),
     ("nimble", "export", {"handler": {"input": "tokens:16", "vocab_size": 100}}, "serves image models"),
     ("ebird", "export", {"handler": {"input": IMAGE}}, "set asyncCommunication: true"),
     ("plain", "export", {"handler": {}}, "must describe the model's input under handler.input"),
@@ -187,6 +193,8 @@ def test_a_model_a_handler_cannot_serve_is_refused_at_registration_in_one_line(
     name = f"refused-{handler}-{model}"
     if model == "bert":
         serialized, extra = files["bert_dir"] / "model.safetensors", [files["bert_dir"] / "config.json"]
+    elif handler == "reef":  # a group's files travel as extra files
+        serialized, extra = None, [files[model]]
     else:
         serialized, extra = files[model], []
     mar = user_archive(model_store_dir, tmp_path, name, handler, config, serialized, extra)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 import zipfile
 from pathlib import Path
@@ -118,21 +119,34 @@ def test_packrat_serves_a_users_archive_pinned_per_slot_with_the_handlers_own_an
         controller.stop()
 
 
+def reported_threads(controller: PackratController, model: str, version: str, worker_id: str) -> tuple[list, int]:
+    """The cores and intra-op threads the worker's own torch reported once the user's handler had initialised."""
+    log = (controller.server.log_dir / "model_log.log").read_text(errors="replace")
+    found = re.findall(rf"W-{worker_id}-{model}_{version}-stdout .* in Packrat's slot: cores \[([\d, ]+)\], (\d+) "
+                       "intra-op threads", log)  # fmt: skip
+    assert found, f"no start-up line from worker {worker_id} of {model} v{version}"
+    cores, threads = found[-1]
+    return [int(c) for c in cores.split(",")], int(threads)
+
+
 def pinned_to_their_slots(controller: PackratController, model: str) -> list[tuple[int, ...]]:
-    """Every worker the management API lists for the active version, read from /proc: each thread of each
-    worker on exactly its slot's cores, one worker per slot.  Returns the slots' cores."""
+    """Every worker the management API lists for the active version: each thread of each worker, read from /proc,
+    on exactly its slot's cores, one worker per slot, each running the slot's thread count.  Returns the slots'
+    cores."""
     status = controller.status()["models"][model]
-    slots = sorted(tuple(s["cores"]) for s in status["slots"])
-    listed = controller.server.management().describe(model, status["active_version"])[0]["workers"]
+    version = status["active_version"]
+    slots = {tuple(s["cores"]): s["threads"] for s in status["slots"]}
+    listed = controller.server.management().describe(model, version)[0]["workers"]
     held = []
     for worker in listed:
         tasks = affinity_of_tasks(worker["pid"])
         assert len(tasks) == 1, (worker["pid"], tasks)  # all its threads on one set of cores
-        held.append(next(iter(tasks)))
-    assert sorted(held) == slots, (held, slots)  # one worker per slot, on the slot's cores
-    threads = [i["threads"] for i in status["plan"]["instances"] for _ in range(i["count"])]
-    assert sorted(len(cores) for cores in slots) == sorted(threads)  # a slot of t threads holds t cores
-    return slots
+        cores = next(iter(tasks))
+        held.append(cores)
+        assert cores in slots, (cores, slots)
+        assert reported_threads(controller, model, version, worker["id"]) == (list(cores), slots[cores])
+    assert sorted(held) == sorted(slots), (held, slots)  # one worker per slot
+    return sorted(slots)
 
 
 PAYLOADS = {
