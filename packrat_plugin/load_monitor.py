@@ -81,7 +81,9 @@ class LoadMonitor:
         if self.detector is None:
             if self._samples[-1][0] - self._samples[0][0] >= self.config.long_window_s:
                 config = DetectorConfig(self.config.change_ratio, self.config.change_false_alarm_s)
-                self.detector = RateChangeDetector(self._rate_and_span(self.config.long_window_s)[0], config)
+                rate, span = self._rate_and_span(self.config.long_window_s)
+                self.detector = RateChangeDetector(rate, config)
+                self.detector.refine_from(round(rate * span), span)
             return
         change = self.detector.observe(arrivals, dt)
         if change is not None:
@@ -133,13 +135,35 @@ class LoadMonitor:
         The backlog counts as growing when the queue grew over the long window
         by more than one round (``round_batch`` requests) plus ``z`` standard
         deviations of the arrivals' Poisson noise, and holds at least two
-        rounds: a queue near capacity wanders by about √N on its own.
+        rounds: a queue near capacity wanders by about √N on its own.  (The
+        same test over the new regime alone, after a flagged rise, was tried
+        and adds nothing: the queue was flat before the rise, so it grew as
+        much over the long window, and the arrivals' noise differs little.)
         """
         rate_short, span_short = self._rate_and_span(self.config.short_window_s, since_change=True)
         rate_long, span_long = self._rate_and_span(self.config.long_window_s)
-        noise = z * math.sqrt(max(1.0, rate_long * span_long))
-        growing = self.depth_growth(self.config.long_window_s) > round_batch + noise and self.depth >= 2 * round_batch
-        return Observation(now, rate_short, rate_long, span_short, span_long, growing, self.concurrency(round_batch))
+        change, ratio = self.change_direction(now), self.last_change_ratio()
+        growing = self._growing(self.config.long_window_s, rate_long * span_long, round_batch, z)
+        return Observation(now, rate_short, rate_long, span_short, span_long, growing, self.concurrency(round_batch),
+                           change, ratio)  # fmt: skip
+
+    def _growing(self, window_s: float, arrivals: float, round_batch: int, z: float) -> bool:
+        """The queue grew over ``window_s`` beyond a round plus the noise of ``arrivals``, and holds two rounds."""
+        noise = z * math.sqrt(max(1.0, arrivals))
+        return self.depth_growth(window_s) > round_batch + noise and self.depth >= 2 * round_batch
+
+    def last_change_ratio(self) -> float:
+        """The last flagged change's new rate over its old one (1 before any)."""
+        if not self.changes:
+            return 1.0
+        change = self.changes[-1][1]
+        return change.new_rate / max(change.old_rate, 1e-9)
+
+    def change_direction(self, now: float) -> int:
+        """+1 / -1 while the regime after a flagged rise / fall is younger than the long window, else 0."""
+        if not self.changes or self.regime_start is None or now - self.regime_start > self.config.long_window_s:
+            return 0
+        return 1 if self.changes[-1][1].direction == "up" else -1
 
     def concurrency(self, round_batch: int) -> float:
         """Requests persistently in the system: the least depth over the long

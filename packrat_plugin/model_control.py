@@ -33,7 +33,7 @@ from packrat_plugin.levels import Level, level_of, levels_for
 from packrat_plugin.load_monitor import LoadMonitor, MonitorConfig
 from packrat_plugin.optimizer import InfeasibleError, KnapsackOptimizer, serving_costs
 from packrat_plugin.plan_types import Plan, PlanItem
-from packrat_plugin.policy import Decision, PolicyConfig, ReconfigurationPolicy, standby_items
+from packrat_plugin.policy import Decision, PolicyConfig, ReconfigurationPolicy, prepared_moves, standby_items
 from packrat_plugin.profile import Profile
 from packrat_plugin.swapper import (
     ActivePassiveSwapper,
@@ -263,7 +263,8 @@ class ModelController:
         """Serve ``level``, then keep the classes around it warm (when the controller reconfigures)."""
         standby = None
         if self.config.reconfigure and not self.config.fixed_batch:
-            standby = standby_items(self.levels, level.batch, self.config.standby_workers)
+            prepared = self.prepared(level.batch)
+            standby = standby_items(self.levels, level.batch, self.config.standby_workers, list(prepared.values()))
         try:
             report = self.swapper.apply(level.plan, standby)
         except (SwapError, TorchServeAPIError) as exc:
@@ -308,6 +309,11 @@ class ModelController:
             with self.lock:
                 self.policy.calibrate(self.calibrator.current)
 
+    def prepared(self, current: int) -> dict[str, Level]:
+        """The moves a detected rise or fall from the current rate would make (kept warm first)."""
+        rate = self.monitor.rate(self.config.monitor.long_window_s)
+        return prepared_moves(self.policy, current, rate, self.config.monitor.change_ratio)
+
     def warm_levels(self) -> set[int]:
         return {lv.batch for lv in self.levels if self.swapper.is_warm(lv.plan.instances[0], self.ready)}
 
@@ -343,6 +349,16 @@ class ModelController:
                     self.last_error = f"sampling failed: {exc}"
             stop.wait(max(0.0, period - (time.monotonic() - started)))
 
+    def _prepared_status(self) -> dict[str, Any]:
+        if self.level is None or not self.config.reconfigure or self.config.fixed_batch:
+            return {}
+        out = {}
+        for change, level in self.prepared(self.level.batch).items():
+            item = level.plan.instances[0]
+            out[change] = {"batch": level.batch, "version": self.swapper.version_for(item),
+                           "warm": self.swapper.is_warm(item, self.ready)}  # fmt: skip
+        return out
+
     def status(self) -> dict[str, Any]:
         with self.lock:
             plan = self.plan
@@ -367,6 +383,9 @@ class ModelController:
                 "pending_requests": self.last_pending,
                 "in_service": self.last_in_service,
                 "standby": sorted(self.swapper.standby),
+                # The passive sets chosen for the next change: the level a rise (or fall) by the detector's
+                # ratio from the current rate would move to, its version, and whether its workers are READY.
+                "prepared": self._prepared_status(),
                 "ready_workers": dict(self.ready),
                 "swap_costs": {
                     "warm_s": round(costs.warm_s, 3),

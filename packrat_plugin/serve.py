@@ -198,6 +198,11 @@ def format_status(status: dict) -> str:
         )
         if m["slots"]:
             lines.append("    slots→cores: " + ", ".join(f"{i}:{s['cores']}" for i, s in enumerate(m["slots"])))
+        prepared = m.get("prepared") or {}
+        if prepared:
+            lines.append("    prepared for: " + ", ".join(
+                f"a {change} → B={p['batch']} ({p['version']}, {'warm' if p['warm'] else 'starting'})"
+                for change, p in prepared.items()))  # fmt: skip
         if m["last_error"]:
             lines.append(f"    last error: {m['last_error']}")
     return "\n".join(lines)

@@ -147,6 +147,8 @@ def test_one_step_of_open_loop_load_swaps_warm_within_seconds_with_zero_failures
     assert first["plan"]["instances"] == [{"count": 1, "threads": 2, "batch": 1}]
     assert first["active_version"] == "t2b1"
     assert set(first["standby"]) == {"t1b1", "t1b2", "t1b4"}  # every other class, warm
+    rise = first["prepared"]["rise"]  # the set a rise would move to: chosen first for the standby set, and READY
+    assert rise["version"] in first["standby"] and rise["warm"] and rise["batch"] > 1, first["prepared"]
     ready = controller.models["resnet50"].swapper.ready_workers()
     assert all(ready[v] == 2 for v in first["standby"]), ready
     fat_pids = [w["pid"] for w in workers(controller, "t2b1")]
