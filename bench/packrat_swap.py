@@ -105,6 +105,11 @@ def load_changes(phases: list[tuple[float, float]]) -> list[tuple[float, str]]:
     return out
 
 
+def decision_direction(decision: dict) -> str:
+    """``down`` for the policy's shrinking rule, ``up`` for its growing ones (rate, backlog, requests in flight)."""
+    return "down" if decision["reason"] == "load fell" else "up"
+
+
 def reactions(phases, decisions: list[dict], swaps: list[dict], start_wall: float) -> list[dict]:
     """Per load change: the first decision after it in the same direction, how long after the change it came
     (reaction) and when its plan served (serving: reaction plus the swap's own time to serve)."""
@@ -113,7 +118,8 @@ def reactions(phases, decisions: list[dict], swaps: list[dict], start_wall: floa
     by_start = {round(s["started"], 6): s for s in swaps}
     out = []
     for (at, direction), end in zip(changes, ends, strict=True):
-        first = next((d for d in decisions if at <= d["at"] - start_wall < end), None)
+        first = next((d for d in decisions if at <= d["at"] - start_wall < end and decision_direction(d) == direction),
+                     None)  # fmt: skip
         row = {"at_s": at, "direction": direction, "reaction_s": None, "serving_s": None}
         if first is not None:
             swap = by_start.get(round(first["at"], 6))

@@ -155,6 +155,9 @@ class PolicyConfig:
             raise ValueError("swap times must be non-negative")
         if not 0.0 < self.learning_rate <= 1.0:
             raise ValueError(f"learning_rate must be in (0, 1], got {self.learning_rate}")
+        if not self.step_ratio >= 1.0 or self.change_confirm_s < 0:
+            raise ValueError(f"step_ratio must be ≥ 1 and change_confirm_s ≥ 0, got {self.step_ratio}, "
+                             f"{self.change_confirm_s}")  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -81,6 +81,29 @@ def add_policy_arguments(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     g.add_argument("--min-gain", type=float, default=pol.min_gain, help="least relative latency gain worth a swap")
     g.add_argument("--horizon", type=float, default=pol.horizon_s, help="expected seconds at a load, until measured")
+    g.add_argument(
+        "--step-ratio",
+        type=float,
+        default=pol.step_ratio,
+        help="a change the detector flags counts as a step (judged on the new rate alone) from this ratio",
+    )
+    g.add_argument(
+        "--change-confirm",
+        type=float,
+        default=pol.change_confirm_s,
+        help="a move on a detected step must hold this long (s)",
+    )
+    g.add_argument(
+        "--no-act-on-changes",
+        action="store_true",
+        help="decide on the rate windows' bounds and timers alone, not on the change detector's steps",
+    )
+    g.add_argument(
+        "--false-alarm-hours",
+        type=float,
+        default=mon.change_false_alarm_s / 3600,
+        help="the change detector's mean time between false alarms under a constant load, per direction",
+    )
     g.add_argument("--standby-workers", type=int, default=ctl.standby_workers,
                    help="idle workers kept warm for fast swaps (each holds a copy of the model; 0: none)")  # fmt: skip
     g.add_argument("--no-calibrate", action="store_true",
@@ -138,10 +161,12 @@ def config_from(args: argparse.Namespace) -> ControllerConfig:
     return ControllerConfig(
         policy=PolicyConfig(
             up_confirm_s=args.up_confirm, down_confirm_s=args.down_confirm, noise_z=args.noise_z, up_z=args.up_z,
-            up_rule=args.up_rule, min_gain=args.min_gain, horizon_s=args.horizon,
+            up_rule=args.up_rule, min_gain=args.min_gain, horizon_s=args.horizon, step_ratio=args.step_ratio,
+            change_confirm_s=args.change_confirm, act_on_changes=not args.no_act_on_changes,
         ),
         monitor=MonitorConfig(
-            period_s=args.sample_ms / 1000, short_window_s=args.short_window, long_window_s=args.long_window
+            period_s=args.sample_ms / 1000, short_window_s=args.short_window, long_window_s=args.long_window,
+            change_false_alarm_s=args.false_alarm_hours * 3600,
         ),
         swapper=SwapperConfig(max_batch_delay_ms=args.max_batch_delay),
         standby_workers=args.standby_workers,

@@ -221,6 +221,8 @@ def test_bad_policy_config_is_refused():
         PolicyConfig(up_confirm_s=-1)
     with pytest.raises(ValueError, match="up_rule"):
         PolicyConfig(up_rule="sometimes")
+    with pytest.raises(ValueError, match="step_ratio"):
+        PolicyConfig(step_ratio=0.5)
     with pytest.raises(ValueError):
         ReconfigurationPolicy([])
 
