@@ -251,6 +251,9 @@ class ModelController:
         if waits and not self.swapper.wait_warm(self.config.standby_wait_s):
             logger.warning("%s: standby workers not all READY after %.0f s", self.target.name,
                            self.config.standby_wait_s)  # fmt: skip
+        ready = self.swapper.ready_workers()  # status reads it before the first tick samples it
+        with self.lock:
+            self.ready = ready
         return report
 
     def _keep_warm(self, items: list[PlanItem]) -> None:
