@@ -145,28 +145,29 @@ class RateChangeDetector:
     def __init__(self, rate: float, config: DetectorConfig = DetectorConfig()) -> None:
         self.config = config
         self.rate = 0.0
-        self.learning: tuple[int, float] | None = None  # (arrivals, seconds) since the last alarm, while learning
-        self._since_alarm: tuple[int, float] | None = None  # the same, while the learned rate is refined
+        # (arrivals, seconds) counted since the last alarm (or since the start of the caller's measurement), while
+        # the rate is learned (``_learning``: no test runs) or refined (up to ``refine_arrivals``); None after.
+        self._counted: tuple[int, float] | None = None
+        self._learning = False
         self._refine_at = 0
         self.restart(rate)
 
     def restart(self, rate: float) -> None:
         """Test against ``rate`` from now on (after an alarm, or when the caller knows better)."""
-        self.learning = None
-        self._since_alarm = None
+        self._counted, self._learning = None, False
         self.rate = max(rate, self.config.min_rate)
         cfg = self.config
         self._up = _OneSided(self.rate, cfg.ratio, cfg.false_alarm_seconds)
         self._down = _OneSided(self.rate, 1.0 / cfg.ratio, cfg.false_alarm_seconds)
 
-    def refine_from(self, count: int, seconds: float) -> None:
-        """Test from the rate of ``count`` arrivals in ``seconds`` (how the caller measured its starting rate),
-        and refine that rate as arrivals double, as after an alarm: a starting rate read from one short
-        window is as uncertain as a learned one."""
-        self._relearn(count, seconds)
+    @property
+    def learning(self) -> tuple[int, float] | None:
+        """(arrivals, seconds) since the last alarm while the new rate is being learned; None when testing."""
+        return self._counted if self._learning else None
 
-    def _relearn(self, count: int, seconds: float) -> None:
-        """Test from the rate of the ``count`` arrivals in ``seconds`` since the last alarm; refine it later."""
+    def refine_from(self, count: int, seconds: float) -> None:
+        """Test from the rate of ``count`` arrivals in ``seconds`` and refine that rate as arrivals double: after
+        an alarm, and for the caller's starting rate (read from one short window, it is as uncertain)."""
         self.restart(count / max(seconds, 1e-9))
         self._schedule_refinement(count, seconds)
 
@@ -178,10 +179,8 @@ class RateChangeDetector:
         self._schedule_refinement(count, seconds)
 
     def _schedule_refinement(self, count: int, seconds: float) -> None:
-        self._since_alarm = None
         self._refine_at = max(2 * count, self.config.learn_arrivals)
-        if self._refine_at <= self.config.refine_arrivals:
-            self._since_alarm = (count, seconds)
+        self._counted = (count, seconds) if self._refine_at <= self.config.refine_arrivals else None
 
     @property
     def thresholds(self) -> tuple[float, float]:
@@ -192,15 +191,13 @@ class RateChangeDetector:
         """``arrivals`` counted over the last ``dt`` seconds; a change when one direction's test alarms."""
         if arrivals < 0 or dt < 0:
             raise ValueError(f"arrivals and dt must be ≥ 0, got {arrivals}, {dt}")
-        if self.learning is not None:
-            count, seconds = self.learning[0] + arrivals, self.learning[1] + dt
-            self.learning = (count, seconds)
-            if count >= self.config.learn_arrivals or seconds >= self.config.learn_seconds:
-                self._relearn(count, seconds)
-            return None
-        if self._since_alarm is not None:
-            count, seconds = self._since_alarm[0] + arrivals, self._since_alarm[1] + dt
-            self._since_alarm = (count, seconds)
+        if self._counted is not None:
+            count, seconds = self._counted[0] + arrivals, self._counted[1] + dt
+            self._counted = (count, seconds)
+            if self._learning:
+                if count >= self.config.learn_arrivals or seconds >= self.config.learn_seconds:
+                    self.refine_from(count, seconds)
+                return None
             if count >= self._refine_at:
                 self._refine(count, seconds)
         for direction, side in (("up", self._up), ("down", self._down)):
@@ -208,6 +205,7 @@ class RateChangeDetector:
                 count, seconds = side.change_point()
                 change = RateChange(direction, self.rate, count / max(seconds, 1e-9), seconds, count)
                 self.restart(change.new_rate)
-                self.learning = (0, 0.0)  # the tail that raised the alarm is not counted: it is what biased it
+                # Learn the new rate; the tail that raised the alarm is not counted: it is what biased it.
+                self._counted, self._learning = (0, 0.0), True
                 return change
         return None

@@ -142,15 +142,10 @@ class LoadMonitor:
         """
         rate_short, span_short = self._rate_and_span(self.config.short_window_s, since_change=True)
         rate_long, span_long = self._rate_and_span(self.config.long_window_s)
-        change, ratio = self.change_direction(now), self.last_change_ratio()
-        growing = self._growing(self.config.long_window_s, rate_long * span_long, round_batch, z)
+        noise = z * math.sqrt(max(1.0, rate_long * span_long))
+        growing = self.depth_growth(self.config.long_window_s) > round_batch + noise and self.depth >= 2 * round_batch
         return Observation(now, rate_short, rate_long, span_short, span_long, growing, self.concurrency(round_batch),
-                           change, ratio)  # fmt: skip
-
-    def _growing(self, window_s: float, arrivals: float, round_batch: int, z: float) -> bool:
-        """The queue grew over ``window_s`` beyond a round plus the noise of ``arrivals``, and holds two rounds."""
-        noise = z * math.sqrt(max(1.0, arrivals))
-        return self.depth_growth(window_s) > round_batch + noise and self.depth >= 2 * round_batch
+                           self.change_direction(now), self.last_change_ratio())  # fmt: skip
 
     def last_change_ratio(self) -> float:
         """The last flagged change's new rate over its old one (1 before any)."""

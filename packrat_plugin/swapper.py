@@ -391,6 +391,7 @@ class ActivePassiveSwapper:
         longer than that window.
         """
         plan = self.store.read(self.model, version)
+        # A version whose plan file is gone is treated as batching (the longer, safe window).
         batches = max((slot.batch for slot in plan.slots), default=1) if plan else 2
         stable_s = self.config.drain_settle_s + (self.config.max_batch_delay_ms / 1000 if batches > 1 else 0.0)
         deadline = time.monotonic() + self.config.drain_timeout_s
