@@ -95,6 +95,13 @@ def static_plans(threads: int, twin: bool = False) -> dict[str, Plan]:
     return plans
 
 
+def largest_capacity(profile, threads: int) -> float:
+    """The largest throughput (req/s) any plan on ``threads`` cores reaches by the profile: loads are set as
+    fractions of it, so they mean the same on any machine."""
+    optimizer = KnapsackOptimizer(profile, serving_costs(profile))
+    return max(lv.capacity for lv in levels_for(optimizer, threads, threads * max(profile.batches)))
+
+
 def load_changes(phases: list[tuple[float, float]]) -> list[tuple[float, str]]:
     """(seconds since the load's start, "up" or "down") of every change of the offered rate."""
     out, at = [], 0.0
@@ -411,8 +418,7 @@ def main(argv: list[str] | None = None) -> int:
     profile, profile_path = profile_for_this_machine(spec.name, args.profile, args.force, args.mode)
     archive = build_archive(spec, ARCHIVE_DIR)
     threads = len(CpuTopology.from_system().cores)
-    optimizer = KnapsackOptimizer(profile, serving_costs(profile))
-    capacity = max(lv.capacity for lv in levels_for(optimizer, threads, threads * max(profile.batches)))
+    capacity = largest_capacity(profile, threads)
     low, high = args.low * capacity, args.high * capacity
     shapes = {k: v for k, v in load_shapes(low, high, args).items() if k in args.loads.split(",")}
     payloads = [client_payload(spec, seed=i) for i in range(32)]

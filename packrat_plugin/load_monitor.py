@@ -60,6 +60,7 @@ class LoadMonitor:
         self.detector: RateChangeDetector | None = None  # started once a long window's rate is known
         self.regime_start: float | None = None  # the estimated start of the current arrival regime
         self.changes: collections.deque[tuple[float, RateChange]] = collections.deque(maxlen=32)
+        self.alarms: collections.Counter[str] = collections.Counter()  # every flagged change ever, by direction
 
     def record(self, now: float, counters: dict[str, float], depth: float) -> None:
         """``counters``: arrival counter per series; ``depth``: queued + in service."""
@@ -89,6 +90,7 @@ class LoadMonitor:
         if change is not None:
             self.regime_start = now - change.since_s
             self.changes.append((now, change))
+            self.alarms[change.direction] += 1
 
     def _at_or_before(self, when: float) -> tuple[float, float, float]:
         oldest = self._samples[0]

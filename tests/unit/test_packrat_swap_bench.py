@@ -26,3 +26,11 @@ def test_each_change_is_answered_by_the_first_decision_after_it_and_before_the_n
     # nor is a move the other way (a growing rule firing after the fall).
     late = reactions(spike, [{"at": start + 18.0, "reason": "load rose"}], [], start)
     assert late[0]["reaction_s"] is None and late[1]["reaction_s"] is None
+
+
+def test_the_false_alarm_bound_is_the_poisson_upper_confidence_limit():
+    from bench.packrat_constant import poisson_upper
+
+    assert poisson_upper(0) == pytest.approx(2.996, abs=1e-3)  # -ln(0.05): no alarm in T bounds the rate by 3/T
+    assert poisson_upper(1) == pytest.approx(4.744, abs=1e-3)
+    assert poisson_upper(5) > 5 and poisson_upper(5, confidence=0.5) < poisson_upper(5)
