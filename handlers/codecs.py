@@ -19,10 +19,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from handlers.errors import RequestError, bad_request
 from model_store.catalog import ModelSpec
+from serving_harness import oip
 
 JPEG_MAGIC = b"\xff\xd8\xff"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -66,9 +68,17 @@ def parse_json(raw: bytes | bytearray | str) -> Any:
 
 @dataclass(frozen=True)
 class ModelInput:
-    """One request's tensors, without the batch dimension."""
+    """One request's tensors, without the batch dimension; ``v2``: the Open Inference Protocol
+    request it came in, which its answer then follows (None: the handler's own JSON)."""
 
     tensors: tuple[torch.Tensor, ...]
+    v2: oip.InferRequest | None = None
+
+
+# The Open Inference Protocol's names for a catalog model's tensors (its metadata says so too).
+V2_IMAGE = "image"
+V2_TOKENS = ("input_ids", "attention_mask")
+V2_OUTPUT = "logits"
 
 
 class InputCodec:
@@ -119,12 +129,90 @@ class InputCodec:
             check_payload_size(value, self.max_payload_bytes)
             if self.spec.input_kind == "image" and (value.startswith(JPEG_MAGIC) or value.startswith(PNG_MAGIC)):
                 return ModelInput((self._decode_image(bytes(value)),))
-            value = parse_json(value)
+            value = parse_json_or_v2(value)
         elif isinstance(value, str):
             value = parse_json(value)
+        if oip.is_request(value) or isinstance(value, oip.InferRequest):
+            return self._from_v2(value)
         if self.spec.input_kind == "image":
             return ModelInput((self._image_from_json(value),))
         return ModelInput(self._tokens_from_json(value))
+
+    def answer(self, item: ModelInput, row: torch.Tensor) -> bytes:
+        """One request's answer from its output row, in the wire format it came in."""
+        if item.v2 is None:
+            return answer_bytes(encode_output(row))
+        logits = row.detach().float().unsqueeze(0).cpu().numpy()
+        return oip.response_body(self.spec.name, [(V2_OUTPUT, logits)], item.v2.id)
+
+    # -- the Open Inference Protocol ----------------------------------------
+
+    def v2_signature(self) -> dict[str, Any]:
+        """The model's v2 metadata: its input and output tensors (-1: a free length)."""
+        if self.spec.input_kind == "image":
+            inputs = [{"name": V2_IMAGE, "datatype": "FP32", "shape": [1, *self.spec.image_shape]}]
+        else:
+            inputs = [{"name": n, "datatype": "INT64", "shape": [1, -1]} for n in V2_TOKENS]
+        return {"name": self.spec.name, "platform": "pytorch", "inputs": inputs,
+                "outputs": [{"name": V2_OUTPUT, "datatype": "FP32", "shape": [1, -1]}]}  # fmt: skip
+
+    def _from_v2(self, value: Any) -> ModelInput:
+        try:
+            request = value if isinstance(value, oip.InferRequest) else oip.parse_request(value)
+            if any(name != V2_OUTPUT for name in request.outputs):
+                bad = next(name for name in request.outputs if name != V2_OUTPUT)
+                raise oip.OipError(f"unknown output '{bad}' (the model answers ['{V2_OUTPUT}'])")
+            expected = (V2_IMAGE,) if self.spec.input_kind == "image" else V2_TOKENS
+            unknown = [name for name in request.inputs if name not in expected]
+            if unknown:
+                raise oip.OipError(f"unknown input '{unknown[0]}' (the model takes {list(expected)})")
+            if self.spec.input_kind == "image":
+                tensors: tuple[torch.Tensor, ...] = (self._image_from_v2(request.get(V2_IMAGE)),)
+            else:
+                tensors = self._tokens_from_v2(request)
+        except oip.OipError as exc:
+            raise RequestError(exc.status, str(exc)) from None
+        return ModelInput(tensors, request)
+
+    def _image_from_v2(self, tensor: oip.Tensor) -> torch.Tensor:
+        if tensor.datatype == "BYTES":
+            if tensor.array.size != 1:
+                raise oip.OipError(f"input '{tensor.name}': BYTES carries one JPEG/PNG image, got shape "
+                                   f"{list(tensor.shape)}")  # fmt: skip
+            raw = bytes(tensor.array.ravel()[0])
+            if not (raw.startswith(JPEG_MAGIC) or raw.startswith(PNG_MAGIC)):
+                raise oip.OipError(f"input '{tensor.name}': BYTES is not a JPEG or PNG image", status=415)
+            return self._decode_image(raw)
+        if tensor.datatype not in oip.FLOATS:
+            raise oip.OipError(f"input '{tensor.name}': datatype {tensor.datatype} not accepted; send FP32 "
+                               f"(or FP16/FP64) of shape {[1, *self.spec.image_shape]}, or BYTES [1] holding a "
+                               f"JPEG/PNG image")  # fmt: skip
+        array = one_item(tensor, 3)
+        if tuple(array.shape) not in self.image_shapes:
+            expected = " or ".join(str([1, *s]) for s in self.image_shapes)
+            raise oip.OipError(f"input '{tensor.name}': shape {list(tensor.shape)}, expected {expected}")
+        out = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
+        if not torch.isfinite(out).all():
+            raise oip.OipError(f"input '{tensor.name}' contains NaN or infinite values")
+        return out
+
+    def _tokens_from_v2(self, request: oip.InferRequest) -> tuple[torch.Tensor, torch.Tensor]:
+        ids_tensor = request.get(V2_TOKENS[0])
+        ids = one_item(int_tensor(ids_tensor), 1)
+        if V2_TOKENS[1] in request.inputs:
+            mask_tensor = int_tensor(request.inputs[V2_TOKENS[1]])
+            mask = one_item(mask_tensor, 1)
+            if mask.shape != ids.shape:
+                raise oip.OipError(f"input '{mask_tensor.name}': shape {list(mask_tensor.shape)} differs from "
+                                   f"'{ids_tensor.name}' {list(ids_tensor.shape)}")  # fmt: skip
+            used = int(mask.sum())
+            if not set(mask.tolist()) <= {0, 1} or mask[:used].min(initial=1) != 1:
+                raise oip.OipError(f"input '{mask_tensor.name}' must be ones then zeros (right padding)")
+            ids = ids[:used]
+        try:
+            return self._tokens_from_json([int(t) for t in ids.tolist()])
+        except RequestError as err:
+            raise oip.OipError(f"input '{ids_tensor.name}': {err.reason}", err.status) from None
 
     # -- images --------------------------------------------------------------
 
@@ -194,6 +282,50 @@ class InputCodec:
         mask = torch.zeros(length, dtype=torch.long)
         mask[: len(ids)] = 1
         return padded, mask
+
+
+def is_describe(context: Any) -> bool:
+    """Whether this call is TorchServe's describe (``GET /models/NAME?customized=true``): it reaches
+    ``handle`` as one request with a ``describe`` header, and the answer becomes the model's
+    ``customizedMetadata``, where a handler here puts its Open Inference Protocol signature."""
+    try:
+        return str(context.get_request_header(0, "describe")) == "True"
+    except (AttributeError, IndexError, KeyError, TypeError):  # a context without request processors
+        return False
+
+
+def parse_json_or_v2(raw: bytes | bytearray) -> Any:
+    """A JSON body, or a v2 request in the binary tensor extension (JSON followed by raw tensors)."""
+    try:
+        return parse_json(raw)
+    except RequestError:
+        split = oip.split_body(raw)
+        if split is None or not oip.is_request(split[0]):
+            raise
+    try:
+        return oip.parse_request(raw)
+    except oip.OipError as exc:
+        raise RequestError(exc.status, str(exc)) from None
+
+
+def one_item(tensor: oip.Tensor, dims: int) -> np.ndarray:
+    """A v2 tensor holding one item: its ``dims``-dimensional array, with or without a leading batch of 1."""
+    array = tensor.array
+    if array.ndim == dims + 1:
+        if array.shape[0] != 1:
+            raise oip.OipError(f"input '{tensor.name}': a batch of {array.shape[0]} in one request; send one item "
+                               f"per request (the server batches requests)")  # fmt: skip
+        array = array[0]
+    if array.ndim != dims:
+        raise oip.OipError(f"input '{tensor.name}': shape {list(tensor.shape)} has {tensor.array.ndim} dimensions, "
+                           f"expected {dims} (or {dims + 1} with a batch of 1)")  # fmt: skip
+    return array
+
+
+def int_tensor(tensor: oip.Tensor) -> oip.Tensor:
+    if tensor.datatype not in oip.INTEGERS:
+        raise oip.OipError(f"input '{tensor.name}': datatype {tensor.datatype} not accepted; send INT64 or INT32")
+    return tensor
 
 
 def parse_token_lengths(lengths: Any, seq_len: int) -> tuple[int, ...]:

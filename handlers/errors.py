@@ -46,9 +46,10 @@ class ResponseError(PredictionException):
         return self.body()
 
     def body(self) -> str:
-        """JSON body in TorchServe's own error shape (code, type, message)."""
+        """JSON body in TorchServe's own error shape (code, type, message), plus the Open Inference
+        Protocol's (``error``), so that v2 clients (tritonclient, KServe's) read the reason too."""
         kind = _STATUS_TYPES.get(self.status, "ClientError" if self.status < 500 else "ServerError")
-        return json.dumps({"code": self.status, "type": kind, "message": self.reason})
+        return json.dumps({"code": self.status, "type": kind, "message": self.reason, "error": self.reason})
 
 
 class RequestError(ResponseError):

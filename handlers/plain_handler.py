@@ -18,7 +18,15 @@ from typing import Any
 
 import torch
 
-from handlers.codecs import DEFAULT_MAX_PAYLOAD_BYTES, InputCodec, ModelInput, answer_bytes, collate, encode_output
+from handlers.codecs import (
+    DEFAULT_MAX_PAYLOAD_BYTES,
+    InputCodec,
+    ModelInput,
+    answer_bytes,
+    collate,
+    encode_output,
+    is_describe,
+)
 from handlers.errors import RequestError
 from handlers.pinning.worker import PackratWorkerMixin, process_age_s, startup_priority
 from handlers.runtime.cuda_graphs import GraphBuckets
@@ -146,13 +154,17 @@ class PlainModelHandler(PackratWorkerMixin):
         with torch.inference_mode():
             return self.model(*(t.to(device, non_blocking=True) for t in batch)).to("cpu")
 
-    def postprocess(self, logits: torch.Tensor) -> list[bytes]:
-        """Each request's answer, as JSON bytes (see ``answer_bytes``)."""
-        return [answer_bytes(encode_output(row)) for row in logits]
+    def postprocess(self, logits: torch.Tensor, inputs: list[ModelInput] | None = None) -> list[bytes]:
+        """Each request's answer, as JSON bytes (see ``answer_bytes``), in the wire format it came in."""
+        if inputs is None:
+            return [answer_bytes(encode_output(row)) for row in logits]
+        return [self.codec.answer(item, row) for item, row in zip(inputs, logits, strict=True)]
 
     # -- entry point ---------------------------------------------------------
 
     def handle(self, data: list[dict[str, Any]], context: Any) -> list[Any]:
+        if is_describe(context):
+            return [answer_bytes(self.codec.v2_signature())]
         self.wait_for_drains()
         started = time.perf_counter_ns()
         pre = self.preprocess(data)
@@ -170,7 +182,7 @@ class PlainModelHandler(PackratWorkerMixin):
                 logits = self.inference(batch)
                 model_ns = time.perf_counter_ns() - model_started
                 encode_started = time.perf_counter_ns()
-                outputs = self.postprocess(logits)
+                outputs = self.postprocess(logits, pre.inputs)
             for index, result in zip(pre.indices, outputs, strict=True):
                 responses[index] = result
             done = time.perf_counter_ns()

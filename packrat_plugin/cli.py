@@ -104,6 +104,9 @@ def _serve(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser("status", help="print a running controller's state")
     serve.add_status_arguments(s)
     s.set_defaults(run=serve.run_status)
+    g = sub.add_parser("oip-grpc", help="serve the Open Inference Protocol over gRPC in front of a running TorchServe")
+    serve.add_oip_grpc_arguments(g)
+    g.set_defaults(run=serve.run_oip_grpc)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -41,6 +41,8 @@ class PackratController:
         status_port: int | None = 0,
         topology: CpuTopology | None = None,
         base_config: Path | None = None,
+        inference_host: str = "127.0.0.1",
+        status_host: str = "127.0.0.1",
     ) -> None:
         self.workdir = Path(workdir).resolve()
         self.targets = targets
@@ -51,13 +53,14 @@ class PackratController:
         kwargs = {"base_config": base_config} if base_config else {}
         self.server = TorchServeProcess(
             self.workdir / "torchserve", self.model_store, ports=ports,
-            env={PLAN_DIR_ENV: str(self.store.root)}, **kwargs,
+            env={PLAN_DIR_ENV: str(self.store.root)}, inference_host=inference_host, **kwargs,
         )  # fmt: skip
         self.models: dict[str, ModelController] = {}
         self.division: DivisionPolicy | None = None
         self.division_moves: list[dict[str, Any]] = []
         self.division_error: str | None = None
         self.status_port = status_port
+        self.status_host = status_host
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._status_server: StatusServer | None = None
@@ -88,7 +91,7 @@ class PackratController:
                 thread.start()
                 self._threads.append(thread)
             if self.status_port is not None:
-                self._status_server = StatusServer(self.status, self.status_port)
+                self._status_server = StatusServer(self.status, self.status_port, self.status_host)
         except BaseException:
             self.stop()
             raise

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import signal
 import threading
@@ -20,6 +21,7 @@ from packrat_plugin.plan_types import format_instances
 from packrat_plugin.policy import UP_RULES, PolicyConfig
 from packrat_plugin.profiler import profile_for_this_machine
 from packrat_plugin.swapper import SwapperConfig
+from serving_harness.oip_grpc import OipGrpcFront
 from serving_harness.torchserve import REPO_CONFIG, Ports, read_properties
 
 DEFAULT_STATUS_PORT = 8083
@@ -33,6 +35,12 @@ def _pairs(values: list[str], what: str) -> dict[str, str]:
             raise ValueError(f"{what} must be NAME=PATH, got {value!r}")
         out[name] = path
     return out
+
+
+def _inference_host(config: Path) -> str:
+    """The host of the config's inference_address (0.0.0.0 in a container), loopback by default."""
+    address = read_properties(config).get("inference_address", "http://127.0.0.1:8080")
+    return address.split("://", 1)[-1].rsplit(":", 1)[0] or "127.0.0.1"
 
 
 def _ports_from(config: Path) -> Ports:
@@ -51,6 +59,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", type=Path, default=REPO_CONFIG, help="TorchServe config.properties")
     p.add_argument("--free-ports", action="store_true", help="ignore the config's ports, take free ones")
     p.add_argument("--status-port", type=int, default=DEFAULT_STATUS_PORT)
+    p.add_argument("--status-host", default="127.0.0.1",
+                   help="address the status and /metrics server binds (0.0.0.0 in a scraped pod)")  # fmt: skip
     p.add_argument("--workdir", type=Path, default=Path("logs/packrat"))
     p.add_argument(
         "--fixed-batch", type=int, help="serve the plan for this B (rounded down to a power of two), never change it"
@@ -61,6 +71,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "at once (one worker, one pinned lane per instance)")  # fmt: skip
     p.add_argument("--max-batch-delay", type=int, default=5, help="TorchServe max_batch_delay (ms)")
     p.add_argument("--force-profile", action="store_true", help="use profiles measured on other hardware")
+    p.add_argument("--oip-grpc-port", type=int, default=None, metavar="PORT",
+                   help="also serve the Open Inference Protocol over gRPC (the standard inference."
+                        "GRPCInferenceService) on this loopback port; 0 takes a free one")  # fmt: skip
     add_policy_arguments(p)
 
 
@@ -186,14 +199,41 @@ def run_serve(args: argparse.Namespace) -> int:
     ports = Ports.free() if args.free_ports else _ports_from(args.config)
     controller = PackratController(
         args.workdir, targets_from(args), config_from(args), ports=ports,
-        status_port=args.status_port, base_config=args.config,
+        status_port=args.status_port, base_config=args.config, inference_host=_inference_host(args.config),
+        status_host=args.status_host,
     )  # fmt: skip
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    with controller:
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(controller)
         print(f"Packrat serving on {controller.server.inference_url}; status at {controller.status_url}")
+        if args.oip_grpc_port is not None:
+            front = OipGrpcFront(controller.server.inference_url, controller.server.management_url,
+                                 args.oip_grpc_port)  # fmt: skip
+            stack.enter_context(front)
+            print(
+                f"Open Inference Protocol: HTTP at {controller.server.inference_url}/v2, gRPC at 127.0.0.1:{front.port}"
+            )
         print(format_status(controller.status()))
+        stop.wait()
+    return 0
+
+
+def add_oip_grpc_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--inference", default="http://127.0.0.1:8080", help="TorchServe's inference address")
+    p.add_argument("--management", default="http://127.0.0.1:8081", help="TorchServe's management address")
+    p.add_argument("--port", type=int, default=8085, help="the gRPC port to serve on (0: a free one)")
+    p.add_argument("--host", default="127.0.0.1", help="the address to bind (loopback unless you mean otherwise)")
+
+
+def run_oip_grpc(args: argparse.Namespace) -> int:
+    """The Open Inference Protocol gRPC front alone, before any TorchServe (with or without Packrat)."""
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    with OipGrpcFront(args.inference, args.management, args.port, args.host) as front:
+        print(f"Open Inference Protocol gRPC on {args.host}:{front.port}, answered by TorchServe at {args.inference}")
         stop.wait()
     return 0
 

@@ -35,11 +35,12 @@ class _StatusHandler(BaseHTTPRequestHandler):
 
 
 class StatusServer:
-    """A loopback HTTP server on its own thread that answers ``status()`` at ``/status``."""
+    """An HTTP server on its own thread that answers ``status()`` at ``/status`` (loopback unless
+    ``host`` says otherwise: in a pod, Prometheus scrapes ``/metrics`` from outside it)."""
 
-    def __init__(self, status: Callable[[], dict[str, Any]], port: int = 0) -> None:
+    def __init__(self, status: Callable[[], dict[str, Any]], port: int = 0, host: str = "127.0.0.1") -> None:
         handler = type("StatusHandler", (_StatusHandler,), {"status": staticmethod(status)})
-        self._http = ThreadingHTTPServer(("127.0.0.1", port), handler)
+        self._http = ThreadingHTTPServer((host, port), handler)
         threading.Thread(target=self._http.serve_forever, daemon=True, name="packrat-status").start()
 
     @property

@@ -86,8 +86,12 @@ class TorchServeProcess:
         base_config: Path = REPO_CONFIG,
         extra_properties: dict[str, str] | None = None,
         env: dict[str, str] | None = None,
+        inference_host: str = "127.0.0.1",
     ) -> None:
         self.workdir = Path(workdir).resolve()
+        # Where the inference API listens (0.0.0.0 in a container that serves its pod's traffic); the
+        # management and metrics APIs stay on loopback, and clients here use loopback either way.
+        self.inference_host = inference_host
         self.model_store = Path(model_store).resolve()
         self.ports = ports or Ports.free()
         self.base_config = base_config
@@ -127,7 +131,7 @@ class TorchServeProcess:
         props = read_properties(self.base_config)
         props.update(
             {
-                "inference_address": self.inference_url,
+                "inference_address": f"http://{self.inference_host}:{self.ports.inference}",
                 "management_address": self.management_url,
                 "metrics_address": self.metrics_url,
                 "grpc_inference_port": str(self.ports.grpc_inference),

@@ -123,7 +123,14 @@ class ReefHandler(AsyncModelHandler):
             raise RequestError(404, f"unknown model {name!r} (X-Model); this archive serves {', '.join(self.codecs)}")
         priority = self.config.priority(name, headers.get(PRIORITY_HEADER))
         item = await self.decoder(row, self.codecs[name].decode)
-        return RoutedInput(item.tensors, model=name, priority=priority)
+        return RoutedInput(item.tensors, item.v2, model=name, priority=priority)
+
+    def v2_signature(self) -> dict[str, Any]:
+        """One signature per member model (a request names its member with the X-Model header)."""
+        return {"name": self.spec.name, "members": [codec.v2_signature() for codec in self.codecs.values()]}
+
+    def codec_for(self, item: ModelInput) -> InputCodec:
+        return self.codecs[getattr(item, "model", "") or self.spec.name]
 
     def engine_key(self, item: ModelInput) -> Any:
         return ENGINE_KEY

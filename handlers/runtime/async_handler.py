@@ -33,6 +33,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import time
@@ -40,7 +41,7 @@ from typing import Any
 
 import torch
 
-from handlers.codecs import DEFAULT_MAX_PAYLOAD_BYTES, InputCodec, ModelInput, answer_bytes, encode_output
+from handlers.codecs import DEFAULT_MAX_PAYLOAD_BYTES, InputCodec, ModelInput, answer_bytes, encode_output, is_describe
 from handlers.errors import ResponseError, ServiceUnavailable, bad_request
 from handlers.pinning.worker import PackratWorkerMixin
 from handlers.runtime import worker_pump
@@ -206,9 +207,21 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
         """Which engine takes ``item``: by default the one built for its input layout."""
         return input_key(item)
 
-    def postprocess(self, output: torch.Tensor) -> Any:
-        """One request's answer from its output row (JSON bytes: see ``answer_bytes``)."""
+    def postprocess(self, output: torch.Tensor, item: ModelInput | None = None) -> Any:
+        """One request's answer from its output row (JSON bytes: see ``answer_bytes``), in the wire
+        format ``item`` came in (the Open Inference Protocol's, or the handler's own JSON)."""
+        if item is not None and item.v2 is not None:
+            return self.codec_for(item).answer(item, output)
         return answer_bytes(encode_output(output))
+
+    def encoder_for(self, item: ModelInput) -> Any:
+        """The callable that turns ``item``'s output row into its answer: ``postprocess`` itself for
+        the handler's own JSON, bound to the request for an Open Inference Protocol one."""
+        return self.postprocess if item.v2 is None else functools.partial(self.postprocess, item=item)
+
+    def codec_for(self, item: ModelInput) -> InputCodec:
+        """The codec that decoded ``item`` (a handler serving several models overrides this)."""
+        return self.codec
 
     # -- template methods ----------------------------------------------------
 
@@ -296,7 +309,13 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
             logger.warning("no CPU lanes on %s: decode_threads 'lane' becomes %s threads", self.device, placement)
         return RequestDecoder(self.codec.decode, threads=placement)
 
+    def v2_signature(self) -> dict[str, Any]:
+        """The Open Inference Protocol signature ``GET /models/NAME?customized=true`` answers with."""
+        return self.codec.v2_signature()
+
     async def handle(self, data: list[dict[str, Any]], context: Any) -> list[Any]:
+        if is_describe(context):
+            return [answer_bytes(self.v2_signature())]
         answers = await asyncio.gather(*(self._serve(index, row, context) for index, row in enumerate(data)))
         return list(answers)
 
@@ -311,7 +330,7 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
             item = await self.decode_request(row, context, index)
             decoded = time.monotonic()
             output, times, admitted, woken, encoded = await self._infer_timed(item, arrival)
-            answer = output if encoded else self.postprocess(output)
+            answer = output if encoded else self.encoder_for(item)(output)
             self.metrics.stages(stage_breakdown(received, decoded, admitted, times, woken, time.monotonic()))
             return answer
         except ResponseError as err:
@@ -346,7 +365,7 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
         future = await admission.admit(item, deadline)
         admitted = time.monotonic()
         if self.encode_on_engine and hasattr(future, "encode"):  # a ``TicketFuture``
-            future.encode = self.postprocess
+            future.encode = self.encoder_for(item)
         if arrival is not None:
             self.arrivals.leave(arrival)
         self.metrics.request_admitted()
