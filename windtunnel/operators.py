@@ -9,10 +9,13 @@ mode each split becomes a sigmoid of the distance to its threshold and each
 leaf is reached with the product of its path's probabilities.  At a
 temperature near 0 the soft tree is the hard tree.
 
-Trees are tensor programs in the GEMM form (one matrix per tree level of
-the computation, not per node): gather each internal node's feature,
-compare with its threshold (``[N, T, I]``), find each sample's leaf with one
-batched product against the tree's path matrix, and read the leaf values.
+Hard trees are walked: every tree of a forest one level per step, each step
+a gather of the node's feature and threshold for all rows and trees at once
+(``depth`` steps of ``[N, T]``), then the reached leaves' values are read;
+memory is the trees' own size.  Soft trees take the GEMM form (one matrix per
+tree level of the computation, not per node): compare every internal node's
+feature with its threshold (``[N, T, I]``) and weigh each leaf with one
+batched product against the tree's path matrix, built on first use.
 """
 
 from __future__ import annotations
@@ -127,51 +130,73 @@ def apply_link(scores: torch.Tensor, link: str) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class TreeArrays:
-    """One fitted tree in the GEMM form; leaves and internal nodes numbered in node order."""
+    """One fitted tree, leaves and internal nodes numbered in node order.
+
+    Its size is the tree's own (a few numbers per node): the GEMM form's path
+    matrix, ``[internal nodes, leaves]``, is quadratic in the tree's size (a
+    forest at scikit-learn's default unlimited depth would need gigabytes) and
+    is built only when a soft (trainable) tree needs it (``dense_path``).
+    """
 
     features: np.ndarray  # [I] feature of each internal node
     thresholds: np.ndarray  # [I] go left when x <= threshold
-    path: np.ndarray  # [I, L]: +1 if the leaf is under the node's left child, -1 right, 0 not below
-    lefts: np.ndarray  # [L] number of left turns on the leaf's path
     values: np.ndarray  # [L, K] leaf outputs
-    # For traversal: each internal node's children, an internal node as its
-    # index i ≥ 0 and a leaf j as -(j + 1); the root's code; the tree's depth.
+    # Each internal node's children, an internal node as its index i ≥ 0 and a
+    # leaf j as -(j + 1); the root's code; the tree's depth.
     left_code: np.ndarray  # [I]
     right_code: np.ndarray  # [I]
     root: int
     depth: int
 
-    @classmethod
-    def from_sklearn(cls, tree: object, values: np.ndarray) -> TreeArrays:
-        """``tree``: a fitted ``sklearn.tree._tree.Tree``; ``values``: ``[nodes, K]`` outputs per node."""
-        left, right = tree.children_left, tree.children_right
-        internal = [n for n in range(tree.node_count) if left[n] != -1]
-        leaves = [n for n in range(tree.node_count) if left[n] == -1]
-        col = {n: i for i, n in enumerate(internal)}
-        leaf_col = {n: j for j, n in enumerate(leaves)}
-        path = np.zeros((max(1, len(internal)), len(leaves)), dtype=np.float64)
-        lefts = np.zeros(len(leaves), dtype=np.float64)
-        stack: list[tuple[int, list[tuple[int, int]]]] = [(0, [])]
+    @property
+    def internal(self) -> int:
+        """Internal nodes (1 for a lone leaf, padded with one that is never read)."""
+        return len(self.features)
+
+    @property
+    def leaves(self) -> int:
+        return len(self.values)
+
+    def dense_path(self) -> tuple[np.ndarray, np.ndarray]:
+        """The GEMM form: ``path[i, j]`` is +1 when leaf j lies under node i's left child, -1 under its
+        right, else 0; ``lefts[j]`` the left turns on leaf j's path."""
+        path = np.zeros((self.internal, self.leaves), dtype=np.float64)
+        lefts = np.zeros(self.leaves, dtype=np.float64)
+        stack: list[tuple[int, list[tuple[int, int]]]] = [(self.root, [])]
         while stack:
-            node, turns = stack.pop()
-            if left[node] == -1:
-                j = leaf_col[node]
+            code, turns = stack.pop()
+            if code < 0:
+                j = -code - 1
                 for i, turn in turns:
                     path[i, j] = turn
                 lefts[j] = sum(1 for _, turn in turns if turn > 0)
                 continue
-            stack.append((left[node], [*turns, (col[node], 1)]))
-            stack.append((right[node], [*turns, (col[node], -1)]))
-        features = np.array([tree.feature[n] for n in internal] or [0], dtype=np.int64)
-        thresholds = np.array([tree.threshold[n] for n in internal] or [np.inf], dtype=np.float64)
+            stack.append((int(self.left_code[code]), [*turns, (code, 1)]))
+            stack.append((int(self.right_code[code]), [*turns, (code, -1)]))
+        return path, lefts
 
-        def code(n: int) -> int:
-            return col[n] if left[n] != -1 else -(leaf_col[n] + 1)
+    @classmethod
+    def from_sklearn(cls, tree: object, values: np.ndarray) -> TreeArrays:
+        """``tree``: a fitted ``sklearn.tree._tree.Tree``; ``values``: ``[nodes, K]`` outputs per node."""
+        left, right = tree.children_left, tree.children_right
+        is_leaf = left == -1
+        internal, leaves = np.flatnonzero(~is_leaf), np.flatnonzero(is_leaf)
+        # code of every node: its index among internal nodes, or -(its index among leaves + 1)
+        codes = np.empty(tree.node_count, dtype=np.int64)
+        codes[internal] = np.arange(len(internal))
+        codes[leaves] = -(np.arange(len(leaves)) + 1)
+        if len(internal):
+            features = tree.feature[internal].astype(np.int64)
+            thresholds = tree.threshold[internal].astype(np.float64)
+            left_code, right_code = codes[left[internal]], codes[right[internal]]
+        else:  # a lone leaf: one padding node, never read
+            features, thresholds = np.zeros(1, np.int64), np.full(1, np.inf)
+            left_code = right_code = np.full(1, -1, np.int64)
+        return cls(features, thresholds, values[leaves], left_code, right_code, int(codes[0]), int(tree.max_depth))
 
-        left_code = np.array([code(left[n]) for n in internal] or [-1], dtype=np.int64)
-        right_code = np.array([code(right[n]) for n in internal] or [-1], dtype=np.int64)
-        return cls(features, thresholds, path, lefts, values[leaves], left_code, right_code, code(0),
-                   int(tree.max_depth))  # fmt: skip
+
+# The soft form's path matrices, past which fine-tuning is refused rather than run out of memory.
+DENSE_PATH_LIMIT_BYTES = 1 << 30
 
 
 def float32_at_or_below(x: np.ndarray) -> np.ndarray:
@@ -205,18 +230,15 @@ class TreeEnsemble(nn.Module):
     ) -> None:
         super().__init__()
         T = len(trees)
-        I = max(t.path.shape[0] for t in trees)  # noqa: E741 (the paper's names)
-        L = max(t.path.shape[1] for t in trees)
+        I = max(t.internal for t in trees)  # noqa: E741 (the paper's names)
+        L = max(t.leaves for t in trees)
         K = trees[0].values.shape[1]
         features = np.zeros((T, I), dtype=np.int64)
         thresholds = np.full((T, I), np.inf)
-        path = np.zeros((T, I, L))
-        lefts = np.full((T, L), -1.0)  # a padding leaf: never reached
         values = np.zeros((T, L, K))
         for k, t in enumerate(trees):
-            i, leaves = t.path.shape
-            features[k, :i], thresholds[k, :i] = t.features, t.thresholds
-            path[k, :i, :leaves], lefts[k, :leaves], values[k, :leaves] = t.path, t.lefts, t.values
+            features[k, : t.internal], thresholds[k, : t.internal] = t.features, t.thresholds
+            values[k, : t.leaves] = t.values
         if features.max(initial=0) >= n_features:
             raise ValueError(f"a tree reads feature {features.max()} of {n_features}")
         left_code, right_code = np.full((T, I), -1, dtype=np.int64), np.full((T, I), -1, dtype=np.int64)
@@ -228,8 +250,8 @@ class TreeEnsemble(nn.Module):
         self.depth = max(t.depth for t in trees)
         self.register_buffer("features", torch.as_tensor(features.reshape(-1)))
         self.thresholds = nn.Parameter(torch.as_tensor(float32_at_or_below(thresholds).astype(np.float64)))
-        self.register_buffer("path", torch.as_tensor(path))
-        self.register_buffer("lefts", torch.as_tensor(lefts))
+        self._trees = trees  # for the soft form's path matrices, built on first use (``dense``)
+        self._dense: tuple[torch.Tensor, torch.Tensor] | None = None
         self.values = nn.Parameter(torch.as_tensor(values))
         self.shape = (T, I, L, K)
         self.combine, self.link, self.scale = combine, link, scale
@@ -238,6 +260,32 @@ class TreeEnsemble(nn.Module):
         # A soft split's width, per internal node, in its feature's units
         # (``set_temperature``); 1 until data says what the features' scales are.
         self.register_buffer("temperature", torch.ones(T, I, dtype=torch.float64))
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:  # noqa: ANN001
+        # Weights saved before the path matrices were built on demand carry them; they are derived, not learned.
+        for key in ("path", "lefts"):
+            state_dict.pop(prefix + key, None)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The GEMM form's ``path`` ``[T, I, L]`` and ``lefts`` ``[T, L]`` (-1 on a padding leaf, never
+        reached), built on first use; refused, naming its size, past ``DENSE_PATH_LIMIT_BYTES``."""
+        if self._dense is not None and self._dense[0].device != self.values.device:
+            self._dense = tuple(t.to(self.values.device) for t in self._dense)
+        if self._dense is None:
+            T, I, L, _ = self.shape  # noqa: E741
+            size = T * I * L * 8
+            if size > DENSE_PATH_LIMIT_BYTES:
+                raise ValueError(f"the soft (trainable) form of these {T} trees needs a {size / 2**30:.1f} GiB path "
+                                 f"matrix ({I} internal nodes × {L} leaves per tree); fine-tune trees with a "
+                                 f"max_depth or max_leaf_nodes that keeps it under "
+                                 f"{DENSE_PATH_LIMIT_BYTES / 2**30:.0f} GiB")  # fmt: skip
+            path, lefts = np.zeros((T, I, L)), np.full((T, L), -1.0)
+            for k, tree in enumerate(self._trees):
+                path[k, : tree.internal, : tree.leaves], lefts[k, : tree.leaves] = tree.dense_path()
+            device = self.values.device
+            self._dense = (torch.as_tensor(path, device=device), torch.as_tensor(lefts, device=device))
+        return self._dense
 
     def set_temperature(self, x: torch.Tensor, factor: float) -> None:
         """Each node's softness: ``factor`` × the spread of its feature over ``x``
@@ -269,20 +317,21 @@ class TreeEnsemble(nn.Module):
     def leaf_weights(self, x: torch.Tensor) -> torch.Tensor:
         """``[N, T, L]``: which leaf each sample reaches in each tree (0/1 hard, probabilities soft)."""
         trees, nodes, _, _ = self.shape
+        path, lefts = self.dense()
         chosen = x.index_select(1, self.features).view(-1, trees, nodes)
         if not self.soft:
             # scikit-learn's own comparison: float32 features against thresholds
             # rounded down to float32 (see float32_at_or_below).
-            went_left = (chosen.float() <= self.thresholds.float()).to(self.path.dtype)
-            reached = torch.einsum("nti,til->ntl", went_left, self.path)
-            return (reached == self.lefts).to(x.dtype)
+            went_left = (chosen.float() <= self.thresholds.float()).to(path.dtype)
+            reached = torch.einsum("nti,til->ntl", went_left, path)
+            return (reached == lefts).to(x.dtype)
         go_left = torch.sigmoid((self.thresholds - chosen) / self.temperature)
         log_left, log_right = torch.log(go_left.clamp_min(1e-12)), torch.log((1 - go_left).clamp_min(1e-12))
-        left_turns, right_turns = self.path.clamp(min=0), (-self.path).clamp(min=0)
+        left_turns, right_turns = path.clamp(min=0), (-path).clamp(min=0)
         log_p = torch.einsum("nti,til->ntl", log_left, left_turns) + torch.einsum(
             "nti,til->ntl", log_right, right_turns
         )
-        return torch.exp(log_p) * (self.lefts >= 0)
+        return torch.exp(log_p) * (lefts >= 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.soft:

@@ -124,8 +124,11 @@ class TranslatedPipeline(nn.Module):
         return [m for m in self.modules() if isinstance(m, TreeEnsemble)]
 
     def set_soft(self, soft: bool) -> None:
-        """Soft (differentiable) or hard (exact) tree splits."""
+        """Soft (differentiable) or hard (exact) tree splits; soft builds the trees' path matrices now,
+        so trees too large for them are refused here, by size, not half-way through training."""
         for tree in self.trees():
+            if soft:
+                tree.dense()
             tree.soft = soft
 
     def set_temperature(self, numeric: torch.Tensor, codes: torch.Tensor, factor: float) -> None:

@@ -221,6 +221,36 @@ def test_constant_poisson_load_gives_no_swap_over_a_minute(controller_factory):
     assert len(swaps_after(controller, 0)) <= 1
 
 
+def test_the_open_inference_protocol_reaches_packrats_pinned_workers_over_http_and_grpc(controller_factory):
+    """Under the controller (versions of pinned workers behind one model name), tritonclient's v2 requests
+    over HTTP and through the gRPC front answer what the model computes; a bad tensor is refused by name."""
+    httpclient = pytest.importorskip("tritonclient.http")
+    grpcclient = pytest.importorskip("tritonclient.grpc")
+    import numpy as np
+    import torch
+    from tritonclient.utils import InferenceServerException
+
+    from serving_harness.oip_grpc import OipGrpcFront
+    from tests.payloads import reference_logits
+
+    controller = controller_factory()
+    x = torch.randn(1, 3, 224, 224, generator=torch.Generator().manual_seed(5)).numpy()
+    expected = reference_logits(SPEC, [{"body": {"data": x[0].tolist()}}]).numpy()
+    server = controller.server
+    with OipGrpcFront(server.inference_url, server.management_url) as front:
+        for module, client in ((httpclient, httpclient.InferenceServerClient(server.inference_url[7:])),
+                               (grpcclient, grpcclient.InferenceServerClient(f"127.0.0.1:{front.port}"))):  # fmt: skip
+            image = module.InferInput("image", list(x.shape), "FP32")
+            image.set_data_from_numpy(x)
+            logits = client.infer("resnet50", [image]).as_numpy("logits")
+            np.testing.assert_allclose(logits, expected, atol=1e-4, rtol=1e-4)
+            wrong = module.InferInput("image", [1, 3, 224, 224], "FP64")
+            wrong.set_data_from_numpy(np.full((1, 3, 224, 224), np.nan))
+            with pytest.raises(InferenceServerException, match="input 'image' contains NaN"):
+                client.infer("resnet50", [wrong])
+        assert grpcclient.InferenceServerClient(f"127.0.0.1:{front.port}").is_model_ready("resnet50")
+
+
 def corrupt_artefact(archive: Path) -> None:
     """Rewrite an archive so that its workers fail in initialize()."""
     import zipfile

@@ -261,3 +261,26 @@ def test_a_top_level_imputer_and_imputer_settings_it_cannot_express():
         fitted = make_pipeline(imputer, LogisticRegression(max_iter=5000)).fit(clean[:400], y[:400])
         with pytest.raises(UntranslatableError, match=message):
             translate(fitted)
+
+
+def test_a_depth_unlimited_forest_translates_exactly_in_memory_of_its_own_size():
+    """scikit-learn's default forest (no max_depth): the dense path matrices would take gigabytes; the
+    translation holds a few numbers per node, answers exactly, and refuses only the soft form, by size."""
+    import tracemalloc
+
+    rng = np.random.default_rng(0)
+    X = rng.standard_normal((13000, 20))
+    y = (X[:, 0] + np.sin(3 * X[:, 1]) + 0.5 * rng.standard_normal(13000) > 0).astype(int)
+    forest = RandomForestClassifier(n_estimators=100, random_state=0).fit(X[:12000], y[:12000])
+    nodes = max(e.tree_.node_count for e in forest.estimators_)
+    dense_bytes = 100 * (nodes // 2) * (nodes // 2 + 1) * 8
+    tracemalloc.start()
+    model = translate(forest)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    held = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    assert dense_bytes > 1 << 30, dense_bytes  # the old form's size: a real deep forest, not a toy
+    assert peak < 200 * 2**20 and held < 200 * 2**20, (peak, held)
+    assert_same(forest, X[12000:])
+    with pytest.raises(ValueError, match=r"soft \(trainable\) form of these 100 trees needs a [\d.]+ GiB path matrix"):
+        model.set_soft(True)
