@@ -103,12 +103,15 @@ def largest_capacity(profile, threads: int) -> float:
 
 
 def load_changes(phases: list[tuple[float, float]]) -> list[tuple[float, str]]:
-    """(seconds since the load's start, "up" or "down") of every change of the offered rate."""
+    """(seconds since the load's start, "up" or "down") where the offered rate starts to move one way:
+    a step is one change, and so is a diurnal sine's whole rise (its pieces all go up)."""
     out, at = [], 0.0
     for (seconds, rate), (_, following) in zip(phases, phases[1:], strict=False):
         at += seconds
         if following != rate:
-            out.append((at, "up" if following > rate else "down"))
+            direction = "up" if following > rate else "down"
+            if not out or out[-1][1] != direction:
+                out.append((at, direction))
     return out
 
 

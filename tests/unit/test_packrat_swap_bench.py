@@ -12,6 +12,8 @@ def test_load_changes_are_the_boundaries_where_the_rate_moves():
     assert load_changes(spike) == [(7.5, "up"), (17.5, "down")]
     assert load_changes([(5.0, 3.0), (5.0, 3.0), (5.0, 1.0)]) == [(10.0, "down")]  # no change, no entry
     assert load_changes([(30.0, 4.0)]) == []
+    # A diurnal sine's pieces: its whole rise is one change, and its whole fall another.
+    assert load_changes([(5.0, 2.0), (5.0, 4.0), (5.0, 8.0), (5.0, 6.0), (5.0, 2.0)]) == [(5.0, "up"), (15.0, "down")]
 
 
 def test_each_change_is_answered_by_the_first_decision_after_it_and_before_the_next():
