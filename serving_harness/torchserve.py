@@ -236,3 +236,28 @@ class TorchServeProcess:
                 tail = path.read_text(errors="replace").splitlines()[-lines:]
                 chunks.append(f"--- {name} (last {len(tail)} lines) ---\n" + "\n".join(tail))
         return "\n".join(chunks) or "(no logs)"
+
+    def model_log_size(self) -> int:
+        """Where the model log ends now: pass it to ``model_log_lines`` to read only what comes after."""
+        path = self.log_dir / "model_log.log"
+        return path.stat().st_size if path.exists() else 0
+
+    def model_log_lines(self, containing: str, since: int = 0, timeout_s: float = 10.0) -> list[str]:
+        """The model log's lines after byte ``since`` that contain ``containing``, waiting up to ``timeout_s``.
+
+        A worker's output reaches ``model_log.log`` through the frontend's reader thread for that
+        worker's stdout, which runs beside the thread answering the API: a management or inference
+        answer can arrive before the line the worker printed on its way.  So a caller that looks for
+        a line right after an answer polls, and gets an empty list only when the line never came.
+        """
+        path = self.log_dir / "model_log.log"
+        deadline = time.monotonic() + timeout_s
+        while True:
+            found: list[str] = []
+            if path.exists():
+                with path.open(errors="replace") as f:
+                    f.seek(since)
+                    found = [line for line in f if containing in line]
+            if found or time.monotonic() >= deadline:
+                return found
+            time.sleep(0.1)

@@ -198,14 +198,11 @@ def test_a_model_a_handler_cannot_serve_is_refused_at_registration_in_one_line(
     else:
         serialized, extra = files[model], []
     mar = user_archive(model_store_dir, tmp_path, name, handler, config, serialized, extra)
-    log = torchserve.log_dir / "model_log.log"
-    before = log.stat().st_size if log.exists() else 0
+    before = torchserve.model_log_size()
     with pytest.raises(TorchServeAPIError) as refused:
         torchserve.management().register(mar, model_name=name)
     assert refused.value.status == 500
-    with log.open(errors="replace") as f:
-        f.seek(before)
-        lines = [line for line in f if f"Failed to load model {name}, exception" in line]
+    lines = torchserve.model_log_lines(f"Failed to load model {name}, exception", since=before)
     assert lines and reason in lines[0], lines  # the reason, whole, on TorchServe's one line
     # TorchServe may keep the name registered with no worker after a failed start: nothing of it serves.
     try:

@@ -106,8 +106,7 @@ def test_bad_request_in_a_batch_fails_only_itself(served, torchserve):
     assert [a.status for a in answers] == [200, 400, 200, 200], [a.body for a in answers]
     assert "malformed JSON" in answers[1].body["message"]
     assert_matches_reference(spec, [{"body": g} for g in good], [answers[i].body for i in (0, 2, 3)])
-    log = (torchserve.log_dir / "model_log.log").read_text()
-    assert "batch of 4 requests, 1 refused" in log
+    assert torchserve.model_log_lines("batch of 4 requests, 1 refused")
 
 
 BAD_IMAGE_REQUESTS = [
