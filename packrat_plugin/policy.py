@@ -102,6 +102,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from packrat_plugin.calibration import Calibration
@@ -139,6 +140,10 @@ class PolicyConfig:
     act_on_changes: bool = True
     change_confirm_s: float = 0.25
     step_ratio: float = 3.0
+    # The regime's rate (arrivals since the last alarm) joins the windows once it spans this long: its bounds
+    # then gate growing and shrinking with the windows', and a move to another split of the cores may grow on it
+    # in expectation.  0: never.
+    regime_min_s: float = 15.0
 
     def __post_init__(self) -> None:
         if self.up_confirm_s < 0 or self.down_confirm_s < 0:
@@ -155,6 +160,8 @@ class PolicyConfig:
             raise ValueError("swap times must be non-negative")
         if not 0.0 < self.learning_rate <= 1.0:
             raise ValueError(f"learning_rate must be in (0, 1], got {self.learning_rate}")
+        if self.regime_min_s < 0:
+            raise ValueError(f"regime_min_s must be ≥ 0, got {self.regime_min_s}")
         if not self.step_ratio >= 1.0 or self.change_confirm_s < 0:
             raise ValueError(f"step_ratio must be ≥ 1 and change_confirm_s ≥ 0, got {self.step_ratio}, "
                              f"{self.change_confirm_s}")  # fmt: skip
@@ -175,6 +182,10 @@ class Observation:
     # than the long window (so ``rate_short`` is the new regime's rate alone, over ``short_span_s``); 0: none.
     change: int = 0
     change_ratio: float = 1.0  # the flagged change's new rate over its old one
+    # Arrivals/s since the detector's last alarm (at most the monitor's regime window back), and over how long:
+    # under a load that holds, the tightest reading of its rate (load_monitor.py).  0 s: none.
+    rate_regime: float = 0.0
+    regime_span_s: float = 0.0
 
     def bounds(self, rate: float, span_s: float, z: float) -> tuple[float, float]:
         """Poisson confidence bounds of a rate measured as ``rate·span`` arrivals."""
@@ -250,9 +261,11 @@ class ReconfigurationPolicy:
         cfg = self.config
         self.costs = SwapCosts(cfg.warm_swap_s, cfg.cold_swap_s, cfg.horizon_s, cfg.learning_rate)
 
-    def calibrate(self, calibration: Calibration) -> None:
-        """Predict with what serving has been measured to cost (calibration.py)."""
-        self.levels = [dataclasses.replace(lv, calibration=calibration) for lv in self.levels]
+    def calibrate(self, calibration: Calibration | Callable[[int], Calibration]) -> None:
+        """Predict with what serving has been measured to cost (calibration.py): one calibration for every
+        level, or one per worker class (threads per worker → its calibration: ``CalibrationBook.for_class``)."""
+        of = calibration if callable(calibration) else (lambda _threads: calibration)
+        self.levels = [dataclasses.replace(lv, calibration=of(lv.plan.instances[0].threads)) for lv in self.levels]
 
     def level(self, batch: int) -> Level:
         for lv in self.levels:
@@ -356,9 +369,15 @@ class ReconfigurationPolicy:
             return False  # between batch caps of one split: the model credits a larger cap for free
         if self._detected(obs) > 0 and self._better_in_expectation(up, cur, obs.rate_short, obs.short_span_s):
             return True
+        if self._regime_known(obs) and self._better_in_expectation(up, cur, obs.rate_regime, obs.regime_span_s):
+            return True
         if self.config.up_rule == "bound":
             return False
         return self._better_in_expectation(up, cur, obs.rate_long, obs.long_span_s)
+
+    def _regime_known(self, obs: Observation) -> bool:
+        """Whether the regime's rate is measured over long enough to be read (``regime_min_s``)."""
+        return self.config.regime_min_s > 0 and obs.regime_span_s >= self.config.regime_min_s
 
     def _better_in_expectation(self, new: Level, ref: Level, rate: float, span_s: float) -> bool:
         """:meth:`_clearly_better` averaged over what a rate measured as ``rate·span_s`` arrivals may be."""
@@ -389,6 +408,11 @@ class ReconfigurationPolicy:
                         obs.bounds(obs.rate_long, obs.long_span_s, self.config.up_z)[0])  # fmt: skip
         _, short_high = obs.bounds(obs.rate_short, obs.short_span_s, z)
         _, long_high = obs.bounds(obs.rate_long, obs.long_span_s, z)
+        regime_high = 0.0
+        if self._regime_known(obs):
+            # A load that holds: its regime's many arrivals bound the rate tightly from both sides.
+            rate_low = max(rate_low, obs.bounds(obs.rate_regime, obs.regime_span_s, self.config.up_z)[0])
+            regime_high = obs.bounds(obs.rate_regime, obs.regime_span_s, z)[1]
         detected = self._detected(obs)
         if obs.now < self._depth_quiet_until:
             obs = dataclasses.replace(obs, backlog_growing=False, concurrency=0.0)
@@ -415,7 +439,8 @@ class ReconfigurationPolicy:
             return None, rate, ""
         # Shrinking: even at the high end of both windows, a smaller level is clearly better.  After a
         # fall the detector flagged, the long window still holds the old regime: the new one's alone.
-        high = short_high if detected < 0 else max(short_high, long_high)
+        # Under a load that holds, a dip of both windows is not a fall while the regime's upper bound disagrees.
+        high = short_high if detected < 0 else max(short_high, long_high, regime_high)
         down = max(self.best(high), floor, key=lambda lv: lv.batch)
         if down.batch < cur.batch and self._clearly_better(down, cur, high):
             return down, rate, "load fell"

@@ -117,6 +117,14 @@ def add_policy_arguments(p: argparse.ArgumentParser) -> None:
         default=mon.change_false_alarm_s / 3600,
         help="the change detector's mean time between false alarms under a constant load, per direction",
     )
+    g.add_argument(
+        "--regime-window",
+        type=float,
+        default=mon.regime_window_s,
+        help="the regime's rate (arrivals since the last alarm) reaches back this far at most (s)",
+    )
+    g.add_argument("--regime-min", type=float, default=pol.regime_min_s,
+                   help="the regime's rate is read once it spans this long (s; 0: never)")  # fmt: skip
     g.add_argument("--standby-workers", type=int, default=ctl.standby_workers,
                    help="idle workers kept warm for fast swaps (each holds a copy of the model; 0: none)")  # fmt: skip
     g.add_argument("--no-calibrate", action="store_true",
@@ -176,10 +184,11 @@ def config_from(args: argparse.Namespace) -> ControllerConfig:
             up_confirm_s=args.up_confirm, down_confirm_s=args.down_confirm, noise_z=args.noise_z, up_z=args.up_z,
             up_rule=args.up_rule, min_gain=args.min_gain, horizon_s=args.horizon, step_ratio=args.step_ratio,
             change_confirm_s=args.change_confirm, act_on_changes=not args.no_act_on_changes,
+            regime_min_s=args.regime_min,
         ),
         monitor=MonitorConfig(
             period_s=args.sample_ms / 1000, short_window_s=args.short_window, long_window_s=args.long_window,
-            change_false_alarm_s=args.false_alarm_hours * 3600,
+            change_false_alarm_s=args.false_alarm_hours * 3600, regime_window_s=args.regime_window,
         ),
         swapper=SwapperConfig(max_batch_delay_ms=args.max_batch_delay),
         standby_workers=args.standby_workers,

@@ -507,3 +507,54 @@ def test_the_passive_sets_kept_warm_first_are_the_moves_a_detected_change_would_
     assert at_high["fall"].batch < high  # the first level below, scanning down from 8/s
     idle = prepared_moves(policy, current=1, rate=0.0, ratio=2.0)
     assert idle["rise"].batch > 1  # at idle, the level a rise would reach, not "double nothing"
+
+
+def hold(policy: ReconfigurationPolicy, current: int, seconds: float, **obs) -> list:
+    """Feed the same observation every tick for ``seconds``; the decisions made."""
+    decisions = []
+    for i in range(int(seconds / PERIOD)):
+        decision = policy.observe(Observation(now=100.0 + i * PERIOD, **obs), current, {1, 2, 4, 8, 16, 32})
+        if decision is not None:
+            decisions.append(decision)
+    return decisions
+
+
+def test_a_dip_of_both_windows_is_not_a_fall_while_the_regime_holds_its_rate():
+    """9 req/s for a minute (the split clearly better), then both windows read a dip to ~3/s, which at their
+    upper bounds says the fat worker: without the regime's rate the policy moves back; with it, not."""
+    dip = {"rate_short": 3.0, "rate_long": 3.5}
+    policy = ReconfigurationPolicy(levels())
+    split = policy.best(9.0).batch
+    assert split > 1 and policy.best(3.0).batch == 1
+    assert hold(ReconfigurationPolicy(levels()), split, 4.0, **dip)  # the windows alone: back to the fat worker
+    assert not hold(policy, split, 4.0, rate_regime=9.0, regime_span_s=60.0, **dip)
+    # A regime younger than regime_min_s is not read.
+    assert hold(ReconfigurationPolicy(levels()), split, 4.0, rate_regime=9.0, regime_span_s=10.0, **dip)
+
+
+def test_a_load_that_holds_past_the_crossover_moves_once_on_the_regimes_rate():
+    """9 req/s held for 20 s while both windows wander low (8 and 8.5/s, whose lower bounds keep the fat worker):
+    the regime's rate, in expectation, moves to the split of the cores."""
+    wander = {"rate_short": 8.0, "rate_long": 8.5}
+    assert not hold(ReconfigurationPolicy(levels()), 1, 4.0, **wander)
+    moved = hold(ReconfigurationPolicy(levels()), 1, 4.0, rate_regime=9.0, regime_span_s=20.0, **wander)
+    assert moved and moved[0].target.batch > 1 and moved[0].reason == "load rose"
+
+
+def test_the_regimes_rate_counts_from_the_last_alarm_and_reaches_back_at_most_its_window():
+    rng = random.Random(5)
+    monitor = LoadMonitor(MonitorConfig(period_s=PERIOD, regime_window_s=30.0))
+    total, now = 0, 0.0
+    for seconds, rate in [(40.0, 2.0), (20.0, 12.0)]:
+        for _ in range(int(seconds / PERIOD)):
+            now += PERIOD
+            total += _poisson(rng, rate * PERIOD)
+            monitor.record(now, {"v": total}, 0)
+        if rate == 2.0:
+            rate_before, span_before = monitor.regime_rate()
+    assert 29.0 <= span_before <= 31.0 and 1.3 <= rate_before <= 2.7  # capped at the window
+    alarm_at = monitor.changes[-1][0]
+    assert monitor.changes[-1][1].direction == "up" and 40.0 < alarm_at < 42.0
+    rate_after, span_after = monitor.regime_rate()
+    assert span_after == pytest.approx(now - alarm_at) and 10.0 <= rate_after <= 14.0  # the new regime alone
+    assert monitor.observation(now, 1).rate_regime == rate_after
