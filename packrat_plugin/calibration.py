@@ -19,20 +19,21 @@ numbers, both measured rather than guessed:
   collate, encode).
 
 A round of ``k`` requests is then predicted to take
-``L[t][k] · slowdown + k · overhead_ms``.
+``L[t][k] · slowdown + k · overhead_ms``.  Both are measured on the active
+worker class and applied to every class: the overhead is per request and
+single-threaded whatever ``t`` is; the slowdown is the share of the machine
+that serving does not get, roughly the same for any split of the cores.
 
-Each worker class (threads per worker) keeps its own numbers
-(``CalibrationBook``), learned while it serves; a class that has not served
-yet borrows the one measured last.  Why not one pair for every class: the
-slowdown is not the same for every split of the cores.  On the 2-core VM a
-2-thread ResNet-50 worker ran at 1.2-1.5× its profile under load and two
-1-thread workers at ~1.2× (docs/benchmarks/packrat_crossover_resnet50.md): an
-intra-op GEMM split over two cores waits for the slower of them, so
-everything else on the box (the frontend, the clients, decoding) slows it
-more.  With one pair, measured on the split and applied to the fat worker,
-Packrat credited the fat worker with ~15 req/s where it served ~12, and at a
-constant 10 req/s moved back to it on a dip
-(docs/benchmarks/packrat_constant_resnet50.md).
+Roughly: on the 2-core VM a 2-thread ResNet-50 worker ran at 1.2-1.5× its
+profile and two 1-thread workers at ~1.2× (docs/benchmarks/
+packrat_crossover_resnet50.md), so one pair measured on the split flatters
+the fat worker.  Keeping a pair per worker class was tried and is worse: a
+class's numbers are measured at the load it last served, and the slowdown
+grows with the load (the frontend and the clients take more of the cores),
+so at a constant 16 req/s the split's fresh 1.3× against the fat worker's
+1.2× from a lighter load made the fat worker look the larger and moved
+there and back (issue 45's constant-load bench).  A slowdown that is a
+function of the load, per class, is what would fix both.
 """
 
 from __future__ import annotations
@@ -127,40 +128,3 @@ class ServiceCalibrator:
             old.updates + 1,
         )
         return True
-
-
-class CalibrationBook:
-    """One ``ServiceCalibrator`` per worker class (threads per worker); the module doc says why."""
-
-    def __init__(self, config: CalibrationConfig = CalibrationConfig(), prior: Calibration = Calibration()) -> None:
-        self.config = config
-        self.prior = prior
-        self._by_class: dict[int, ServiceCalibrator] = {}
-        self._latest: Calibration = prior  # the last calibration measured, of any class
-
-    def restart(self, threads: int, totals: ServiceTotals) -> None:
-        """Workers of ``threads`` threads now serve: measure them from their counters as they are now."""
-        self._calibrator(threads).restart(totals)
-
-    def update(self, threads: int, totals: ServiceTotals, rounds_ms: tuple[tuple[int, float], ...]) -> bool:
-        """Fold the serving class's window in (``ServiceCalibrator.update``); True if it was."""
-        calibrator = self._calibrator(threads)
-        if not calibrator.update(totals, rounds_ms):
-            return False
-        self._latest = calibrator.current
-        return True
-
-    def for_class(self, threads: int) -> Calibration:
-        """What workers of ``threads`` threads cost: their own measurement, or the latest of any class."""
-        calibrator = self._by_class.get(threads)
-        if calibrator is not None and calibrator.current.updates > 0:
-            return calibrator.current
-        return self._latest
-
-    def measured(self) -> dict[int, Calibration]:
-        return {t: c.current for t, c in sorted(self._by_class.items()) if c.current.updates > 0}
-
-    def _calibrator(self, threads: int) -> ServiceCalibrator:
-        if threads not in self._by_class:
-            self._by_class[threads] = ServiceCalibrator(self.config, self.prior)
-        return self._by_class[threads]

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from handlers.pinning.slots import PlanStore
-from packrat_plugin.calibration import Calibration, CalibrationBook, CalibrationConfig
+from packrat_plugin.calibration import Calibration, CalibrationConfig, ServiceCalibrator
 from packrat_plugin.division import OVERLOAD_S, DivisionConfig
 from packrat_plugin.levels import Level, level_of, levels_for
 from packrat_plugin.load_monitor import LoadMonitor, MonitorConfig
@@ -134,7 +134,7 @@ class ModelController:
         self.levels: list[Level] = self.levels_on(self.threads)
         self.policy = ReconfigurationPolicy(self.levels, config.policy)
         self.monitor = LoadMonitor(config.monitor)
-        self.calibrations = CalibrationBook(config.calibration, prior)
+        self.calibrator = ServiceCalibrator(config.calibration, prior)
         self.policy.calibrate(prior)
         self.swapper = ActivePassiveSwapper(
             management, store, target.name, target.archive, model_store, topology, config.swapper,
@@ -181,10 +181,9 @@ class ModelController:
         Past every level's capacity: ``division.OVERLOAD_S`` scaled by how far
         past, so that dividing cores still sees which share helps most.
         """
-        of = self.calibrations.for_class
+        calibration = self.calibrator.current
         try:
-            levels = [dataclasses.replace(lv, calibration=of(lv.plan.instances[0].threads))
-                      for lv in self.levels_on(threads)]  # fmt: skip
+            levels = [dataclasses.replace(lv, calibration=calibration) for lv in self.levels_on(threads)]
         except InfeasibleError:  # the profile has no point that fits this few cores
             return math.inf
         best = min(lv.predicted_latency_s(rate) for lv in levels)
@@ -202,7 +201,7 @@ class ModelController:
         costs = self.policy.costs
         self.policy = ReconfigurationPolicy(self.levels, self.config.policy)
         self.policy.costs = costs
-        self.policy.calibrate(self.calibrations.for_class)
+        self.policy.calibrate(self.calibrator.current)
         self.swapper.retarget(topology, cores_tag(topology))
 
     def reassign(self, topology: CpuTopology, rate: float) -> SwapReport:
@@ -280,9 +279,7 @@ class ModelController:
         if report.kind != "none":
             # The new set's counters start where they are now; the drain is over,
             # so its first window is not slowed by the old set.
-            self.calibrations.restart(
-                level.plan.instances[0].threads, self.store.service_totals(self.target.name, self.swapper.active)
-            )
+            self.calibrator.restart(self.store.service_totals(self.target.name, self.swapper.active))
         with self.lock:
             self.level, self.plan = level, level.plan
             if report.kind != "none":
@@ -311,10 +308,9 @@ class ModelController:
         active = served.get(self.swapper.active or "")
         # self.level's profiled rounds; the policy's copy of each level carries the calibration.
         calibrating = self.config.calibrate and self.level is not None and active is not None and self.level.rounds_ms
-        threads = self.level.plan.instances[0].threads if self.level is not None else 0
-        if calibrating and self.calibrations.update(threads, active.totals, self.level.rounds_ms):
+        if calibrating and self.calibrator.update(active.totals, self.level.rounds_ms):
             with self.lock:
-                self.policy.calibrate(self.calibrations.for_class)
+                self.policy.calibrate(self.calibrator.current)
 
     def prepared(self, current: int) -> dict[str, Level]:
         """The moves a detected rise or fall from the current rate would make (kept warm first)."""
@@ -399,11 +395,7 @@ class ModelController:
                     "cold_s": round(costs.cold_s, 3),
                     "horizon_s": round(costs.horizon_s, 1),
                 },  # fmt: skip
-                # The serving class's calibration, and every class's measured so far (threads per worker → it).
-                "calibration": self.calibrations.for_class(self.level.plan.instances[0].threads).to_dict()
-                if self.level is not None
-                else self.calibrations.prior.to_dict(),
-                "calibration_by_class": {str(t): c.to_dict() for t, c in self.calibrations.measured().items()},
+                "calibration": self.calibrator.current.to_dict(),
                 "swaps": len(self.swaps),
                 "swaps_by_kind": dict(Counter(report.kind for report in self.swaps)),
                 "swap_errors": self.swap_errors,

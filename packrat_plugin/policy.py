@@ -102,7 +102,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from packrat_plugin.calibration import Calibration
@@ -261,11 +260,9 @@ class ReconfigurationPolicy:
         cfg = self.config
         self.costs = SwapCosts(cfg.warm_swap_s, cfg.cold_swap_s, cfg.horizon_s, cfg.learning_rate)
 
-    def calibrate(self, calibration: Calibration | Callable[[int], Calibration]) -> None:
-        """Predict with what serving has been measured to cost (calibration.py): one calibration for every
-        level, or one per worker class (threads per worker → its calibration: ``CalibrationBook.for_class``)."""
-        of = calibration if callable(calibration) else (lambda _threads: calibration)
-        self.levels = [dataclasses.replace(lv, calibration=of(lv.plan.instances[0].threads)) for lv in self.levels]
+    def calibrate(self, calibration: Calibration) -> None:
+        """Predict with what serving has been measured to cost (calibration.py)."""
+        self.levels = [dataclasses.replace(lv, calibration=calibration) for lv in self.levels]
 
     def level(self, batch: int) -> Level:
         for lv in self.levels:

@@ -5,13 +5,7 @@ import math
 import pytest
 
 from handlers.pinning.slots import ServiceTotals
-from packrat_plugin.calibration import (
-    Calibration,
-    CalibrationBook,
-    CalibrationConfig,
-    ServiceCalibrator,
-    profiled_round_ms,
-)
+from packrat_plugin.calibration import Calibration, CalibrationConfig, ServiceCalibrator, profiled_round_ms
 from packrat_plugin.levels import Level
 from packrat_plugin.plan_types import Plan, PlanItem
 from packrat_plugin.policy import ReconfigurationPolicy
@@ -89,30 +83,3 @@ def test_handler_overhead_moves_the_choice_from_the_fat_worker_to_one_per_core()
     assert policy.best(11.0).batch == 2
     assert policy.level(1).capacity == pytest.approx(1000 / (57 * 1.1 + 10))
     assert math.isfinite(policy.level(2).predicted_latency_s(13.8))
-
-
-def test_each_worker_class_keeps_its_own_calibration_and_an_unmeasured_one_borrows_the_latest():
-    """The fat worker measured at 1.4× its profile and the split at 1.2×: each level predicts with its own;
-    before the split has served it borrows the fat worker's, as the single calibration did."""
-    book = CalibrationBook(CalibrationConfig(min_requests=10))
-    assert book.for_class(1) == book.for_class(2) == Calibration()
-    book.restart(2, ServiceTotals())
-    assert book.update(2, ServiceTotals(20, 20, 20 * 0.100 * 1.4, 20 * 0.100 * 1.4), ROUNDS)
-    assert book.for_class(2).slowdown == pytest.approx(1.4)
-    assert book.for_class(1).slowdown == pytest.approx(1.4)  # borrowed: the split has not served
-    book.restart(1, ServiceTotals())
-    assert book.update(1, ServiceTotals(20, 20, 20 * 0.100 * 1.2, 20 * 0.100 * 1.2), ROUNDS)
-    assert book.for_class(1).slowdown == pytest.approx(1.2)
-    assert book.for_class(2).slowdown == pytest.approx(1.4)  # kept, not overwritten by the split's
-    assert set(book.measured()) == {1, 2}
-
-    fat = level(1, 1, 2, 1, ((1, 57.0),))
-    split = level(2, 2, 1, 1, ((1, 101.0),))
-    policy = ReconfigurationPolicy([fat, split])
-    policy.calibrate(book.for_class)
-    assert policy.level(1).calibration.slowdown == pytest.approx(1.4)
-    assert policy.level(2).calibration.slowdown == pytest.approx(1.2)
-    # One calibration for both (what Packrat did before): the fat worker credited with the split's 1.2×.
-    shared = ReconfigurationPolicy([fat, split])
-    shared.calibrate(book.for_class(1))
-    assert shared.level(1).capacity > policy.level(1).capacity * 1.15
