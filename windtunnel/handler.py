@@ -70,8 +70,9 @@ class WindTunnelModelHandler:
                     len(model.columns), "soft" if settings.get("soft") else "hard",
                     time.perf_counter() - started)  # fmt: skip
 
-    def rows_of(self, request: dict[str, Any]) -> tuple[list[dict[str, Any]], oip.InferRequest | None]:
-        """One request's rows and, for a v2 request, the request; or a RequestError saying what is wrong."""
+    def rows_of(self, request: dict[str, Any]) -> tuple[list[dict[str, Any]] | dict[str, Any], oip.InferRequest | None]:
+        """One request's rows (JSON: a list of row objects; v2: the columns by name) and, for a v2 request,
+        the request; or a RequestError saying what is wrong."""
         value = request_payload(request)
         if isinstance(value, (bytes, bytearray)):
             check_payload_size(value, self.max_payload_bytes)
@@ -81,7 +82,7 @@ class WindTunnelModelHandler:
         if isinstance(value, oip.InferRequest) or oip.is_request(value):
             try:
                 v2 = value if isinstance(value, oip.InferRequest) else oip.parse_request(value)
-                return self.rows_of_v2(v2), v2
+                return self.columns_of_v2(v2), v2
             except oip.OipError as exc:
                 raise RequestError(exc.status, str(exc)) from None
         if isinstance(value, dict) and "rows" in value:
@@ -96,8 +97,9 @@ class WindTunnelModelHandler:
             raise RequestError(413, f"{len(rows)} rows exceed the limit of {self.max_rows} per request")
         return rows, None
 
-    def rows_of_v2(self, request: oip.InferRequest) -> list[dict[str, Any]]:
-        """A v2 request's rows: one input tensor per column, ``[N]`` or ``[N, 1]``, all of one N."""
+    def columns_of_v2(self, request: oip.InferRequest) -> dict[str, Any]:
+        """A v2 request's columns: one input tensor per column, ``[N]`` or ``[N, 1]``, all of one N; numbers
+        stay arrays, for ``encode_columns`` to take whole."""
         names = [c.name for c in self.model.columns]
         unknown = [name for name in request.inputs if name not in names]
         if unknown:
@@ -106,7 +108,7 @@ class WindTunnelModelHandler:
         bad = next((name for name in request.outputs if name not in outputs), None)
         if bad is not None:
             raise oip.OipError(f"unknown output '{bad}' (the pipeline answers {list(outputs)})")
-        columns: dict[str, list[Any]] = {}
+        columns: dict[str, Any] = {}
         for col in self.model.columns:
             tensor = request.get(col.name)
             array = tensor.array
@@ -119,7 +121,7 @@ class WindTunnelModelHandler:
                     raise oip.OipError(f"input '{col.name}': a numeric column, got BYTES")
                 columns[col.name] = [v.decode("utf-8", "replace") for v in array]
             else:
-                columns[col.name] = array.tolist()
+                columns[col.name] = array
         counts = {len(v) for v in columns.values()}
         if len(counts) != 1:
             raise oip.OipError(f"inputs hold different numbers of rows: {sorted(counts)}")
@@ -128,7 +130,7 @@ class WindTunnelModelHandler:
             raise oip.OipError("inputs hold no rows")
         if count > self.max_rows:
             raise oip.OipError(f"{count} rows exceed the limit of {self.max_rows} per request", status=413)
-        return [{name: values[r] for name, values in columns.items()} for r in range(count)]
+        return columns
 
     @property
     def output_key(self) -> str:
@@ -139,6 +141,8 @@ class WindTunnelModelHandler:
         RequestError naming what is wrong."""
         rows, v2 = self.rows_of(request)
         try:
+            if isinstance(rows, dict):
+                return (*self.model.encode_columns(rows), v2)
             return (*self.model.encode_rows(rows), v2)
         except RowError as exc:
             raise bad_request(str(exc)) from None

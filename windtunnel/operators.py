@@ -11,8 +11,13 @@ temperature near 0 the soft tree is the hard tree.
 
 Hard trees are walked: every tree of a forest one level per step, each step
 a gather of the node's feature and threshold for all rows and trees at once
-(``depth`` steps of ``[N, T]``), then the reached leaves' values are read;
-memory is the trees' own size.  Soft trees take the GEMM form (one matrix per
+(``depth`` steps of ``[N, T]``), then the reached leaves' values are read.
+Two layouts, chosen per forest from its shape: trees shallow enough are laid
+out as *perfect* binary trees (a leaf above the last level stands for its
+whole subtree), where a node's children are at ``2j`` and ``2j + 1`` of the
+next level, so a step is an index doubling and no child lookups; deeper
+trees keep their own node order and look their children up, in memory of
+the trees' own size (a perfect layout doubles with every level).  Soft trees take the GEMM form (one matrix per
 tree level of the computation, not per node): compare every internal node's
 feature with its threshold (``[N, T, I]``) and weigh each leaf with one
 batched product against the tree's path matrix, built on first use.
@@ -197,6 +202,39 @@ class TreeArrays:
 
 # The soft form's path matrices, past which fine-tuning is refused rather than run out of memory.
 DENSE_PATH_LIMIT_BYTES = 1 << 30
+# The perfect layout (``PerfectLayout``) is used while a forest's trees padded to perfect ones hold at most this
+# many nodes in all (8 MiB of node numbers and 4 of thresholds at the limit), and no tree is deeper than
+# ``PERFECT_MAX_DEPTH``.
+PERFECT_MAX_NODES = 1 << 20
+PERFECT_MAX_DEPTH = 12
+
+
+def perfect_layout(trees: list[TreeArrays], depth: int, internal: int) -> tuple[np.ndarray, np.ndarray]:
+    """Every tree padded to a perfect one of ``depth`` levels, in breadth-first order.
+
+    Returns ``nodes`` ``[T, 2^depth - 1]``: at each position, the index of the internal node there in the
+    forest's flat node arrays (``t·internal + i``), or of the tree's first node where a leaf above stands
+    (its answer is never read); and ``leaf_of`` ``[T, 2^depth]``: the leaf each bottom position reaches.
+    Built with array operations, one level at a time: a leaf hands itself down to both of its positions.
+    """
+    T = len(trees)
+    width = (1 << depth) - 1
+    nodes = np.zeros((T, width), dtype=np.int64)
+    leaf_of = np.zeros((T, 1 << depth), dtype=np.int64)
+    for k, tree in enumerate(trees):
+        codes = np.array([tree.root], dtype=np.int64)
+        for level in range(depth):
+            inner = codes >= 0
+            at = np.where(inner, codes, 0)
+            start = (1 << level) - 1
+            nodes[k, start : start + len(codes)] = k * internal + at
+            left = np.where(inner, tree.left_code[at], codes)
+            right = np.where(inner, tree.right_code[at], codes)
+            codes = np.stack([left, right], axis=1).reshape(-1)
+        if (codes >= 0).any():
+            raise ValueError(f"tree {k} is deeper than {depth} levels")
+        leaf_of[k] = -codes - 1
+    return nodes, leaf_of
 
 
 def float32_at_or_below(x: np.ndarray) -> np.ndarray:
@@ -250,6 +288,15 @@ class TreeEnsemble(nn.Module):
         self.depth = max(t.depth for t in trees)
         self.register_buffer("features", torch.as_tensor(features.reshape(-1)))
         self.thresholds = nn.Parameter(torch.as_tensor(float32_at_or_below(thresholds).astype(np.float64)))
+        # The perfect layout where it is small enough (module doc); derived from the trees, so not saved.
+        self.perfect = 0 < self.depth <= PERFECT_MAX_DEPTH and T * (1 << self.depth) <= PERFECT_MAX_NODES
+        if self.perfect:
+            nodes, leaf_of = perfect_layout(trees, self.depth, I)
+            flat_nodes = torch.as_tensor(nodes.reshape(-1))
+            self.register_buffer("perfect_nodes", flat_nodes, persistent=False)
+            self.register_buffer("perfect_features", self.features.index_select(0, flat_nodes), persistent=False)
+            self.register_buffer("perfect_leaf", torch.as_tensor(leaf_of.reshape(-1)), persistent=False)
+        self._perfect_thresholds: tuple[tuple[int, int, torch.device], torch.Tensor] | None = None
         self._trees = trees  # for the soft form's path matrices, built on first use (``dense``)
         self._dense: tuple[torch.Tensor, torch.Tensor] | None = None
         self.values = nn.Parameter(torch.as_tensor(values))
@@ -297,7 +344,34 @@ class TreeEnsemble(nn.Module):
     def leaves(self, x: torch.Tensor) -> torch.Tensor:
         """``[N, T]``: the leaf each sample reaches in each tree, by walking the
         trees level by level (``depth`` gathers of ``[N, T]``): the hard mode's
-        fast path, O(depth) per tree where the GEMM form is O(nodes × leaves)."""
+        fast path, O(depth) per tree where the GEMM form is O(nodes × leaves).
+        Both layouts compare as scikit-learn does: float32 features against
+        thresholds rounded down to float32, left when ``x <= t`` (so a NaN goes right)."""
+        return self._walk_perfect(x) if self.perfect else self._walk_nodes(x)
+
+    def _perfect_threshold_table(self) -> torch.Tensor:
+        """The thresholds in the perfect layout, as float32; rebuilt when training has changed them."""
+        key = (self.thresholds._version, self.thresholds.data_ptr(), self.thresholds.device)
+        if self._perfect_thresholds is None or self._perfect_thresholds[0] != key:
+            with torch.no_grad():
+                table = self.thresholds.detach().reshape(-1).float().index_select(0, self.perfect_nodes)
+            self._perfect_thresholds = (key, table)
+        return self._perfect_thresholds[1]
+
+    def _walk_perfect(self, x: torch.Tensor) -> torch.Tensor:
+        trees, depth = self.shape[0], self.depth
+        width = (1 << depth) - 1
+        tree_start = torch.arange(trees, device=x.device) * width
+        features, thresholds = self.perfect_features, self._perfect_threshold_table()
+        xf = x.float()
+        position = torch.zeros(x.shape[0], trees, dtype=torch.long, device=x.device)
+        for level in range(depth):
+            at = position + (tree_start + ((1 << level) - 1))
+            value = xf.gather(1, features[at])
+            position = position * 2 + (~(value <= thresholds[at])).long()
+        return self.perfect_leaf[position + torch.arange(trees, device=x.device) * (1 << depth)]
+
+    def _walk_nodes(self, x: torch.Tensor) -> torch.Tensor:
         trees, nodes, _, _ = self.shape
         n = x.shape[0]
         offset = (torch.arange(trees, device=x.device) * nodes).expand(n, trees).reshape(-1)

@@ -69,6 +69,92 @@ class Column:
             more = ", …" if len(self.categories) > 8 else ""
             raise RowError(f"column {self.name!r}: unknown category {value!r} (known: {shown}{more})") from None
 
+    # -- a whole column at once (TranslatedPipeline.encode_columns) ---------------
+
+    def numbers(self, values: Sequence[Any] | np.ndarray) -> np.ndarray:
+        """A numeric column's values as float64 (NaN where a missing one will be imputed); RowError names the
+        first row that is not a finite number.  Arrays and lists of plain numbers convert in one call."""
+        if isinstance(values, np.ndarray) and values.dtype.kind == "O":
+            values = values.tolist()  # a mixed table's column: its values' own types decide
+        if isinstance(values, np.ndarray) and values.dtype.kind in "iuf":
+            x = values.astype(np.float64, copy=False)
+        elif not isinstance(values, np.ndarray) and set(map(type, values)) <= {int, float}:
+            x = np.asarray(values, dtype=np.float64)
+        else:
+            return np.asarray([self._number(r, v) for r, v in enumerate(values)], dtype=np.float64)
+        bad = ~np.isfinite(x)
+        if self.fill is not None:
+            bad &= ~np.isnan(x)  # NaN is missing: the module's Impute step fills it
+        if bad.any():
+            r = int(np.flatnonzero(bad)[0])
+            raise RowError(f"row {r}: column {self.name!r} must be a finite number, got {_plain(values[r])!r}")
+        return x
+
+    def _number(self, r: int, value: Any) -> float:
+        value = _plain(value)
+        if self.fill is not None and _missing(value):
+            return math.nan
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise RowError(f"row {r}: column {self.name!r} must be a finite number, got {value!r}")
+        return float(value)
+
+    def codes_of(self, values: Sequence[Any] | np.ndarray) -> np.ndarray:
+        """A categorical column's category codes (-1: an unknown one the encoder ignores); RowError names the
+        first row it cannot take.  A column of strings (or of plain numbers) against categories of that type is
+        looked up by one binary search over the sorted categories; anything else value by value."""
+        if isinstance(values, np.ndarray) and values.dtype.kind == "O":
+            values = values.tolist()
+        kinds = set(map(type, values)) if not isinstance(values, np.ndarray) else None
+        table = self._sorted_categories()
+        if table is not None:
+            keys, codes = table
+            arr = None
+            if keys.dtype.kind == "U" and (kinds == {str} or (kinds is None and values.dtype.kind == "U")):
+                arr = np.asarray(values, dtype=str)
+            elif keys.dtype.kind == "f" and (
+                (kinds is not None and kinds <= {int, float}) or (kinds is None and values.dtype.kind in "iuf")
+            ):
+                arr = np.asarray(values, dtype=np.float64)
+                if np.isnan(arr).any():
+                    arr = None  # missing values: filled, or refused, value by value
+            if arr is not None and len(keys):
+                pos = np.minimum(np.searchsorted(keys, arr), len(keys) - 1)
+                found = keys[pos] == arr
+                out = np.where(found, codes[pos], -1)
+                if not found.all() and not self.unknown_ok:
+                    r = int(np.flatnonzero(~found)[0])
+                    self._code_at(r, values[r])  # raises, naming the category
+                return out
+        return np.asarray([self._code_at(r, v) for r, v in enumerate(values)], dtype=np.int64)
+
+    def _code_at(self, r: int, value: Any) -> int:
+        value = _plain(value)
+        if self.fill is not None and _missing(value):
+            value = self.fill
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise RowError(f"row {r}: column {self.name!r} must be a category (string or number), got {value!r}")
+        try:
+            return self.code(value)
+        except RowError as exc:
+            raise RowError(f"row {r}: {exc}") from None
+
+    def _sorted_categories(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """(sorted categories, their codes) when they are all strings or all plain numbers; built once."""
+        table = self.__dict__.get("_lookup")
+        if table is None and "_lookup" not in self.__dict__:
+            plain = [_plain(c) for c in self.categories]
+            if plain and all(isinstance(c, str) for c in plain):
+                keys = np.asarray(plain, dtype=str)
+            elif plain and all(isinstance(c, (int, float)) and not isinstance(c, bool) for c in plain):
+                keys = np.asarray(plain, dtype=np.float64)
+            else:
+                keys = None
+            if keys is not None:
+                order = np.argsort(keys, kind="stable")
+                table = (keys[order], order.astype(np.int64))
+            self.__dict__["_lookup"] = table
+        return table
+
 
 def _missing(value: Any) -> bool:
     """JSON null, or a NaN (what a SimpleImputer with missing_values=NaN fills)."""
@@ -141,40 +227,50 @@ class TranslatedPipeline(nn.Module):
     # -- rows → tensors ------------------------------------------------------
 
     def encode_rows(self, rows: Sequence[dict[str, Any]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """JSON-like rows with named columns → (numeric, codes); RowError names what is wrong."""
-        numeric = np.zeros((len(rows), len(self.numeric)), dtype=np.float64)
-        codes = np.zeros((len(rows), len(self.categorical)), dtype=np.int64)
+        """JSON-like rows with named columns → (numeric, codes); RowError names what is wrong.
+
+        The rows are turned into columns (one list per column) and encoded a column at a time
+        (``encode_columns``): per-value Python work, which cost more than the forward pass at large
+        batches, is left only where a column holds mixed or missing values."""
+        names = [c.name for c in self.columns]
+        wanted = set(names)
         for r, row in enumerate(rows):
             if not isinstance(row, dict):
                 raise RowError(f"row {r}: expected an object of named columns, got {type(row).__name__}")
-            missing = [c.name for c in self.columns if c.name not in row]
-            if missing:
-                raise RowError(f"row {r}: missing column(s) {missing}")
-            for j, col in enumerate(self.numeric):
-                value = row[col.name]
-                if col.fill is not None and _missing(value):
-                    numeric[r, j] = math.nan  # the module's Impute step fills it
-                    continue
-                if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                    raise RowError(f"row {r}: column {col.name!r} must be a finite number, got {value!r}")
-                numeric[r, j] = value
-            for j, col in enumerate(self.categorical):
-                value = row[col.name]
-                if col.fill is not None and _missing(value):
-                    value = col.fill
-                if not isinstance(value, (str, int, float)) or isinstance(value, bool):
-                    raise RowError(f"row {r}: column {col.name!r} must be a category (string or number), "
-                                   f"got {value!r}")  # fmt: skip
-                try:
-                    codes[r, j] = col.code(value)
-                except RowError as exc:
-                    raise RowError(f"row {r}: {exc}") from None
+            if not wanted <= row.keys():
+                raise RowError(f"row {r}: missing column(s) {[n for n in names if n not in row]}")
+        read = [c.name for c in (*self.numeric, *self.categorical)]
+        return self.encode_columns({name: [row[name] for row in rows] for name in read}, count=len(rows))
+
+    def encode_columns(self, columns: dict[str, Sequence[Any] | np.ndarray],
+                       count: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """Columns by name (lists or 1-D arrays, all of one length) → (numeric, codes), with array operations
+        where a column's values allow it; RowError names the row and column.  A dropped column (one the
+        pipeline requires but does not read) need not be given here."""
+        read = (*self.numeric, *self.categorical)
+        missing = [c.name for c in read if c.name not in columns]
+        if missing:
+            raise RowError(f"missing column(s) {missing}")
+        lengths = sorted({len(columns[c.name]) for c in read})
+        if len(lengths) > 1:
+            raise RowError(f"columns hold different numbers of rows: {lengths}")
+        n = lengths[0] if lengths else (count or 0)
+        numeric = np.empty((n, len(self.numeric)), dtype=np.float64)
+        for j, col in enumerate(self.numeric):
+            numeric[:, j] = col.numbers(columns[col.name])
+        codes = np.empty((n, len(self.categorical)), dtype=np.int64)
+        for j, col in enumerate(self.categorical):
+            codes[:, j] = col.codes_of(columns[col.name])
         return torch.from_numpy(numeric), torch.from_numpy(codes)
 
     def encode_array(self, X: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """A 2-D array with the pipeline's input columns in order (what it was fitted on)."""
-        rows = [{c.name: _plain(v) for c, v in zip(self.columns, row, strict=True)} for row in np.asarray(X)]
-        return self.encode_rows(rows)
+        X = np.asarray(X)
+        if X.ndim != 2 or X.shape[1] != len(self.columns):
+            raise RowError(f"expected a 2-D array of {len(self.columns)} columns, got shape {list(X.shape)}")
+        by_name = {c.name: X[:, i] for i, c in enumerate(self.columns)}
+        read = {c.name: by_name[c.name] for c in (*self.numeric, *self.categorical)}
+        return self.encode_columns(read, count=len(X))
 
 
 # -- operators -----------------------------------------------------------------

@@ -196,6 +196,37 @@ def test_the_tree_walk_and_the_gemm_form_reach_the_same_leaves(cancer):
             assert torch.equal(gemm.argmax(dim=2), forest.leaves(x))
 
 
+def test_the_perfect_layout_walks_to_the_same_leaves_as_the_node_order_even_on_the_thresholds():
+    """Shallow forests are walked in the perfect layout: the same leaf as walking the trees' own node order for
+    every row, including rows on the float32 neighbours of thresholds and NaN; a threshold changed in place (a
+    training step) is read on the next walk; a forest too deep for the layout keeps the node order."""
+    X, y = load_breast_cancer(return_X_y=True)
+    rng = np.random.default_rng(1)
+    for estimator in (RandomForestClassifier(n_estimators=12, max_depth=7, random_state=0),
+                      GradientBoostingClassifier(n_estimators=12, max_depth=3, random_state=0),
+                      ExtraTreesClassifier(n_estimators=6, max_depth=11, random_state=0)):  # fmt: skip
+        model = translate(estimator.fit(X[:400], y[:400]))
+        (forest,) = model.trees()
+        assert forest.perfect
+        # Every row of a probe batch sits on a threshold or one of its float32 neighbours, on that node's feature.
+        rows = X[rng.integers(0, len(X), 600)].astype(np.float64)
+        at = rng.integers(0, forest.features.numel(), 600)
+        t32 = forest.thresholds.detach().reshape(-1)[at].numpy().astype(np.float32)
+        side = rng.integers(0, 3, 600)
+        rows[np.arange(600), forest.features[at].numpy()] = np.where(
+            side == 0, t32, np.where(side == 1, np.nextafter(t32, np.float32(-np.inf)), np.nextafter(t32, np.inf))
+        )
+        rows[::50, 0] = np.nan
+        with torch.no_grad():
+            x = torch.as_tensor(rows)
+            assert torch.equal(forest._walk_perfect(x), forest._walk_nodes(x))
+            forest.thresholds.mul_(0.5)  # in place, as an optimizer steps
+            assert torch.equal(forest._walk_perfect(x), forest._walk_nodes(x))
+    deep = translate(RandomForestClassifier(n_estimators=2, random_state=0).fit(X, y))
+    (forest,) = deep.trees()
+    assert forest.depth > 0 and forest.perfect == (forest.depth <= 12)
+
+
 def test_the_archive_command_refuses_an_untranslatable_pipeline_and_archives_a_good_one(cancer, tmp_path):
     import subprocess
     import sys
@@ -284,3 +315,69 @@ def test_a_depth_unlimited_forest_translates_exactly_in_memory_of_its_own_size()
     assert_same(forest, X[12000:])
     with pytest.raises(ValueError, match=r"soft \(trainable\) form of these 100 trees needs a [\d.]+ GiB path matrix"):
         model.set_soft(True)
+
+
+def test_columns_rows_and_arrays_encode_alike_and_a_bad_value_is_named_by_row_and_column():
+    """``encode_columns`` (array operations) against ``encode_rows`` and ``encode_array``: the same tensors on a
+    table with string and numeric categories, missing values an imputer fills, and an unseen category the
+    encoder ignores; and the same refusal, naming row and column, whichever way the values came."""
+    from sklearn.impute import SimpleImputer
+
+    data = synthetic_tabular(400, seed=4)
+    X = data.X.copy()
+    num, cat = data.numeric[0], data.categorical[0]
+    X[::7, num] = np.nan
+    X[::11, cat] = np.nan  # what the imputer takes as missing (JSON null in a row)
+    columns = ColumnTransformer([
+        ("num", make_pipeline(SimpleImputer(), StandardScaler()), data.numeric),
+        ("cat", make_pipeline(SimpleImputer(strategy="most_frequent"), OneHotEncoder(handle_unknown="ignore")),
+         data.categorical),
+    ])  # fmt: skip
+    pipeline = Pipeline([("columns", columns), ("model", LogisticRegression(max_iter=2000))]).fit(X[:300], data.y[:300])
+    model = translate(pipeline, data.columns)
+    held = X[300:].copy()
+    held[3, cat] = "never-seen"
+    rows = [{c: (None if isinstance(v, float) and np.isnan(v) else v) for c, v in zip(data.columns, r, strict=True)}
+            for r in held]  # fmt: skip
+    by_name = {c: [row[c] for row in rows] for c in data.columns}
+    from_rows, from_columns, from_array = (
+        model.encode_rows(rows),
+        model.encode_columns(by_name),
+        model.encode_array(held),
+    )
+    for a, b in [(from_rows, from_columns), (from_rows, from_array)]:
+        assert torch.equal(a[1], b[1])
+        np.testing.assert_array_equal(a[0].numpy(), b[0].numpy())  # NaN where the imputer fills, in both
+    assert from_rows[1][3, data.categorical.index(cat)] == -1  # the unseen category: all zeros
+    with torch.no_grad():
+        np.testing.assert_allclose(model(*from_columns).numpy(), pipeline.predict_proba(held), atol=TOL)
+    # Numbers as a float array (what a v2 FP64 tensor gives) take the same path as a list.
+    name = data.columns[num]
+    as_array = {**by_name, name: np.asarray([np.nan if v is None else v for v in by_name[name]], dtype=np.float64)}
+    assert torch.equal(model.encode_columns(as_array)[0].nan_to_num(), from_rows[0].nan_to_num())
+
+    strict = translate(Pipeline([("columns", ColumnTransformer([("num", StandardScaler(), data.numeric),
+                                 ("cat", OneHotEncoder(), data.categorical)])),
+                                 ("model", LogisticRegression(max_iter=2000))]).fit(data.X, data.y),
+                       data.columns)  # fmt: skip
+    good = {c: list(data.X[:5, i]) for i, c in enumerate(data.columns)}
+    cat_name = data.columns[cat]
+    for column, value, message in [
+        (name, "12", f"row 2: column '{name}' must be a finite number, got '12'"),
+        (name, float("inf"), f"row 2: column '{name}' must be a finite number, got inf"),
+        (name, True, f"row 2: column '{name}' must be a finite number, got True"),
+        (cat_name, "no-such", f"row 2: column '{cat_name}': unknown category 'no-such'"),
+        (cat_name, None, f"row 2: column '{cat_name}' must be a category"),
+    ]:
+        values = list(good[column])
+        values[2] = value
+        with pytest.raises(RowError, match=message.replace("(", "\\(").replace("[", "\\[")):
+            strict.encode_columns({**good, column: values})
+        rows_in = [{c: good[c][r] for c in good} for r in range(5)]
+        rows_in[2][column] = value
+        with pytest.raises(RowError, match=message.replace("(", "\\(").replace("[", "\\[")):
+            strict.encode_rows(rows_in)
+    with pytest.raises(RowError, match="different numbers of rows"):
+        strict.encode_columns({**good, name: good[name][:4]})
+    with pytest.raises(RowError, match="missing column"):
+        strict.encode_columns({c: v for c, v in good.items() if c != cat_name})
