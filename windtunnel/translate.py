@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Any
 
 import numpy as np
@@ -102,10 +103,20 @@ class Column:
         """A categorical column's category codes (-1: an unknown one the encoder ignores); RowError names the
         first row it cannot take.  A column of strings (or of plain numbers) against categories of that type is
         looked up by one binary search over the sorted categories; anything else value by value."""
-        if isinstance(values, np.ndarray) and values.dtype.kind == "O":
+        if isinstance(values, np.ndarray) and values.dtype.kind in "OU":
             values = values.tolist()
-        kinds = set(map(type, values)) if not isinstance(values, np.ndarray) else None
         table = self._sorted_categories()
+        if table is not None and table[0].dtype.kind == "U" and not isinstance(values, np.ndarray):
+            # String categories: one dict lookup per value, in C (only a str can equal a str key); the
+            # rows it misses (unknown, missing, or not a string) take the value-by-value rules.
+            try:
+                out = np.fromiter(map(self.codes.get, values, repeat(-1)), dtype=np.int64, count=len(values))
+            except TypeError:  # an unhashable value (a JSON list or object): named by the rule below
+                out = np.full(len(values), -1, dtype=np.int64)
+            for r in np.flatnonzero(out < 0).tolist():
+                out[r] = self._code_at(r, values[r])
+            return out
+        kinds = set(map(type, values)) if not isinstance(values, np.ndarray) else None
         if table is not None:
             keys, codes = table
             arr = None

@@ -219,12 +219,43 @@ def test_the_perfect_layout_walks_to_the_same_leaves_as_the_node_order_even_on_t
         rows[::50, 0] = np.nan
         with torch.no_grad():
             x = torch.as_tensor(rows)
-            assert torch.equal(forest._walk_perfect(x), forest._walk_nodes(x))
+            gemm = forest.leaf_weights(x).argmax(dim=2)  # the dense path form: a third, independent walk
+            assert torch.equal(forest._walk_perfect(x), gemm)  # tree-major (600 rows ≥ TREE_MAJOR_ROWS)
+            assert torch.equal(forest._walk_perfect(x[:100]), gemm[:100])  # row-major
+            assert torch.equal(forest._walk_nodes(x), gemm)
             forest.thresholds.mul_(0.5)  # in place, as an optimizer steps
             assert torch.equal(forest._walk_perfect(x), forest._walk_nodes(x))
+            assert torch.equal(forest._walk_perfect(x[:100]), forest._walk_nodes(x[:100]))
     deep = translate(RandomForestClassifier(n_estimators=2, random_state=0).fit(X, y))
     (forest,) = deep.trees()
     assert forest.depth > 0 and forest.perfect == (forest.depth <= 12)
+
+
+def test_the_node_order_walk_drops_finished_walks_and_still_reaches_every_leaf_as_scikit_learn():
+    """Deep trees are walked in their own node order, dropping walks that reached their leaves on the way:
+    every row's leaf in every tree is the one scikit-learn's ``apply`` names, also on rows at a threshold and
+    its float32 neighbours, and the forest's probabilities are scikit-learn's."""
+    from sklearn.datasets import make_classification
+
+    X, y = make_classification(n_samples=3000, n_features=12, n_informative=8, flip_y=0.2, random_state=0)
+    estimator = RandomForestClassifier(n_estimators=5, random_state=0).fit(X[:2000], y[:2000])
+    model = translate(estimator)
+    (forest,) = model.trees()
+    assert not forest.perfect and forest.depth > 12  # so the node-order walk, with several drops
+    rows = X[2000:].copy()
+    root = estimator.estimators_[0].tree_
+    t32 = np.float32(root.threshold[0])
+    feature = int(root.feature[0])
+    rows[0::3, feature] = t32  # the first tree's root threshold, and its float32 neighbours
+    rows[1::3, feature] = np.nextafter(t32, np.float32(-np.inf))
+    rows[2::9, feature] = np.nextafter(t32, np.float32(np.inf))
+    with torch.no_grad():
+        reached = forest._walk_nodes(torch.as_tensor(rows)).numpy()
+        probabilities = model(*model.encode_array(rows)).numpy()
+    for k, tree in enumerate(estimator.estimators_):
+        leaf_nodes = np.flatnonzero(tree.tree_.children_left == -1)  # scikit-learn's leaves, in node order
+        assert np.array_equal(leaf_nodes[reached[:, k]], tree.apply(rows.astype(np.float32))), k
+    np.testing.assert_allclose(probabilities, estimator.predict_proba(rows), rtol=0, atol=1e-12)
 
 
 def test_the_archive_command_refuses_an_untranslatable_pipeline_and_archives_a_good_one(cancer, tmp_path):
