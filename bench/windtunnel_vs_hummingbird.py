@@ -138,7 +138,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     table = synthetic_tabular(args.train_rows + max(batches), seed=0)
     train = slice(0, args.train_rows)
     results = []
-    for case in tqdm(cases(), desc="pipelines", unit="pipeline"):
+    chosen = [c for c in cases() if not args.only or any(word in c.name for word in args.only.split(","))]
+    for case in tqdm(chosen, desc="pipelines", unit="pipeline"):
         X, columns = rows_for(case, table)
         test = X[args.train_rows :]
         pipeline = pipeline_for(case, table).fit(X[train], table.y[train])
@@ -300,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-seconds", type=float, default=0.3, help="time each system at each batch this long")
     parser.add_argument("--train-rows", type=int, default=20000)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--only", default="", help="comma-separated words: the pipelines whose names hold one")
     parser.add_argument("--twin", action="store_true", help="time WindTunnel twice each round (the A/A band)")
     add_output_arguments(parser)
     args = parser.parse_args(argv)
