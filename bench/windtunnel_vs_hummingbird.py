@@ -156,7 +156,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "tree": case.tree,
             "windtunnel_layout": ("perfect" if all(t.perfect for t in trees) else "node order") if trees else "-",
             "depth": max((t.depth for t in trees), default=0),
-            "windtunnel_bytes": module_bytes(model),
+            # Parameters and buffers, and the tables the tree walks built on the first call.
+            "windtunnel_bytes": module_bytes(model) + sum(t.derived_bytes() for t in trees),
             "hummingbird_bytes": hb.nbytes(),
             "hummingbird_whole_pipeline": hb.whole,
             "hummingbird_refusal": None if hb.whole else hb.refusal,

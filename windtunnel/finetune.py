@@ -67,8 +67,8 @@ class FineTuneResult:
     model: TranslatedPipeline
     soft: bool  # the mode the returned model runs in
     best_epoch: int
-    valid_auc: float
-    history: list[float] = field(default_factory=list)  # validation AUC per epoch (0: before training)
+    valid_auc: float  # a classifier's validation ROC AUC; a regressor's validation R² (``auc``)
+    history: list[float] = field(default_factory=list)  # that score per epoch (0: before training)
 
 
 @dataclass(frozen=True)
@@ -78,11 +78,14 @@ class TunedResult:
 
 
 def auc(model: TranslatedPipeline, split: Split) -> float:
-    """ROC AUC of the model's scores (one-vs-rest macro for several classes)."""
-    from sklearn.metrics import roc_auc_score
+    """The validation score training keeps the best epoch by: ROC AUC of a classifier's scores (one-vs-rest
+    macro for several classes), R² of a regressor's predictions (``split.y`` its targets); higher is better."""
+    from sklearn.metrics import r2_score, roc_auc_score
 
     with torch.no_grad():
         scores = model(split.numeric, split.codes).numpy()
+    if model.output == "prediction":
+        return float(r2_score(split.y, scores))
     if scores.ndim == 1:  # decision scores of a binary LinearSVC
         return float(roc_auc_score(split.y, scores))
     if scores.shape[1] == 2:
@@ -91,6 +94,8 @@ def auc(model: TranslatedPipeline, split: Split) -> float:
 
 
 def _loss(model: TranslatedPipeline, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    if model.output == "prediction":  # a regressor: squared error
+        return nn.functional.mse_loss(out, y)
     if model.output == "decision":  # LinearSVC: logistic loss on its scores
         if out.ndim == 1:
             return nn.functional.binary_cross_entropy_with_logits(out, y.to(out.dtype))
@@ -108,7 +113,7 @@ def fine_tune(model: TranslatedPipeline, train: Split, valid: Split,
     model.set_temperature(train.numeric, train.codes, config.temperature)
     model.set_soft(True)
     optimizer = torch.optim.Adam(model.parameters(), lr=config.lr)
-    y = torch.as_tensor(train.y, dtype=torch.long)
+    y = torch.as_tensor(train.y, dtype=torch.float64 if model.output == "prediction" else torch.long)
     history = [auc(model, valid)]
     best_state, best_auc, best_epoch = copy.deepcopy(model.state_dict()), history[0], 0
     generator = torch.Generator().manual_seed(config.seed)

@@ -3,11 +3,13 @@
 A request is JSON: one row (an object of named columns) or ``{"rows": [...]}``
 with up to ``max_rows`` rows.  The answer is
 ``{"classes": [...], "probabilities": [[...], ...]}`` (``"decision"`` for a
-LinearSVC), one list per row, in order.  Or an Open Inference Protocol (v2)
+LinearSVC), one list per row, in order; a regressor's is ``{"predictions":
+[...]}``, one number per row.  Or an Open Inference Protocol (v2)
 request with one input tensor per column, each of shape ``[N]`` or
 ``[N, 1]`` (numbers for a numeric column, BYTES or numbers for a
 categorical one), answered with ``probabilities`` (or ``decision``) FP64
-``[N, classes]`` and ``label`` BYTES ``[N]``.  Every request of TorchServe's batch
+``[N, classes]`` and ``label`` BYTES ``[N]``, or a regressor's ``prediction``
+FP64 ``[N]``.  Every request of TorchServe's batch
 is validated alone: a malformed body, a missing column, a wrong type or an
 unknown category fails that request with a 4xx naming the problem, and the
 others' rows run together in one forward pass.
@@ -134,7 +136,7 @@ class WindTunnelModelHandler:
 
     @property
     def output_key(self) -> str:
-        return "decision" if self.model.output == "decision" else "probabilities"
+        return {"decision": "decision", "prediction": "prediction"}.get(self.model.output, "probabilities")
 
     def encode(self, request: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, oip.InferRequest | None]:
         """One request's rows as the model's tensors (and its v2 request, if it was one), or a
@@ -149,6 +151,11 @@ class WindTunnelModelHandler:
 
     def answer(self, out: list[list[float]], v2: oip.InferRequest | None) -> bytes:
         """One request's rows' outputs, in the wire format the request came in."""
+        if self.model.output == "prediction":  # a regressor: one number per row, no classes
+            if v2 is None:
+                return answer_bytes({"predictions": out})
+            outputs = oip.select_outputs(v2, [("prediction", np.asarray(out, dtype=np.float64))])
+            return oip.response_body(self.name, outputs, v2.id)
         if v2 is None:
             return answer_bytes({"classes": self.model.classes, self.output_key: out})
         scores = np.asarray(out, dtype=np.float64)
@@ -166,6 +173,8 @@ class WindTunnelModelHandler:
         width = -1 if self.output_key == "decision" else len(self.model.classes)
         outputs = [{"name": self.output_key, "datatype": "FP64", "shape": [-1, width]},
                    {"name": "label", "datatype": "BYTES", "shape": [-1]}]  # fmt: skip
+        if self.model.output == "prediction":
+            outputs = [{"name": "prediction", "datatype": "FP64", "shape": [-1]}]
         return {"name": self.name, "platform": "pytorch (WindTunnel)", "inputs": inputs, "outputs": outputs,
                 "classes": [str(c) for c in self.model.classes]}  # fmt: skip
 

@@ -307,7 +307,8 @@ def float32_at_or_below(x: np.ndarray) -> np.ndarray:
 class TreeEnsemble(nn.Module):
     """A forest of ``T`` trees: padded to one shape, evaluated in one pass.
 
-    ``combine``: ``"mean"`` (a random forest's averaged class distributions)
+    ``combine``: ``"mean"`` (a random forest's averaged class distributions), ``"average"`` (a
+    regression forest's mean prediction)
     or ``"sum"`` (boosting: ``scale · Σ trees + init``, then ``link``).
     """
 
@@ -350,15 +351,9 @@ class TreeEnsemble(nn.Module):
             self.register_buffer("perfect_nodes", flat_nodes, persistent=False)
             self.register_buffer("perfect_features", self.features.index_select(0, flat_nodes), persistent=False)
             self.register_buffer("perfect_leaf", torch.as_tensor(leaf_of.reshape(-1)), persistent=False)
-        # The node-order walk's tables (``node_walk_layout``), for any depth; also derived, not saved.
-        walk = node_walk_layout(left_code, right_code, np.array([t.root for t in trees]), L)
-        walk_node = torch.as_tensor(walk["node"])
-        self.register_buffer("walk_child", torch.as_tensor(walk["child"]).int(), persistent=False)
-        self.register_buffer("walk_node", walk_node, persistent=False)
-        self.register_buffer("walk_features", self.features.index_select(0, walk_node).int(), persistent=False)
-        self.register_buffer("walk_is_leaf", torch.as_tensor(walk["is_leaf"]), persistent=False)
-        self.register_buffer("walk_leaf", torch.as_tensor(walk["leaf"]), persistent=False)
-        self.register_buffer("walk_start", torch.as_tensor(walk["start"]).int(), persistent=False)
+        # The node-order walk's tables (``node_walk_layout``): built on its first use (a perfect forest
+        # never walks in node order when serving), derived, not saved.
+        self._walk_tables: dict[str, torch.Tensor] | None = None
         self._threshold_tables: dict[str, tuple[tuple[int, int, torch.device], torch.Tensor]] = {}
         self._trees = trees  # for the soft form's path matrices, built on first use (``dense``)
         self._dense: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -413,6 +408,30 @@ class TreeEnsemble(nn.Module):
         encoders refuse one that no imputer fills, so none reaches a tree through a pipeline)."""
         return self._walk_perfect(x) if self.perfect else self._walk_nodes(x)
 
+    def _node_walk(self) -> dict[str, torch.Tensor]:
+        """The node-order walk's tables on the module's device, built from the trees' child codes once."""
+        device = self.left_code.device
+        if self._walk_tables is None or self._walk_tables["child"].device != device:
+            T, I, L, _ = self.shape  # noqa: E741
+            walk = node_walk_layout(self.left_code.view(T, I).cpu().numpy(), self.right_code.view(T, I).cpu().numpy(),
+                                    self.root.cpu().numpy(), L)  # fmt: skip
+            node = torch.as_tensor(walk["node"], device=device)
+            self._walk_tables = {
+                "child": torch.as_tensor(walk["child"], device=device).int(),
+                "node": node,
+                "features": self.features.index_select(0, node).int(),
+                "is_leaf": torch.as_tensor(walk["is_leaf"], device=device),
+                "leaf": torch.as_tensor(walk["leaf"], device=device),
+                "start": torch.as_tensor(walk["start"], device=device).int(),
+            }
+        return self._walk_tables
+
+    def derived_bytes(self) -> int:
+        """Bytes of the tables built on first use (walk tables, float32 thresholds) beside the module's own
+        parameters and buffers: what serving holds in memory on top of ``state_dict``."""
+        tables = [*(self._walk_tables or {}).values(), *(t for _, t in self._threshold_tables.values())]
+        return sum(t.numel() * t.element_size() for t in tables)
+
     def _threshold_table(self, layout: str) -> torch.Tensor:
         """The thresholds as a walk reads them (``"perfect"``: in the perfect layout; ``"nodes"``: per
         node-walk slot, +inf on leaf slots so every input turns left into the leaf itself), as float32;
@@ -425,7 +444,8 @@ class TreeEnsemble(nn.Module):
                 if layout == "perfect":
                     table = flat.index_select(0, self.perfect_nodes)
                 else:
-                    table = flat.index_select(0, self.walk_node).masked_fill(self.walk_is_leaf, float("inf"))
+                    walk = self._node_walk()
+                    table = flat.index_select(0, walk["node"]).masked_fill(walk["is_leaf"], float("inf"))
             cached = self._threshold_tables[layout] = (key, table)
         return cached[1]
 
@@ -463,11 +483,12 @@ class TreeEnsemble(nn.Module):
         # still carried are at their leaves, these are written out and the rest go on.  Deep forests end
         # most walks well above their deepest leaf.
         trees, n = self.shape[0], x.shape[0]
-        thresholds, child, features = self._threshold_table("nodes"), self.walk_child, self.walk_features
+        walk = self._node_walk()
+        thresholds, child, features = self._threshold_table("nodes"), walk["child"], walk["features"]
         flat = x.float().t().contiguous()
         flat = flat.masked_fill(flat.isnan(), float("inf")).reshape(-1)  # right at every split, as the others
         index_dtype = torch.int32 if flat.numel() < 2**31 and trees * n < 2**31 else torch.long
-        at = self.walk_start.repeat_interleave(n)
+        at = walk["start"].repeat_interleave(n)
         row = torch.arange(n, dtype=index_dtype, device=x.device).repeat(trees)
         out: torch.Tensor | None = None
         pair = torch.empty(0, dtype=torch.long, device=x.device)  # the walks still carried, while ``out`` is set
@@ -476,17 +497,17 @@ class TreeEnsemble(nn.Module):
             right = value > thresholds.index_select(0, at)
             at = child.index_select(0, torch.add(right, at, alpha=2))
             if level % COMPACT_EVERY == COMPACT_EVERY - 1 and level + 1 < self.depth:
-                done = self.walk_is_leaf.index_select(0, at)
+                done = walk["is_leaf"].index_select(0, at)
                 if 4 * int(done.sum()) >= at.numel():
                     if out is None:
                         out = torch.empty(trees * n, dtype=torch.long, device=x.device)
                         pair = torch.arange(trees * n, device=x.device)
                     gone, keep = done.nonzero().squeeze(1), (~done).nonzero().squeeze(1)
                     out.index_copy_(
-                        0, pair.index_select(0, gone), self.walk_leaf.index_select(0, at.index_select(0, gone))
+                        0, pair.index_select(0, gone), walk["leaf"].index_select(0, at.index_select(0, gone))
                     )
                     pair, at, row = pair.index_select(0, keep), at.index_select(0, keep), row.index_select(0, keep)
-        last = self.walk_leaf.index_select(0, at)
+        last = walk["leaf"].index_select(0, at)
         if out is None:
             out = last
         else:
@@ -520,6 +541,8 @@ class TreeEnsemble(nn.Module):
             reached = self.leaves(x) + torch.arange(trees, device=x.device) * leaves
             per_tree = self.values.reshape(trees * leaves, -1).index_select(0, reached.reshape(-1))
             per_tree = per_tree.view(x.shape[0], trees, -1)
+        if self.combine == "average":  # a regression forest: the trees' mean prediction
+            return apply_link(per_tree.mean(dim=1), self.link)
         if self.combine == "mean":
             # A forest's mean of class distributions; after fine-tuning the leaf
             # values may leave the simplex, so the answer is put back on it.

@@ -206,7 +206,7 @@ class TranslatedPipeline(nn.Module):
         self.steps = nn.Sequential(*steps)
         self.head = head
         self.classes = classes
-        self.output = output  # "probabilities" | "decision"
+        self.output = output  # "probabilities" | "decision" | "prediction" (a regressor's, one per row)
         self.numeric = [c for c in columns if c.kind == NUMERIC]
         self.categorical = [c for c in columns if c.kind == CATEGORICAL]
 
@@ -336,12 +336,24 @@ def _one_hot(op: Any, where: str) -> tuple[OneHot, list[list[Any]], bool]:
 
 
 def _estimator(op: Any, n_features: int) -> tuple[nn.Module, list[Any], str]:
-    from sklearn.ensemble import ExtraTreesClassifier, GradientBoostingClassifier, RandomForestClassifier
-    from sklearn.linear_model import LogisticRegression
+    """The estimator's module, its classes ([] for a regressor) and what the module answers:
+    ``"probabilities"``, ``"decision"`` (LinearSVC's scores) or ``"prediction"`` (a regressor's value)."""
+    from sklearn.ensemble import (
+        ExtraTreesClassifier,
+        ExtraTreesRegressor,
+        GradientBoostingClassifier,
+        GradientBoostingRegressor,
+        RandomForestClassifier,
+        RandomForestRegressor,
+    )
+    from sklearn.linear_model import ElasticNet, Lasso, LinearRegression, LogisticRegression, Ridge
     from sklearn.svm import LinearSVC
-    from sklearn.tree import DecisionTreeClassifier
+    from sklearn.tree import DecisionTreeClassifier, DecisionTreeRegressor  # fmt: skip
 
-    classes = [_plain(c) for c in op.classes_]
+    if isinstance(op, (LinearRegression, Ridge, Lasso, ElasticNet, DecisionTreeRegressor, RandomForestRegressor,
+                       ExtraTreesRegressor, GradientBoostingRegressor)):  # fmt: skip
+        return _regressor(op, n_features), [], "prediction"
+    classes = [_plain(c) for c in op.classes_] if hasattr(op, "classes_") else []
     if isinstance(op, LogisticRegression):
         link = "logistic" if len(classes) == 2 else "softmax"
         return LinearHead(op.coef_, op.intercept_, link), classes, "probabilities"
@@ -358,9 +370,37 @@ def _estimator(op: Any, n_features: int) -> tuple[nn.Module, list[Any], str]:
     if isinstance(op, GradientBoostingClassifier):
         return _boosting(op, n_features), classes, "probabilities"
     raise UntranslatableError(
-        f"estimator {_name(op)} is not translatable (LogisticRegression, LinearSVC, DecisionTreeClassifier, "
-        f"RandomForestClassifier, ExtraTreesClassifier, GradientBoostingClassifier)"
+        f"estimator {_name(op)} is not translatable (classifiers: LogisticRegression, LinearSVC, "
+        f"DecisionTreeClassifier, RandomForestClassifier, ExtraTreesClassifier, GradientBoostingClassifier; "
+        f"regressors: LinearRegression, Ridge, Lasso, ElasticNet, DecisionTreeRegressor, RandomForestRegressor, "
+        f"ExtraTreesRegressor, GradientBoostingRegressor)"
     )
+
+
+def _regressor(op: Any, n_features: int) -> nn.Module:
+    """A single-output regressor: a linear model's ``x @ coef + intercept``; a tree's or forest's mean of
+    leaf values; boosting's ``init + learning_rate · Σ trees`` (what ``predict`` returns for every loss)."""
+    from sklearn.dummy import DummyRegressor
+    from sklearn.ensemble import GradientBoostingRegressor
+    from sklearn.tree import DecisionTreeRegressor
+
+    if getattr(op, "n_outputs_", 1) != 1 or np.ndim(getattr(op, "coef_", np.zeros(1))) != 1:
+        raise UntranslatableError(f"{_name(op)} fitted to several targets is not translatable; fit one per target")
+    if hasattr(op, "coef_"):
+        return LinearHead(np.atleast_2d(op.coef_), np.atleast_1d(op.intercept_), "identity")
+    if isinstance(op, GradientBoostingRegressor):
+        if op.init_ == "zero":
+            init = 0.0
+        elif isinstance(op.init_, DummyRegressor):
+            init = float(np.ravel(op.init_.constant_)[0])
+        else:
+            raise UntranslatableError(f"GradientBoostingRegressor(init={op.init!r}) is not translatable; "
+                                      f"use the default init")  # fmt: skip
+        trees = [TreeArrays.from_sklearn(e.tree_, e.tree_.value[:, 0, :]) for e in op.estimators_[:, 0]]
+        return TreeEnsemble(trees, n_features, "sum", "identity", op.learning_rate, np.array([init]))
+    fitted = [op] if isinstance(op, DecisionTreeRegressor) else list(op.estimators_)
+    trees = [TreeArrays.from_sklearn(e.tree_, e.tree_.value[:, 0, :]) for e in fitted]
+    return TreeEnsemble(trees, n_features, "average", "identity")
 
 
 def _boosting(op: Any, n_features: int) -> TreeEnsemble:

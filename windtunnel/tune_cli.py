@@ -27,7 +27,8 @@ import numpy as np
 
 
 def read_rows(path: Path, model: Any, label: str) -> tuple[list[dict[str, Any]], np.ndarray]:
-    """The CSV's rows as the model's encoder takes them, and the labels as class indices."""
+    """The CSV's rows as the model's encoder takes them, and the labels as class indices (a regressor's:
+    its numeric targets)."""
     from windtunnel.translate import CATEGORICAL, NUMERIC, RowError
 
     classes = {str(c): i for i, c in enumerate(model.classes)}
@@ -62,6 +63,12 @@ def read_rows(path: Path, model: Any, label: str) -> tuple[list[dict[str, Any]],
                 else:
                     row[col.name] = text
             value = (record[label] or "").strip()
+            if model.output == "prediction":  # a regressor's target: a finite number
+                if not _is_number(value):
+                    raise RowError(f"{path}:{line}: label {value!r} is not a finite number (the target)")
+                rows.append(row)
+                labels.append(float(value))
+                continue
             key = value
             if key not in classes and _is_number(value):  # "1.0" for class 1
                 number = float(value)
@@ -70,7 +77,7 @@ def read_rows(path: Path, model: Any, label: str) -> tuple[list[dict[str, Any]],
                 raise RowError(f"{path}:{line}: label {value!r} is not one of the classes {list(classes)}")
             rows.append(row)
             labels.append(classes[key])
-    return rows, np.asarray(labels, dtype=np.int64)
+    return rows, np.asarray(labels, dtype=np.float64 if model.output == "prediction" else np.int64)
 
 
 def _is_number(text: str) -> bool:
@@ -133,8 +140,10 @@ def run(args: argparse.Namespace) -> int:
     order = np.random.default_rng(args.seed).permutation(len(y))
     cut = int(round(len(y) * (1.0 - args.valid_fraction)))
     train_i, valid_i = torch.as_tensor(order[:cut]), torch.as_tensor(order[cut:])
-    if len(valid_i) == 0 or len(set(y[order[cut:]].tolist())) < 2:
-        print("packrat sklearn-finetune: the validation rows need both classes; give more rows", file=sys.stderr)
+    regressor = model.output == "prediction"
+    if len(valid_i) < 2 or len(set(y[order[cut:]].tolist())) < 2:
+        need = "two different targets" if regressor else "both classes"
+        print(f"packrat sklearn-finetune: the validation rows need {need}; give more rows", file=sys.stderr)
         return 2
     train = Split(numeric[train_i], codes[train_i], y[order[:cut]])
     valid = Split(numeric[valid_i], codes[valid_i], y[order[cut:]])
@@ -143,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
     result = tuned.result
     torch.save(result.model.state_dict(), args.out)
     soft = " --soft" if result.soft else ""
-    print(f"validation AUC: pipeline {before:.4f}, fine-tuned {result.valid_auc:.4f} "
+    print(f"validation {'R²' if regressor else 'AUC'}: pipeline {before:.4f}, fine-tuned {result.valid_auc:.4f} "
           f"(best epoch {result.best_epoch}, {'soft' if result.soft else 'hard'} splits, learning rate "
           f"{tuned.config.lr:g}" + (f", temperature {tuned.config.temperature:g}" if model.trees() else "")
           + f"); wrote {args.out}\n"

@@ -134,3 +134,64 @@ def test_the_finetune_command_reads_a_csv_and_writes_weights_the_archive_can_ser
     assert wrong.returncode == 2 and "no column(s) ['nope']" in wrong.stderr
     bad = subprocess.run([*cmd, "--label", "churned", "--temperatures", "0.1,-1"], capture_output=True, text=True)
     assert bad.returncode == 2 and "expected positive numbers" in bad.stderr
+
+
+@pytest.mark.parametrize("kind", ["boosting", "forest", "linear"])
+def test_a_regressor_fine_tunes_on_squared_error_and_is_scored_by_r2(kind):
+    """Regressors train on squared error and keep the epoch with the best validation R²: an underfit
+    boosting (5 stages), a shallow forest and a ridge all come back no worse than they went in, and the
+    trees' numbers move."""
+    from sklearn.ensemble import GradientBoostingRegressor, RandomForestRegressor
+    from sklearn.linear_model import Ridge
+    from sklearn.metrics import r2_score
+
+    t = synthetic_tabular(900, seed=7)
+    age, income, score, visits = (t.X[:, j].astype(float) for j in t.numeric)
+    y = 0.05 * age + np.log(income) + 3 * np.sin(4 * score) + 0.3 * visits
+    estimator = {"boosting": GradientBoostingRegressor(n_estimators=5, max_depth=3, random_state=0),
+                 "forest": RandomForestRegressor(n_estimators=8, max_depth=4, random_state=0),
+                 "linear": Ridge()}[kind]  # fmt: skip
+    columns = ColumnTransformer([("num", StandardScaler(), t.numeric), ("cat", OneHotEncoder(), t.categorical)])
+    pipeline = Pipeline([("columns", columns), ("model", estimator)]).fit(t.X[:600], y[:600])
+    model = translate(pipeline, t.columns)
+    train, valid = Split(*model.encode_array(t.X[:600]), y[:600]), Split(*model.encode_array(t.X[600:]), y[600:])
+    assert auc(model, valid) == pytest.approx(r2_score(y[600:], pipeline.predict(t.X[600:])), abs=1e-12)
+    result = fine_tune(model, train, valid, FineTuneConfig(epochs=6, lr=3e-3, temperature=0.3, seed=0))
+    assert result.valid_auc >= result.history[0] - 1e-12
+    assert result.valid_auc == pytest.approx(auc(result.model, valid))
+    if kind == "boosting":  # 5 stages leave room: squared error finds it
+        assert result.valid_auc > result.history[0] + 0.01, result.history
+
+
+def test_the_finetune_command_takes_a_regressors_numeric_target(tmp_path):
+    import csv
+    import re
+    import subprocess
+    import sys
+
+    import joblib
+    from sklearn.ensemble import GradientBoostingRegressor
+
+    t = synthetic_tabular(500, seed=9)
+    y = [0.1 * a + 2 * s for a, s in zip(t.X[:, t.numeric[0]].tolist(), t.X[:, t.numeric[2]].tolist(), strict=True)]
+    columns = ColumnTransformer([("num", StandardScaler(), t.numeric), ("cat", OneHotEncoder(), t.categorical)])
+    pipeline = Pipeline([("columns", columns), ("model", GradientBoostingRegressor(n_estimators=5))]).fit(t.X, y)
+    joblib.dump(pipeline, tmp_path / "r.joblib")
+    data = tmp_path / "rows.csv"
+    with data.open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow([*t.columns, "spend"])
+        writer.writerows([*row, target] for row, target in zip(t.X.tolist(), y, strict=True))
+    cmd = [sys.executable, "-m", "packrat_plugin.cli", "sklearn-finetune", str(tmp_path / "r.joblib"), "--data",
+           str(data), "--columns", ",".join(t.columns), "--epochs", "2", "--out", str(tmp_path / "w.pt")]  # fmt: skip
+    done = subprocess.run([*cmd, "--label", "spend"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    before, after = map(
+        float, re.search(r"validation R²: pipeline ([0-9.]+), fine-tuned ([0-9.]+)", done.stdout).groups()
+    )
+    assert after >= before
+    rows = data.read_text().splitlines()
+    rows[3] = rows[3].rsplit(",", 1)[0] + ",lots"
+    data.write_text("\n".join(rows) + "\n")
+    bad = subprocess.run([*cmd, "--label", "spend"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "rows.csv:4: label 'lots' is not a finite number" in bad.stderr, bad.stderr

@@ -95,3 +95,22 @@ def test_a_fine_tuned_archive_serves_its_fine_tuned_weights(torchserve, tmp_path
         expected = tuned(*tuned.encode_array(table.X[500:510])).numpy()
     np.testing.assert_allclose(answer.body["probabilities"], expected, atol=1e-9)
     assert not np.allclose(expected, pipeline.predict_proba(table.X[500:510]), atol=1e-6)  # really other weights
+
+
+def test_a_regressor_archive_answers_its_own_predictions(torchserve, tmp_path, table):
+    """A regression pipeline (forest of unlimited depth) served: one number per row, equal to ``predict``."""
+    from sklearn.ensemble import RandomForestRegressor
+
+    y = table.X[:, table.numeric[0]].astype(float) * 0.1 + table.X[:, table.numeric[3]].astype(float)
+    columns = ColumnTransformer([("num", StandardScaler(), table.numeric),
+                                 ("cat", OneHotEncoder(handle_unknown="ignore"), table.categorical)])  # fmt: skip
+    model = RandomForestRegressor(n_estimators=10, random_state=0)
+    pipeline = Pipeline([("columns", columns), ("model", model)]).fit(table.X[:500], y[:500])
+    name = register(torchserve, tmp_path, pipeline, "wt_forest_regressor", columns=table.columns)
+    client = torchserve.inference()
+    many = client.predict(name, {"rows": rows_of(table, 500, 540)})
+    assert many.status == 200, many.body
+    assert set(many.body) == {"predictions"}
+    np.testing.assert_allclose(many.body["predictions"], pipeline.predict(table.X[500:540]), rtol=1e-12, atol=1e-12)
+    bad = client.predict(name, {**rows_of(table, 500, 501)[0], table.columns[table.numeric[0]]: None})
+    assert bad.status == 400 and "must be a finite number" in bad.body["message"], bad.body

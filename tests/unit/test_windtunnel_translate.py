@@ -412,3 +412,90 @@ def test_columns_rows_and_arrays_encode_alike_and_a_bad_value_is_named_by_row_an
         strict.encode_columns({**good, name: good[name][:4]})
     with pytest.raises(RowError, match="missing column"):
         strict.encode_columns({c: v for c, v in good.items() if c != cat_name})
+
+
+# -- regressors -----------------------------------------------------------------
+
+
+def regression_target(table) -> np.ndarray:
+    """A continuous label from the synthetic table's own columns (numbers and categories), with noise."""
+    age, income, score, visits = (table.X[:, j].astype(np.float64) for j in table.numeric)
+    plan = np.asarray([len(str(v)) for v in table.X[:, table.categorical[1]]], dtype=np.float64)
+    noise = np.random.default_rng(7).normal(0, 0.5, len(table.X))
+    return 0.05 * age + 0.8 * np.log(income) + 3 * np.sin(4 * score) + 0.4 * visits + 0.3 * plan + noise
+
+
+def regressors():
+    from sklearn.ensemble import ExtraTreesRegressor, GradientBoostingRegressor, RandomForestRegressor
+    from sklearn.linear_model import ElasticNet, Lasso, LinearRegression, Ridge
+    from sklearn.tree import DecisionTreeRegressor
+
+    return [
+        LinearRegression(), Ridge(alpha=2.0), Lasso(alpha=0.01), ElasticNet(alpha=0.01, l1_ratio=0.3),
+        DecisionTreeRegressor(max_depth=7, random_state=0),
+        RandomForestRegressor(n_estimators=15, random_state=0),  # unlimited depth: the node-order walk
+        ExtraTreesRegressor(n_estimators=15, max_depth=9, random_state=0),
+        GradientBoostingRegressor(n_estimators=30, max_depth=3, random_state=0),
+        GradientBoostingRegressor(n_estimators=20, loss="huber", random_state=0),
+        GradientBoostingRegressor(n_estimators=20, loss="quantile", alpha=0.8, init="zero", random_state=0),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "estimator", regressors(), ids=lambda e: f"{type(e).__name__}-{e.get_params().get('loss', '')}"
+)
+def test_a_regressor_pipeline_answers_its_own_predictions(estimator):
+    table = synthetic_tabular(1500, seed=3)
+    y = regression_target(table)
+    columns = ColumnTransformer([("num", StandardScaler(), table.numeric),
+                                 ("cat", OneHotEncoder(handle_unknown="ignore"), table.categorical)])  # fmt: skip
+    pipeline = Pipeline([("columns", columns), ("model", estimator)]).fit(table.X[:1000], y[:1000])
+    model = translate(pipeline, table.columns)
+    assert model.output == "prediction" and model.classes == []
+    got = outputs(model, table.X[1000:])
+    assert got.shape == (500,)
+    np.testing.assert_allclose(got, pipeline.predict(table.X[1000:]), rtol=1e-12, atol=1e-12)
+
+
+def test_tree_regressors_agree_on_thresholds_and_their_float32_neighbours():
+    from sklearn.ensemble import GradientBoostingRegressor, RandomForestRegressor
+
+    X, _ = load_breast_cancer(return_X_y=True)
+    y = X[:, 0] * 0.3 + X[:, 1] ** 0.5
+    rng = np.random.default_rng(2)
+    for estimator in (RandomForestRegressor(n_estimators=8, random_state=0),
+                      GradientBoostingRegressor(n_estimators=10, max_depth=4, random_state=0)):  # fmt: skip
+        estimator.fit(X[:400], y[:400])
+        model = translate(estimator)
+        (forest,) = model.trees()
+        rows = X[rng.integers(0, len(X), 600)].astype(np.float64)
+        at = rng.integers(0, forest.features.numel(), 600)
+        t32 = forest.thresholds.detach().reshape(-1)[at].numpy().astype(np.float32)
+        side = rng.integers(0, 3, 600)
+        rows[np.arange(600), forest.features[at].numpy()] = np.where(
+            side == 0, t32, np.where(side == 1, np.nextafter(t32, np.float32(-np.inf)), np.nextafter(t32, np.inf))
+        )
+        rows = np.where(np.isfinite(rows), rows, 0.0)  # padding nodes' +inf thresholds
+        np.testing.assert_allclose(outputs(model, rows), estimator.predict(rows), rtol=1e-12, atol=1e-12)
+
+
+def test_regressors_that_cannot_be_translated_are_refused_by_name():
+    from sklearn.dummy import DummyRegressor
+    from sklearn.ensemble import GradientBoostingRegressor, RandomForestRegressor
+    from sklearn.linear_model import LinearRegression
+    from sklearn.neighbors import KNeighborsRegressor
+
+    X, _ = load_breast_cancer(return_X_y=True)
+    two = np.stack([X[:, 0], X[:, 1]], axis=1)
+    with pytest.raises(UntranslatableError, match="LinearRegression fitted to several targets"):
+        translate(LinearRegression().fit(X, two))
+    with pytest.raises(UntranslatableError, match="RandomForestRegressor fitted to several targets"):
+        translate(RandomForestRegressor(n_estimators=2, max_depth=2).fit(X, two))
+    with pytest.raises(UntranslatableError, match=r"GradientBoostingRegressor\(init=LinearRegression\(\)\)"):
+        translate(GradientBoostingRegressor(n_estimators=2, init=LinearRegression()).fit(X, X[:, 0]))
+    median = GradientBoostingRegressor(n_estimators=5, init=DummyRegressor(strategy="median")).fit(X, X[:, 0])
+    np.testing.assert_allclose(outputs(translate(median), X), median.predict(X), rtol=1e-12, atol=1e-12)
+    with pytest.raises(
+        UntranslatableError, match="KNeighborsRegressor is not translatable.*regressors: LinearRegression"
+    ):
+        translate(KNeighborsRegressor().fit(X, X[:, 0]))
