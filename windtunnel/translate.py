@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from windtunnel.operators import Affine, Impute, LinearHead, OneHot, Projection, TreeArrays, TreeEnsemble
+from windtunnel.transforms import Binarize, Discretize, Normalize, Polynomial, Select, Union
 
 
 class UntranslatableError(ValueError):
@@ -287,10 +288,30 @@ class TranslatedPipeline(nn.Module):
 # -- operators -----------------------------------------------------------------
 
 
+NUMERIC_STEPS = (
+    "SimpleImputer, StandardScaler, MinMaxScaler, RobustScaler, MaxAbsScaler, Normalizer, Binarizer, "
+    "KBinsDiscretizer, PolynomialFeatures, PCA, feature selectors (SelectKBest, VarianceThreshold, …), "
+    "FeatureUnion, ColumnTransformer (after the first step: columns by position), Pipeline"
+)
+
+
 def _numeric_op(op: Any, where: str) -> nn.Module:
+    """One step on numbers (a matrix in, a matrix out) as a module; anything else refused by name."""
+    from sklearn.compose import ColumnTransformer
     from sklearn.decomposition import PCA
+    from sklearn.feature_selection import SelectorMixin
     from sklearn.impute import SimpleImputer
-    from sklearn.preprocessing import MinMaxScaler, StandardScaler
+    from sklearn.pipeline import FeatureUnion, Pipeline
+    from sklearn.preprocessing import (
+        Binarizer,
+        KBinsDiscretizer,
+        MaxAbsScaler,
+        MinMaxScaler,
+        Normalizer,
+        PolynomialFeatures,
+        RobustScaler,
+        StandardScaler,
+    )
 
     if isinstance(op, StandardScaler):
         mean = op.mean_ if op.with_mean else np.zeros(op.n_features_in_)
@@ -298,6 +319,12 @@ def _numeric_op(op: Any, where: str) -> nn.Module:
         return Affine(1.0 / scale, -mean / scale)
     if isinstance(op, MinMaxScaler):
         return Affine(op.scale_, op.min_, tuple(op.feature_range) if op.clip else None)
+    if isinstance(op, RobustScaler):
+        center = op.center_ if op.with_centering else np.zeros(op.n_features_in_)
+        scale = op.scale_ if op.with_scaling else np.ones(op.n_features_in_)
+        return Affine(1.0 / scale, -center / scale)
+    if isinstance(op, MaxAbsScaler):
+        return Affine(1.0 / op.scale_, np.zeros(op.n_features_in_))
     if isinstance(op, SimpleImputer):
         return Impute(_imputer_fills(op, where))
     if isinstance(op, PCA):
@@ -305,8 +332,57 @@ def _numeric_op(op: Any, where: str) -> nn.Module:
         if op.whiten:
             weight = weight / np.sqrt(op.explained_variance_)[:, None]
         return Projection(weight, -weight @ op.mean_)
-    raise UntranslatableError(f"{where}: {_name(op)} is not translatable (numeric steps: SimpleImputer, "
-                              f"StandardScaler, MinMaxScaler, PCA)")  # fmt: skip
+    if isinstance(op, Normalizer):
+        return Normalize(op.norm)
+    if isinstance(op, Binarizer):
+        return Binarize(op.threshold)
+    if isinstance(op, KBinsDiscretizer):
+        return Discretize(list(op.bin_edges_), one_hot=op.encode != "ordinal")
+    if isinstance(op, PolynomialFeatures):
+        return Polynomial(op.powers_)
+    if isinstance(op, SelectorMixin):
+        return Select(op.get_support())
+    if isinstance(op, Pipeline):
+        return nn.Sequential(*_numeric_chain(op, where))
+    if isinstance(op, FeatureUnion):
+        weights = op.transformer_weights or {}
+        parts = [(None, _numeric_chain(t, f"{where}, part {name!r}"), weights.get(name, 1.0))
+                 for name, t in op.transformer_list if t != "drop"]  # fmt: skip
+        return Union(parts)
+    if isinstance(op, ColumnTransformer):
+        parts = []
+        for branch, transformer, selector in op.transformers_:
+            if transformer == "drop":
+                continue
+            inner = f"{where}, branch {branch!r}"
+            positions = _positions(selector, op.n_features_in_, inner)
+            if positions:
+                parts.append((positions, _numeric_chain(transformer, inner), 1.0))
+        return Union(parts)
+    raise UntranslatableError(f"{where}: {_name(op)} is not translatable (numeric steps: {NUMERIC_STEPS})")
+
+
+def _numeric_chain(transformer: Any, where: str) -> list[nn.Module]:
+    """A transformer (a Pipeline's steps, one step, or ``"passthrough"``) as a list of modules."""
+    from sklearn.pipeline import Pipeline
+
+    if transformer in (None, "passthrough"):
+        return []
+    steps = [s for _, s in transformer.steps] if isinstance(transformer, Pipeline) else [transformer]
+    return [_numeric_op(s, where) for s in steps if s not in (None, "passthrough")]
+
+
+def _positions(selector: Any, width: int, where: str) -> list[int]:
+    """A ColumnTransformer selector after the first step: positions only (its input has no names)."""
+    if isinstance(selector, slice):
+        return list(range(width))[selector]
+    items = [_plain(i) for i in np.atleast_1d(selector)]
+    if items and all(isinstance(i, bool) for i in items):
+        return [i for i, keep in enumerate(items) if keep]
+    if all(isinstance(i, int) and not isinstance(i, bool) for i in items):
+        return [i % width for i in items]
+    raise UntranslatableError(f"{where}: a ColumnTransformer after the first step must choose its columns by "
+                              f"position (its input has no column names), got {items[:4]!r}")  # fmt: skip
 
 
 def _imputer_fills(op: Any, where: str) -> list[Any]:

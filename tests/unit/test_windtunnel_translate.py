@@ -17,7 +17,7 @@ from sklearn.ensemble import ExtraTreesClassifier, GradientBoostingClassifier, R
 from sklearn.linear_model import LogisticRegression
 from sklearn.neighbors import KNeighborsClassifier
 from sklearn.pipeline import Pipeline, make_pipeline
-from sklearn.preprocessing import MinMaxScaler, Normalizer, OneHotEncoder, StandardScaler
+from sklearn.preprocessing import MinMaxScaler, OneHotEncoder, QuantileTransformer, StandardScaler
 from sklearn.svm import LinearSVC
 from sklearn.tree import DecisionTreeClassifier
 
@@ -159,7 +159,10 @@ def test_an_unseen_category_encodes_as_zeros_when_the_encoder_ignores_it():
 @pytest.mark.parametrize(
     "pipeline, message",
     [
-        (make_pipeline(Normalizer(), LogisticRegression()), "step 'normalizer': Normalizer is not translatable"),
+        (
+            make_pipeline(QuantileTransformer(n_quantiles=50), LogisticRegression()),
+            "step 'quantiletransformer': QuantileTransformer is not translatable",
+        ),
         (make_pipeline(StandardScaler(), KNeighborsClassifier()), "estimator KNeighborsClassifier is not translatable"),
         (make_pipeline(StandardScaler(), LogisticRegression()), "is not fitted"),
     ],
@@ -268,11 +271,11 @@ def test_the_archive_command_refuses_an_untranslatable_pipeline_and_archives_a_g
 
     X, y, _ = cancer
     bad, good = tmp_path / "bad.joblib", tmp_path / "good.joblib"
-    joblib.dump(make_pipeline(Normalizer(), LogisticRegression()).fit(X, y), bad)
+    joblib.dump(make_pipeline(QuantileTransformer(n_quantiles=50), LogisticRegression()).fit(X, y), bad)
     joblib.dump(make_pipeline(StandardScaler(), LogisticRegression(max_iter=5000)).fit(X, y), good)
     cmd = [sys.executable, "-m", "packrat_plugin.cli", "sklearn-archive", "--out-dir", str(tmp_path)]
     refused = subprocess.run([*cmd, str(bad), "--name", "bad"], capture_output=True, text=True)
-    assert refused.returncode == 2 and "Normalizer is not translatable" in refused.stderr
+    assert refused.returncode == 2 and "QuantileTransformer is not translatable" in refused.stderr
     assert not (tmp_path / "bad.mar").exists()
     built = subprocess.run([*cmd, str(good), "--name", "good", "--max-rows", "10"], capture_output=True, text=True)
     assert built.returncode == 0, built.stderr
@@ -499,3 +502,69 @@ def test_regressors_that_cannot_be_translated_are_refused_by_name():
         UntranslatableError, match="KNeighborsRegressor is not translatable.*regressors: LinearRegression"
     ):
         translate(KNeighborsRegressor().fit(X, X[:, 0]))
+
+
+# -- more preprocessing steps, and steps that combine others --------------------------------------
+
+
+def preprocessing_cases():
+    from sklearn.feature_selection import SelectKBest, VarianceThreshold, f_classif
+    from sklearn.pipeline import FeatureUnion
+    from sklearn.preprocessing import (
+        Binarizer,
+        KBinsDiscretizer,
+        MaxAbsScaler,
+        Normalizer,
+        PolynomialFeatures,
+        RobustScaler,
+    )
+
+    lr = LogisticRegression(max_iter=5000)
+    quantiles = "averaged_inverted_cdf"
+    return {
+        "robust": make_pipeline(RobustScaler(quantile_range=(10, 90)), lr),
+        "robust-uncentred": make_pipeline(RobustScaler(with_centering=False), lr),
+        "maxabs": make_pipeline(MaxAbsScaler(), lr),
+        "normalizer-l2": make_pipeline(Normalizer(), StandardScaler(), lr),
+        "normalizer-l1": make_pipeline(Normalizer(norm="l1"), StandardScaler(), lr),
+        "normalizer-max": make_pipeline(Normalizer(norm="max"), StandardScaler(), lr),
+        "binarizer": make_pipeline(StandardScaler(), Binarizer(threshold=0.3), lr),
+        "kbins-onehot": make_pipeline(KBinsDiscretizer(n_bins=5, encode="onehot-dense", quantile_method=quantiles), lr),
+        "kbins-ordinal-uniform": make_pipeline(KBinsDiscretizer(n_bins=4, encode="ordinal", strategy="uniform"),
+                                               RandomForestClassifier(n_estimators=10, random_state=0)),
+        "polynomial": make_pipeline(StandardScaler(), SelectKBest(f_classif, k=6), PolynomialFeatures(2), lr),
+        "polynomial-interactions": make_pipeline(StandardScaler(), SelectKBest(f_classif, k=5),
+                                                 PolynomialFeatures(3, interaction_only=True, include_bias=False), lr),
+        "variance-threshold": make_pipeline(VarianceThreshold(0.5), StandardScaler(), lr),
+        "feature-union": make_pipeline(
+            FeatureUnion([("scaled", StandardScaler()), ("pca", make_pipeline(StandardScaler(), PCA(3))),
+                          ("bins", KBinsDiscretizer(n_bins=3, encode="ordinal", quantile_method=quantiles))],
+                         transformer_weights={"pca": 2.0}),
+            GradientBoostingClassifier(n_estimators=10, random_state=0)),
+        "later-column-transformer": make_pipeline(
+            StandardScaler(),
+            ColumnTransformer([("poly", PolynomialFeatures(2), [0, 1]), ("bin", Binarizer(), slice(2, 6)),
+                               ("drop", "drop", [6])], remainder=MaxAbsScaler()),
+            lr),
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(preprocessing_cases()))
+def test_each_preprocessing_step_answers_as_scikit_learn(name):
+    X, y = load_breast_cancer(return_X_y=True)
+    pipeline = preprocessing_cases()[name].fit(X[:400], y[:400])
+    assert_same(pipeline, X[400:])
+
+
+def test_a_later_column_transformer_must_choose_columns_by_position_and_encoders_stay_first():
+    from windtunnel.translate import _positions
+
+    assert _positions([True, False, True], 3, "w") == [0, 2] and _positions([-1], 4, "w") == [3]
+    with pytest.raises(UntranslatableError, match="w: a ColumnTransformer after the first step must choose its "
+                                                  "columns by position .* got \\['age'\\]"):  # fmt: skip
+        _positions(["age"], 3, "w")  # what a frame's names would resolve to
+    X = np.stack([np.arange(100.0) % 3, np.arange(100.0)], axis=1)
+    inner = make_pipeline(StandardScaler(), ColumnTransformer([("oh", OneHotEncoder(), [0])]), LogisticRegression())
+    inner.fit(X, np.arange(100) % 2)
+    with pytest.raises(UntranslatableError, match="branch 'oh': OneHotEncoder is not translatable"):
+        translate(inner)
