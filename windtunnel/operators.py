@@ -128,6 +128,8 @@ def apply_link(scores: torch.Tensor, link: str) -> torch.Tensor:
         return torch.stack([1.0 - p, p], dim=1)
     if link == "softmax":
         return torch.softmax(scores, dim=1)
+    if link == "exp":  # a log-link regressor (Poisson, gamma): one score per row, exponentiated
+        return torch.exp(scores[:, 0])
     if link == "identity":
         return scores[:, 0] if scores.shape[1] == 1 else scores
     raise ValueError(f"unknown link {link!r}")
@@ -320,6 +322,7 @@ class TreeEnsemble(nn.Module):
         link: str,
         scale: float = 1.0,
         init: np.ndarray | None = None,
+        compare_float64: bool = False,
     ) -> None:
         super().__init__()
         T = len(trees)
@@ -342,7 +345,12 @@ class TreeEnsemble(nn.Module):
         self.register_buffer("root", torch.as_tensor([t.root for t in trees], dtype=torch.long))
         self.depth = max(t.depth for t in trees)
         self.register_buffer("features", torch.as_tensor(features.reshape(-1)))
-        self.thresholds = nn.Parameter(torch.as_tensor(float32_at_or_below(thresholds).astype(np.float64)))
+        # scikit-learn's trees compare float32 features with float64 thresholds: rounded down to float32,
+        # the comparison runs in float32 alike.  Histogram boosting compares float64 with float64:
+        # ``compare_float64`` keeps its thresholds and walks in float64.
+        self.compare_dtype = torch.float64 if compare_float64 else torch.float32
+        kept = thresholds if compare_float64 else float32_at_or_below(thresholds).astype(np.float64)
+        self.thresholds = nn.Parameter(torch.as_tensor(kept))
         # The perfect layout where it is small enough (module doc); derived from the trees, so not saved.
         self.perfect = 0 < self.depth <= PERFECT_MAX_DEPTH and T * (1 << self.depth) <= PERFECT_MAX_NODES
         if self.perfect:
@@ -440,7 +448,7 @@ class TreeEnsemble(nn.Module):
         cached = self._threshold_tables.get(layout)
         if cached is None or cached[0] != key:
             with torch.no_grad():
-                flat = self.thresholds.detach().reshape(-1).float()
+                flat = self.thresholds.detach().reshape(-1).to(self.compare_dtype)
                 if layout == "perfect":
                     table = flat.index_select(0, self.perfect_nodes)
                 else:
@@ -459,7 +467,8 @@ class TreeEnsemble(nn.Module):
         tree_major = n >= TREE_MAJOR_ROWS
         # A NaN goes right (``x <= t`` is false); as +inf it goes right under ``x > t`` too,
         # every threshold being finite, so each level is one comparison and one multiply-add.
-        xf = x.float().t().contiguous() if tree_major else x.float()
+        xf = x.to(self.compare_dtype)
+        xf = xf.t().contiguous() if tree_major else xf
         xf = xf.masked_fill(xf.isnan(), float("inf"))
         # int32 positions (the layout holds at most PERFECT_MAX_NODES): half the bytes per level, and
         # index_select takes them as they are.  Level 0: tree t's root is at t.
@@ -485,7 +494,7 @@ class TreeEnsemble(nn.Module):
         trees, n = self.shape[0], x.shape[0]
         walk = self._node_walk()
         thresholds, child, features = self._threshold_table("nodes"), walk["child"], walk["features"]
-        flat = x.float().t().contiguous()
+        flat = x.to(self.compare_dtype).t().contiguous()
         flat = flat.masked_fill(flat.isnan(), float("inf")).reshape(-1)  # right at every split, as the others
         index_dtype = torch.int32 if flat.numel() < 2**31 and trees * n < 2**31 else torch.long
         at = walk["start"].repeat_interleave(n)
@@ -522,7 +531,8 @@ class TreeEnsemble(nn.Module):
         if not self.soft:
             # scikit-learn's own comparison: float32 features against thresholds
             # rounded down to float32 (see float32_at_or_below).
-            went_left = (chosen.float() <= self.thresholds.float()).to(path.dtype)
+            dtype = self.compare_dtype
+            went_left = (chosen.to(dtype) <= self.thresholds.to(dtype)).to(path.dtype)
             reached = torch.einsum("nti,til->ntl", went_left, path)
             return (reached == lefts).to(x.dtype)
         go_left = torch.sigmoid((self.thresholds - chosen) / self.temperature)

@@ -419,6 +419,8 @@ def _estimator(op: Any, n_features: int) -> tuple[nn.Module, list[Any], str]:
         ExtraTreesRegressor,
         GradientBoostingClassifier,
         GradientBoostingRegressor,
+        HistGradientBoostingClassifier,
+        HistGradientBoostingRegressor,
         RandomForestClassifier,
         RandomForestRegressor,
     )
@@ -429,7 +431,11 @@ def _estimator(op: Any, n_features: int) -> tuple[nn.Module, list[Any], str]:
     if isinstance(op, (LinearRegression, Ridge, Lasso, ElasticNet, DecisionTreeRegressor, RandomForestRegressor,
                        ExtraTreesRegressor, GradientBoostingRegressor)):  # fmt: skip
         return _regressor(op, n_features), [], "prediction"
+    if isinstance(op, HistGradientBoostingRegressor):
+        return _hist_boosting(op, n_features), [], "prediction"
     classes = [_plain(c) for c in op.classes_] if hasattr(op, "classes_") else []
+    if isinstance(op, HistGradientBoostingClassifier):
+        return _hist_boosting(op, n_features), classes, "probabilities"
     if isinstance(op, LogisticRegression):
         link = "logistic" if len(classes) == 2 else "softmax"
         return LinearHead(op.coef_, op.intercept_, link), classes, "probabilities"
@@ -447,9 +453,10 @@ def _estimator(op: Any, n_features: int) -> tuple[nn.Module, list[Any], str]:
         return _boosting(op, n_features), classes, "probabilities"
     raise UntranslatableError(
         f"estimator {_name(op)} is not translatable (classifiers: LogisticRegression, LinearSVC, "
-        f"DecisionTreeClassifier, RandomForestClassifier, ExtraTreesClassifier, GradientBoostingClassifier; "
-        f"regressors: LinearRegression, Ridge, Lasso, ElasticNet, DecisionTreeRegressor, RandomForestRegressor, "
-        f"ExtraTreesRegressor, GradientBoostingRegressor)"
+        f"DecisionTreeClassifier, RandomForestClassifier, ExtraTreesClassifier, GradientBoostingClassifier, "
+        f"HistGradientBoostingClassifier; regressors: LinearRegression, Ridge, Lasso, ElasticNet, "
+        f"DecisionTreeRegressor, RandomForestRegressor, ExtraTreesRegressor, GradientBoostingRegressor, "
+        f"HistGradientBoostingRegressor)"
     )
 
 
@@ -477,6 +484,49 @@ def _regressor(op: Any, n_features: int) -> nn.Module:
     fitted = [op] if isinstance(op, DecisionTreeRegressor) else list(op.estimators_)
     trees = [TreeArrays.from_sklearn(e.tree_, e.tree_.value[:, 0, :]) for e in fitted]
     return TreeEnsemble(trees, n_features, "average", "identity")
+
+
+# A histogram-boosting regressor's loss → the link from its raw score to ``predict``.
+_HIST_LINKS = {"squared_error": "identity", "absolute_error": "identity", "quantile": "identity",
+               "poisson": "exp", "gamma": "exp"}  # fmt: skip
+
+
+def _hist_boosting(op: Any, n_features: int) -> TreeEnsemble:
+    """``HistGradientBoosting*``: ``baseline + Σ trees`` (leaf values carry the learning rate), through
+    the loss's link.  Its trees compare float64 features with float64 thresholds, so the ensemble does
+    too.  Native categorical splits are refused by name; a NaN never reaches the trees (the row encoder
+    refuses one that no imputer fills), so each node's missing-value direction is not needed."""
+    from types import SimpleNamespace
+
+    from sklearn.ensemble import HistGradientBoostingRegressor
+
+    name = _name(op)
+    if op.is_categorical_ is not None and np.any(op.is_categorical_):
+        raise UntranslatableError(f"{name} with categorical_features is not translatable; one-hot encode "
+                                  f"those columns in the pipeline instead")  # fmt: skip
+    if isinstance(op, HistGradientBoostingRegressor):
+        if op.loss not in _HIST_LINKS:
+            raise UntranslatableError(f"{name}(loss={op.loss!r}) is not translatable (losses: {sorted(_HIST_LINKS)})")
+        link = _HIST_LINKS[op.loss]
+    else:
+        link = "logistic" if op.n_trees_per_iteration_ == 1 else "softmax"
+    K = op.n_trees_per_iteration_
+    trees = []
+    for iteration in op._predictors:
+        for k, predictor in enumerate(iteration):
+            nodes = predictor.nodes
+            leaf = nodes["is_leaf"].astype(bool)
+            as_tree = SimpleNamespace(
+                children_left=np.where(leaf, -1, nodes["left"].astype(np.int64)),
+                children_right=np.where(leaf, -1, nodes["right"].astype(np.int64)),
+                feature=nodes["feature_idx"].astype(np.int64), threshold=nodes["num_threshold"].astype(np.float64),
+                node_count=len(nodes), max_depth=int(nodes["depth"].max()),
+            )  # fmt: skip
+            values = np.zeros((len(nodes), K))
+            values[:, k] = nodes["value"]
+            trees.append(TreeArrays.from_sklearn(as_tree, values))
+    init = np.asarray(op._baseline_prediction, dtype=np.float64).reshape(-1)
+    return TreeEnsemble(trees, n_features, "sum", link, 1.0, init, compare_float64=True)
 
 
 def _boosting(op: Any, n_features: int) -> TreeEnsemble:

@@ -568,3 +568,54 @@ def test_a_later_column_transformer_must_choose_columns_by_position_and_encoders
     inner.fit(X, np.arange(100) % 2)
     with pytest.raises(UntranslatableError, match="branch 'oh': OneHotEncoder is not translatable"):
         translate(inner)
+
+
+# -- histogram gradient boosting ----------------------------------------------------------------------
+
+
+def hist_cases():
+    from sklearn.ensemble import HistGradientBoostingClassifier, HistGradientBoostingRegressor
+
+    X, y = load_breast_cancer(return_X_y=True)
+    W, w = load_wine(return_X_y=True)
+    target = X[:, 0] * 0.3 + X[:, 1] ** 0.5
+    return {
+        "binary": (HistGradientBoostingClassifier(max_iter=40, random_state=0), X, y),
+        "multiclass": (HistGradientBoostingClassifier(max_iter=20, max_depth=4, random_state=0), W, w),
+        "squared_error": (HistGradientBoostingRegressor(max_iter=40, random_state=0), X, target),
+        "absolute_error": (HistGradientBoostingRegressor(loss="absolute_error", max_iter=20), X, target),
+        "quantile": (HistGradientBoostingRegressor(loss="quantile", quantile=0.8, max_iter=20), X, target),
+        "poisson": (HistGradientBoostingRegressor(loss="poisson", max_iter=20), X, target),
+        "gamma": (HistGradientBoostingRegressor(loss="gamma", max_iter=20), X, target),
+    }
+
+
+@pytest.mark.parametrize("name", list(hist_cases()))
+def test_histogram_boosting_answers_as_scikit_learn_on_its_float64_thresholds(name):
+    """Its trees compare float64 with float64: rows at a threshold and at both float64 neighbours (which a
+    float32 comparison would send the same way) take scikit-learn's side."""
+    estimator, X, y = hist_cases()[name]
+    estimator.fit(X[::2], y[::2])
+    model = translate(estimator)
+    (forest,) = model.trees()
+    rows = X[1::2].copy()
+    rng = np.random.default_rng(0)
+    for r in range(len(rows)):
+        tree = estimator._predictors[rng.integers(len(estimator._predictors))][0].nodes
+        node = tree[rng.integers(len(tree))]
+        if not node["is_leaf"]:
+            t = float(node["num_threshold"])
+            rows[r, node["feature_idx"]] = (t, np.nextafter(t, -np.inf), np.nextafter(t, np.inf))[r % 3]
+    got = outputs(model, rows)
+    want = estimator.predict(rows) if model.output == "prediction" else estimator.predict_proba(rows)
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_histogram_boosting_with_native_categories_is_refused_by_name():
+    from sklearn.ensemble import HistGradientBoostingClassifier
+
+    X = np.stack([np.arange(200) % 4, np.arange(200.0)], axis=1)
+    y = (np.arange(200) % 4 == 1).astype(int)
+    estimator = HistGradientBoostingClassifier(max_iter=5, categorical_features=[0]).fit(X, y)
+    with pytest.raises(UntranslatableError, match="HistGradientBoostingClassifier with categorical_features"):
+        translate(estimator)
