@@ -31,6 +31,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from windtunnel.boosters import BoosterError, is_lightgbm, lightgbm_ensemble
 from windtunnel.operators import Affine, Impute, LinearHead, OneHot, Projection, TreeArrays, TreeEnsemble
 from windtunnel.transforms import Binarize, Discretize, Normalize, Polynomial, Select, Union
 
@@ -431,6 +432,14 @@ def _estimator(op: Any, n_features: int) -> tuple[nn.Module, list[Any], str]:
     if isinstance(op, (LinearRegression, Ridge, Lasso, ElasticNet, DecisionTreeRegressor, RandomForestRegressor,
                        ExtraTreesRegressor, GradientBoostingRegressor)):  # fmt: skip
         return _regressor(op, n_features), [], "prediction"
+    if is_lightgbm(op):
+        try:
+            ensemble, link = lightgbm_ensemble(op)
+        except BoosterError as exc:
+            raise UntranslatableError(str(exc)) from None
+        if link in ("logistic", "softmax"):
+            return ensemble, [_plain(c) for c in op.classes_], "probabilities"
+        return ensemble, [], "prediction"
     if isinstance(op, HistGradientBoostingRegressor):
         return _hist_boosting(op, n_features), [], "prediction"
     classes = [_plain(c) for c in op.classes_] if hasattr(op, "classes_") else []
@@ -456,7 +465,7 @@ def _estimator(op: Any, n_features: int) -> tuple[nn.Module, list[Any], str]:
         f"DecisionTreeClassifier, RandomForestClassifier, ExtraTreesClassifier, GradientBoostingClassifier, "
         f"HistGradientBoostingClassifier; regressors: LinearRegression, Ridge, Lasso, ElasticNet, "
         f"DecisionTreeRegressor, RandomForestRegressor, ExtraTreesRegressor, GradientBoostingRegressor, "
-        f"HistGradientBoostingRegressor)"
+        f"HistGradientBoostingRegressor; LightGBM's LGBMClassifier and LGBMRegressor)"
     )
 
 
