@@ -471,11 +471,18 @@ class TreeEnsemble(nn.Module):
         xf = xf.t().contiguous() if tree_major else xf
         xf = xf.masked_fill(xf.isnan(), float("inf"))
         # int32 positions (the layout holds at most PERFECT_MAX_NODES): half the bytes per level, and
-        # index_select takes them as they are.  Level 0: tree t's root is at t.
+        # index_select takes them as they are.  Level 0 reads every tree's root at once (tree t's root is
+        # at t, all rows alike): one column read per tree, no per-row lookups.
         tree = torch.arange(trees, dtype=torch.int32, device=x.device)
-        at = tree.repeat_interleave(n) if tree_major else tree.expand(n, trees).reshape(-1)
         shape = (trees, n) if tree_major else (n, trees)
-        for level in range(self.depth):
+        roots = features.narrow(0, 0, trees)
+        if tree_major:
+            right = xf.index_select(0, roots) > thresholds.narrow(0, 0, trees).unsqueeze(1)
+            at = torch.add(right, tree.unsqueeze(1), alpha=2).reshape(-1)
+        else:
+            right = xf.index_select(1, roots) > thresholds.narrow(0, 0, trees)
+            at = torch.add(right, tree, alpha=2).reshape(-1)
+        for level in range(1, self.depth):
             start, size = trees * ((1 << level) - 1), trees << level
             feature = features.narrow(0, start, size).index_select(0, at).view(shape)
             value = xf.gather(0 if tree_major else 1, feature).reshape(-1)
