@@ -42,6 +42,15 @@ arrival since the alarm each time their number doubles (40, 80, 160),
 keeping what the tests have gathered (a restart would drop the evidence of
 a change under way).
 
+A bank of two tests per direction: one tuned for ``ratio`` (2×: the
+smallest change worth a move) and one for ``large_ratio`` (5×).  A test tuned
+for 2× needs ~1.0 s to flag a 7× step from 2 req/s at one false alarm an
+hour (its drift under the new rate is 14·ln 2 − 2 = 7.7 per second against
+h ≈ 7.7); one tuned for 5× gains 14·ln 5 − 8 = 14.5 per second against
+h ≈ 10.5 and flags it in ~0.7 s.  The false-alarm budget is split between
+the two (each test's mean time to a false alarm doubled), so the bank's
+rate of false alarms stays within the one asked for.
+
 Pure logic: it reads counts the caller samples (the frontend's request
 counter) and keeps no clock of its own.
 """
@@ -55,6 +64,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class DetectorConfig:
     ratio: float = 2.0  # the smallest rise (and, inverted, fall) the test is tuned for
+    large_ratio: float | None = 5.0  # a second test per direction, for large steps (None: one test per direction)
     false_alarm_seconds: float = 3600.0  # the mean time between false alarms under a constant rate, per direction
     min_rate: float = 0.05  # requests/s: below this a rate is treated as this (an idle model still has a scale)
     # After an alarm: the new rate is learned from this many arrivals (or this many seconds) before testing resumes,
@@ -66,6 +76,8 @@ class DetectorConfig:
     def __post_init__(self) -> None:
         if not self.ratio > 1.0:
             raise ValueError(f"ratio must be > 1, got {self.ratio!r}")
+        if self.large_ratio is not None and not self.large_ratio > self.ratio:
+            raise ValueError(f"large_ratio must be > ratio, got {self.large_ratio!r}")
         if not self.false_alarm_seconds > 0 or not self.min_rate > 0:
             raise ValueError("false_alarm_seconds and min_rate must be positive")
         if self.learn_arrivals < 0 or self.learn_seconds < 0:
@@ -157,8 +169,12 @@ class RateChangeDetector:
         self._counted, self._learning = None, False
         self.rate = max(rate, self.config.min_rate)
         cfg = self.config
-        self._up = _OneSided(self.rate, cfg.ratio, cfg.false_alarm_seconds)
-        self._down = _OneSided(self.rate, 1.0 / cfg.ratio, cfg.false_alarm_seconds)
+        ratios = (cfg.ratio,) if cfg.large_ratio is None else (cfg.ratio, cfg.large_ratio)
+        # Each test gets an equal share of the false-alarm budget: its mean time to a false alarm × the count.
+        self._each_s = cfg.false_alarm_seconds * len(ratios)
+        self._tests = [("up", _OneSided(self.rate, r, self._each_s)) for r in ratios]
+        self._tests += [("down", _OneSided(self.rate, 1.0 / r, self._each_s)) for r in ratios]
+        self._up, self._down = self._tests[0][1], self._tests[len(ratios)][1]
 
     @property
     def learning(self) -> tuple[int, float] | None:
@@ -174,8 +190,8 @@ class RateChangeDetector:
     def _refine(self, count: int, seconds: float) -> None:
         """Test against the refined rate from now on, keeping the evidence gathered so far."""
         self.rate = max(count / max(seconds, 1e-9), self.config.min_rate)
-        for side in (self._up, self._down):
-            side.retarget(self.rate, self.config.false_alarm_seconds)
+        for _, side in self._tests:
+            side.retarget(self.rate, self._each_s)
         self._schedule_refinement(count, seconds)
 
     def _schedule_refinement(self, count: int, seconds: float) -> None:
@@ -184,7 +200,7 @@ class RateChangeDetector:
 
     @property
     def thresholds(self) -> tuple[float, float]:
-        """(h up, h down) at the current rate."""
+        """(h up, h down) of the tests tuned for ``ratio``, at the current rate."""
         return self._up.h, self._down.h
 
     def observe(self, arrivals: int, dt: float) -> RateChange | None:
@@ -200,12 +216,14 @@ class RateChangeDetector:
                 return None
             if count >= self._refine_at:
                 self._refine(count, seconds)
-        for direction, side in (("up", self._up), ("down", self._down)):
-            if side.observe(arrivals, dt):
-                count, seconds = side.change_point()
-                change = RateChange(direction, self.rate, count / max(seconds, 1e-9), seconds, count)
-                self.restart(change.new_rate)
-                # Learn the new rate; the tail that raised the alarm is not counted: it is what biased it.
-                self._counted, self._learning = (0, 0.0), True
-                return change
-        return None
+        # Every test sees every sample; the first that alarms (the small ratio's before the large one's) speaks.
+        alarms = [(direction, side) for direction, side in self._tests if side.observe(arrivals, dt)]
+        if not alarms:
+            return None
+        direction, side = alarms[0]
+        count, seconds = side.change_point()
+        change = RateChange(direction, self.rate, count / max(seconds, 1e-9), seconds, count)
+        self.restart(change.new_rate)
+        # Learn the new rate; the tail that raised the alarm is not counted: it is what biased it.
+        self._counted, self._learning = (0, 0.0), True
+        return change

@@ -133,11 +133,13 @@ class PolicyConfig:
     # After a change the detector flagged: a rise to another split of the cores may also grow on the new regime's
     # rate (since the change point) in expectation; a fall reads the new regime alone (its upper bound at
     # ``noise_z``), not the long window that still holds the old one; either is confirmed for
-    # ``change_confirm_s``.  False: the windows' bounds and timers only, as before the detector.
+    # ``change_confirm_s`` (0: acted on at the tick that wants it; the detector's alarm is itself a sequential
+    # test at a chosen false-alarm rate, and a confirmation cost one or two 0.25 s ticks of a step's backlog).
+    # False: the windows' bounds and timers only, as before the detector.
     # Only a change of at least ``step_ratio`` (either way) counts as a step: a slow ramp also trips the
     # detector (it is tuned for 2×), and acting on those moved a ramp's swap early, then twice.
     act_on_changes: bool = True
-    change_confirm_s: float = 0.25
+    change_confirm_s: float = 0.0
     step_ratio: float = 3.0
     # The regime's rate (arrivals since the last alarm) joins the windows once it spans this long: its bounds
     # then gate growing and shrinking with the windows', and a move to another split of the cores may grow on it
