@@ -54,6 +54,10 @@ class MonitorConfig:
     change_ratio: float = 2.0
     change_false_alarm_s: float | None = 3600.0
     regime_window_s: float = 60.0  # the regime's rate reaches back at most this far
+    # A flagged change is "the current change" (``change_direction``) this long after its change point: until
+    # the regime's own rate is read (PolicyConfig.regime_min_s, 15 s), so no gap opens between the two rules.
+    # (It was the long window: a step whose rate took longer than that to clear the crossover was never acted on.)
+    change_hold_s: float = 15.0
 
     def __post_init__(self) -> None:
         if self.period_s <= 0:
@@ -191,8 +195,8 @@ class LoadMonitor:
         return change.new_rate / max(change.old_rate, 1e-9)
 
     def change_direction(self, now: float) -> int:
-        """+1 / -1 while the regime after a flagged rise / fall is younger than the long window, else 0."""
-        if not self.changes or self.regime_start is None or now - self.regime_start > self.config.long_window_s:
+        """+1 / -1 while the regime after a flagged rise / fall is younger than ``change_hold_s``, else 0."""
+        if not self.changes or self.regime_start is None or now - self.regime_start > self.config.change_hold_s:
             return 0
         return 1 if self.changes[-1][1].direction == "up" else -1
 

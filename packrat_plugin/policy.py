@@ -253,6 +253,7 @@ class ReconfigurationPolicy:
     _since: float = 0.0
     _last_wanted: float = -math.inf
     _depth_quiet_until: float = -math.inf
+    _last_swap_at: float = -math.inf
     costs: SwapCosts = field(init=False)
 
     def __post_init__(self) -> None:
@@ -313,6 +314,7 @@ class ReconfigurationPolicy:
         # queue can grow for a while after a swap: the swap's own after-effect,
         # not load.  The depth-based rules wait for a clean window.
         self._depth_quiet_until = now + self.config.depth_settle_s
+        self._last_swap_at = now
 
     def observe(self, obs: Observation, current: int, warm: set[int] | frozenset[int] = frozenset()) -> Decision | None:
         """The move to make now, if any.  ``warm``: levels whose workers already run."""
@@ -354,6 +356,8 @@ class ReconfigurationPolicy:
         the policy is not to act on changes)."""
         if not self.config.act_on_changes or obs.change == 0:
             return 0
+        if self._last_swap_at >= obs.now - obs.regime_span_s:
+            return 0  # this step was acted on (the regime's span runs from its alarm): further moves by the rules
         ratio = obs.change_ratio if obs.change > 0 else 1.0 / max(obs.change_ratio, 1e-9)
         return obs.change if ratio >= self.config.step_ratio else 0
 
