@@ -199,6 +199,18 @@ def test_the_tree_walk_and_the_gemm_form_reach_the_same_leaves(cancer):
             assert torch.equal(gemm.argmax(dim=2), forest.leaves(x))
 
 
+def rows_on_thresholds(forest, X: np.ndarray, rng, n: int = 600) -> np.ndarray:
+    """``n`` rows of ``X``, each with one node's feature set to its float32 threshold or either neighbour."""
+    rows = X[rng.integers(0, len(X), n)].astype(np.float64)
+    at = rng.integers(0, forest.features.numel(), n)
+    t32 = forest.thresholds.detach().reshape(-1)[at].numpy().astype(np.float32)
+    side = rng.integers(0, 3, n)
+    rows[np.arange(n), forest.features[at].numpy()] = np.where(
+        side == 0, t32, np.where(side == 1, np.nextafter(t32, np.float32(-np.inf)), np.nextafter(t32, np.inf))
+    )
+    return rows
+
+
 def test_the_perfect_layout_walks_to_the_same_leaves_as_the_node_order_even_on_the_thresholds():
     """Shallow forests are walked in the perfect layout: the same leaf as walking the trees' own node order for
     every row, including rows on the float32 neighbours of thresholds and NaN; a threshold changed in place (a
@@ -212,13 +224,7 @@ def test_the_perfect_layout_walks_to_the_same_leaves_as_the_node_order_even_on_t
         (forest,) = model.trees()
         assert forest.perfect
         # Every row of a probe batch sits on a threshold or one of its float32 neighbours, on that node's feature.
-        rows = X[rng.integers(0, len(X), 600)].astype(np.float64)
-        at = rng.integers(0, forest.features.numel(), 600)
-        t32 = forest.thresholds.detach().reshape(-1)[at].numpy().astype(np.float32)
-        side = rng.integers(0, 3, 600)
-        rows[np.arange(600), forest.features[at].numpy()] = np.where(
-            side == 0, t32, np.where(side == 1, np.nextafter(t32, np.float32(-np.inf)), np.nextafter(t32, np.inf))
-        )
+        rows = rows_on_thresholds(forest, X, rng)
         rows[::50, 0] = np.nan
         with torch.no_grad():
             x = torch.as_tensor(rows)
@@ -471,13 +477,7 @@ def test_tree_regressors_agree_on_thresholds_and_their_float32_neighbours():
         estimator.fit(X[:400], y[:400])
         model = translate(estimator)
         (forest,) = model.trees()
-        rows = X[rng.integers(0, len(X), 600)].astype(np.float64)
-        at = rng.integers(0, forest.features.numel(), 600)
-        t32 = forest.thresholds.detach().reshape(-1)[at].numpy().astype(np.float32)
-        side = rng.integers(0, 3, 600)
-        rows[np.arange(600), forest.features[at].numpy()] = np.where(
-            side == 0, t32, np.where(side == 1, np.nextafter(t32, np.float32(-np.inf)), np.nextafter(t32, np.inf))
-        )
+        rows = rows_on_thresholds(forest, X, rng)
         rows = np.where(np.isfinite(rows), rows, 0.0)  # padding nodes' +inf thresholds
         np.testing.assert_allclose(outputs(model, rows), estimator.predict(rows), rtol=1e-12, atol=1e-12)
 
