@@ -7,10 +7,11 @@
 #
 # Tiers follow what is still unmeasured on a GPU (after the H200 session of
 # 2026-11-26, commit 28bf96e; docs/benchmarks/README.md):
-# Tier 1 (about 6 minutes): the CUDA tests; DVABatch on BERT-base (never
-# measured: it ran past its limit); REEF workload C (never run); Nimble
-# against torch.compile on Inception-v3 and EfficientNet-B0 (the compiled
-# candidate is measured on ResNet-50 only).
+# Tier 1 (about 7 minutes): the CUDA tests; JPEG decode ways (for Ebird's
+# capacity); Nimble against torch.compile on Inception-v3 and EfficientNet-B0
+# (the compiled candidate is measured on ResNet-50 only); DVABatch on
+# BERT-base (never measured: it ran past its limit); REEF workload C (never
+# run).
 # Tier 2 (about 6 minutes): Ebird against the stock baselines with graphs on
 # either side, and its A/A twin; REEF workload A with two repeats.
 # Tier 3: Orca on GPT-2; Nimble on ResNet-50 again.
@@ -31,7 +32,7 @@ work=$(mktemp -d)
 export PYTHONPATH="$PWD/.site:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
 
-tier1="tests dvabatch reef_c nimble_others"
+tier1="tests jpeg nimble_inception dvabatch reef_c nimble_effnet"
 tier2="ebird reef_a"
 tier3="orca nimble_resnet50"
 steps=" "
@@ -78,9 +79,19 @@ echo "steps:$steps"
 step tests 150 "$py" -m pytest -q -p no:cacheprovider -rs \
     tests/gpu tests/unit/test_ebird_handler.py tests/unit/test_plain_handler_direct.py -k "$tests_k"
 
+# Where Ebird should decode JPEGs on a GPU server: PIL or torchvision on threads, or nvJPEG batched,
+# alone and beside an eager ResNet-50 launching kernels from another thread (the GIL they share).
+step jpeg 60 bash -c "$py -m bench.jpeg_decode --device $dev --images 512 --out-dir $work &&
+    $py -m bench.jpeg_decode --device $dev --images 512 --contend --out-dir $work"
+
+# Nimble (with its compiled candidate) vs torch.compile reduce-overhead on the two models not yet measured
+# so, one step each so that a slow compile costs only its own model.
+step nimble_inception 150 "$py" -m bench.nimble --device "$dev" --models inception_v3 \
+    --batches "$batches" --repeats 3 --runs 10 --suffix _inception_v3 --out-dir "$work"
+
 # DVABatch vs NO Wait and a 10 ms wait: three loads, but one repeat and a short capacity step (the H200 run
 # with two repeats reached 6 of 18 runs in 120 s).
-step dvabatch 150 "$py" -m bench.ebird_direct --handler dvabatch --model bert-base --device "$dev" --wait-ms 10 \
+step dvabatch 180 "$py" -m bench.ebird_direct --handler dvabatch --model bert-base --device "$dev" --wait-ms 10 \
     --fractions 0.25,0.6,0.9 --seconds "$secs" --repeats 1 --capacity-seconds 3 --warmup-seconds "$warm" \
     --out-dir "$work"
 
@@ -88,9 +99,9 @@ step dvabatch 150 "$py" -m bench.ebird_direct --handler dvabatch --model bert-ba
 step reef_c 150 "$py" -m bench.reef_direct --device "$dev" --workload C --padding \
     --seconds $((secs + 3)) --repeats 1 --out-dir "$work"
 
-# Nimble (with its compiled candidate) vs torch.compile reduce-overhead on the two models not yet measured so.
-step nimble_others 150 "$py" -m bench.nimble --device "$dev" --models inception_v3,efficientnet_b0 \
-    --batches "$batches" --repeats 3 --runs 10 --suffix _others --out-dir "$work"
+
+step nimble_effnet 150 "$py" -m bench.nimble --device "$dev" --models efficientnet_b0 \
+    --batches "$batches" --repeats 3 --runs 10 --suffix _efficientnet_b0 --out-dir "$work"
 
 # -- tier 2 ---------------------------------------------------------------
 # Ebird (graphs) vs NO Wait and a 5 ms wait, Ebird eager and NO Wait on graphs, and NO Wait's twin (A/A).
