@@ -7,7 +7,7 @@ import torch
 
 from handlers.runtime.decode import default_decode_placement
 from model_store.samples import jpeg_bytes
-from tests.unit.test_ebird_handler import make_handler, serve_all  # noqa: F401 (fixtures are used by name)
+from tests.unit.test_ebird_handler import make_handler, model_dir, serve_all  # noqa: F401 (fixtures are used by name)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
