@@ -82,6 +82,17 @@ step's mean latency came out worse than either static setting's.  Only a
 step: the detector is tuned for 2×, so a slow ramp trips it too, and acting
 on those moved a ramp's swap early, then twice.
 
+A move grown on a detected step in expectation is also *weighed* in
+expectation (the worth-it test below, over the same noisy rate), not on the
+rate as measured.  Why: the two gates disagreed.  On the bench's step (2 to
+14.3 req/s) the new regime's rate read 9-12 req/s in its first second in
+some draws; in expectation over that noise the split was already the better
+bet (the fat worker's queue grows without bound past its capacity), but at
+the rate as read the fat worker was predicted faster, so the swap waited
+until the measured rate cleared the crossover: 0.5-6.0 s after the step in
+the queue model, 8 of 24 seeds past 2 s, against the alarm's tick in 19 of
+24 (tests/unit/test_policy_sim.py).
+
 A closed loop (N clients, each waiting for its answer) sends only as fast
 as answers come, so its rate says little; its load is the depth it keeps in
 the system, Packrat's own B.  The policy therefore moves up to the level of
@@ -319,7 +330,7 @@ class ReconfigurationPolicy:
     def observe(self, obs: Observation, current: int, warm: set[int] | frozenset[int] = frozenset()) -> Decision | None:
         """The move to make now, if any.  ``warm``: levels whose workers already run."""
         cur = self.level(current)
-        candidate, rate, reason = self._candidate(obs, cur)
+        candidate, rate, reason, evidence_span_s = self._candidate(obs, cur)
         direction = 0 if candidate is None else (1 if candidate.batch > cur.batch else -1)
         if direction == 0:
             if obs.now - self._last_wanted > self.config.confirm_grace_s:
@@ -337,8 +348,14 @@ class ReconfigurationPolicy:
         if reason == "requests in flight rose":
             # A closed loop: Packrat's plan for B in flight; the rate model does not apply.
             return Decision(candidate, rate, reason, cur.round_s, candidate.round_s, candidate.batch in warm)
-        w_now = math.inf if reason == "backlog growing" else cur.predicted_latency_s(rate)
-        w_new = candidate.predicted_latency_s(rate)
+        if evidence_span_s > 0:
+            # Grown in expectation over the new regime's noisy rate: weigh the swap on the same evidence.
+            h = self.costs.horizon_s
+            w_now = cur.expected_latency_s(rate, evidence_span_s, h)
+            w_new = candidate.expected_latency_s(rate, evidence_span_s, h)
+        else:
+            w_now = math.inf if reason == "backlog growing" else cur.predicted_latency_s(rate)
+            w_new = candidate.predicted_latency_s(rate)
         if not self._worth_it(rate, w_now, w_new, cur, candidate, is_warm):
             return None
         return Decision(candidate, rate, reason, w_now, w_new, is_warm)
@@ -361,22 +378,27 @@ class ReconfigurationPolicy:
         ratio = obs.change_ratio if obs.change > 0 else 1.0 / max(obs.change_ratio, 1e-9)
         return obs.change if ratio >= self.config.step_ratio else 0
 
-    def _wants_up(self, up: Level, cur: Level, obs: Observation, rate_low: float) -> bool:
+    def _wants_up(self, up: Level, cur: Level, obs: Observation, rate_low: float) -> float | None:
         """Growing: at the low end of the rate's noise, the target beats the current level;
         a move to another split of the cores also in expectation over the noise of the
         new regime's rate after a rise the detector flagged, or (``up_rule="expected"``)
-        over the long window's."""
+        over the long window's.
+
+        None: not wanted.  Otherwise the span of the short window when the move rests on a
+        detected step in expectation (the worth-it test then weighs the swap in expectation
+        over the same noisy rate), else 0 (the worth-it test reads the measured rate as is).
+        """
         if self._clearly_better(up, cur, rate_low):
-            return True
+            return 0.0
         if worker_class(up) == worker_class(cur):
-            return False  # between batch caps of one split: the model credits a larger cap for free
+            return None  # between batch caps of one split: the model credits a larger cap for free
         if self._detected(obs) > 0 and self._better_in_expectation(up, cur, obs.rate_short, obs.short_span_s):
-            return True
+            return obs.short_span_s
         if self._regime_known(obs) and self._better_in_expectation(up, cur, obs.rate_regime, obs.regime_span_s):
-            return True
+            return 0.0
         if self.config.up_rule == "bound":
-            return False
-        return self._better_in_expectation(up, cur, obs.rate_long, obs.long_span_s)
+            return None
+        return 0.0 if self._better_in_expectation(up, cur, obs.rate_long, obs.long_span_s) else None
 
     def _regime_known(self, obs: Observation) -> bool:
         """Whether the regime's rate is measured over long enough to be read (``regime_min_s``)."""
@@ -401,7 +423,9 @@ class ReconfigurationPolicy:
         fitting = [lv for lv in self.levels if lv.batch <= max(1.0, concurrency)]
         return fitting[-1] if fitting else self.levels[0]
 
-    def _candidate(self, obs: Observation, cur: Level) -> tuple[Level | None, float, str]:
+    def _candidate(self, obs: Observation, cur: Level) -> tuple[Level | None, float, str, float]:
+        """The level the rules want, the rate they read, why, and the span over which a detected step's
+        rate was weighed in expectation (0: the rate as measured)."""
         z = self.config.noise_z
         rate = obs.rate_short
         # The short window catches a step within ~2 s; the long one, three
@@ -421,10 +445,11 @@ class ReconfigurationPolicy:
             obs = dataclasses.replace(obs, backlog_growing=False, concurrency=0.0)
         floor = self.floor_level(obs.concurrency)
         up = self.growing_target(rate, obs.short_span_s, short_high)
-        if up.batch > cur.batch and self._wants_up(up, cur, obs, rate_low):
+        evidence_span_s = self._wants_up(up, cur, obs, rate_low) if up.batch > cur.batch else None
+        if evidence_span_s is not None:
             # The larger of the two, unless the rate model calls the floor worse.
             target = floor if floor.batch > up.batch and self._no_worse(floor, up, short_high) else up
-            return target, rate, "load rose"
+            return target, rate, "load rose", evidence_span_s
         # Requests in flight beyond B move up only where the rate agrees that
         # the floor level serves it clearly better.  A closed loop keeps the
         # current level busy (it sends as fast as answers come), so there the
@@ -433,21 +458,21 @@ class ReconfigurationPolicy:
         # move the rate model calls no better (or a level with less capacity)
         # is a swap for nothing: the diurnal bench made two such a load change.
         if floor.batch > cur.batch and self._clearly_better(floor, cur, rate):
-            return floor, rate, "requests in flight rose"
+            return floor, rate, "requests in flight rose", 0.0
         if obs.backlog_growing:
             bigger = [lv for lv in self.levels if lv.capacity > cur.capacity]
             if bigger:
                 nearest = min(bigger, key=lambda lv: lv.batch)
-                return max(nearest, up, key=lambda lv: lv.batch), rate, "backlog growing"
-            return None, rate, ""
+                return max(nearest, up, key=lambda lv: lv.batch), rate, "backlog growing", 0.0
+            return None, rate, "", 0.0
         # Shrinking: even at the high end of both windows, a smaller level is clearly better.  After a
         # fall the detector flagged, the long window still holds the old regime: the new one's alone.
         # Under a load that holds, a dip of both windows is not a fall while the regime's upper bound disagrees.
         high = short_high if detected < 0 else max(short_high, long_high, regime_high)
         down = max(self.best(high), floor, key=lambda lv: lv.batch)
         if down.batch < cur.batch and self._clearly_better(down, cur, high):
-            return down, rate, "load fell"
-        return None, rate, ""
+            return down, rate, "load fell", 0.0
+        return None, rate, "", 0.0
 
     def _worth_it(self, rate: float, w_now: float, w_new: float, cur: Level, new: Level, warm: bool) -> bool:
         if not math.isfinite(w_now):
