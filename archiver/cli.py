@@ -60,8 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--decode-threads",
         type=decode_threads_argument,
-        help="async handlers: where requests are decoded: N threads, 0 inline on the event loop, or 'lane' "
-        "(between batches on the CPU lanes) (default: 4 threads on CUDA, lane on CPU)",
+        help="async handlers: where requests are decoded: N threads, 0 inline on the event loop, 'lane' "
+        "(between batches on the CPU lanes) or 'batched' (JPEGs in batches by torchvision's decoder, nvJPEG on "
+        "CUDA) (default: 4 threads on CUDA, lane on CPU)",
     )
     parser.add_argument(
         "--token-lengths",

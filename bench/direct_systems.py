@@ -25,7 +25,7 @@ from bench.direct import call, call_batch, load_context
 from handlers.dvabatch.handler import DvaBatchHandler
 from handlers.ebird.handler import EbirdHandler
 from handlers.plain_handler import PlainModelHandler
-from handlers.runtime.decode import LANE
+from handlers.runtime.decode import BATCHED, LANE
 from model_store.catalog import get_spec
 from serving_harness.loadgen import LoadResult, Sample
 
@@ -41,8 +41,8 @@ def ebird_system(decode_threads: str) -> str:
     """A system's name for Ebird with a decode placement ("auto": the runtime's default)."""
     if decode_threads == "auto":
         return "ebird"
-    if decode_threads == LANE:
-        return "ebird-decodelane"
+    if decode_threads in (LANE, BATCHED):
+        return f"ebird-decode{decode_threads}"
     if int(decode_threads) < 0:
         raise ValueError(decode_threads)
     return f"ebird-decode{int(decode_threads)}"
@@ -53,7 +53,7 @@ def decode_setting(system: str) -> int | str | None:
     if system == EBIRD_EAGER:
         return None
     placement = system.removeprefix("ebird").removeprefix("-decode")
-    return None if not placement else placement if placement == LANE else int(placement)
+    return None if not placement else placement if placement in (LANE, BATCHED) else int(placement)
 
 
 def wait_ms(system: str) -> float:
@@ -84,6 +84,8 @@ def label(system: str) -> str:
     placement = decode_setting(system)
     if placement == LANE:
         return "Ebird (decode on the lane)"
+    if placement == BATCHED:
+        return "Ebird (JPEGs decoded in batches)"
     if placement == 0:
         return "Ebird (inline decode)"
     return f"Ebird ({placement} decode thread{'' if placement == 1 else 's'})"

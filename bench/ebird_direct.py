@@ -280,8 +280,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--ebird-decode-threads",
         default="auto",
-        help="Ebird variants to run, by decode placement: e.g. 0,4,lane (0 = inline on the event loop; "
-        "lane = on the CPU lane between batches; auto = the device's default)",
+        help="Ebird variants to run, by decode placement: e.g. 0,4,lane,batched (0 = inline on the event loop; "
+        "lane = on the CPU lane between batches; batched = JPEGs in batches by torchvision's decoder, nvJPEG on "
+        "CUDA; auto = the device's default)",
     )
     parser.add_argument("--handler", default="ebird", choices=("ebird", "dvabatch"), help="the handler to measure")
     parser.add_argument("--wait-ms", default="", help="waiting baselines: the frontend's max_batch_delay, e.g. 5,10")
@@ -305,7 +306,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args.systems = list(dict.fromkeys(ebird_system(v.strip()) for v in args.ebird_decode_threads.split(",")))
     except ValueError:
-        parser.error(f"--ebird-decode-threads takes integers ≥ 0, lane or auto, got {args.ebird_decode_threads!r}")
+        parser.error(
+            f"--ebird-decode-threads takes integers ≥ 0, lane, batched or auto, got {args.ebird_decode_threads!r}"
+        )
     if not args.fractions or min(args.fractions) <= 0:
         parser.error("--fractions must be positive numbers")
     import torch

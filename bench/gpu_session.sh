@@ -7,13 +7,14 @@
 #
 # Tiers follow what is still unmeasured on a GPU (after the H100 session of
 # 2026-11-27, commit a040fbc; docs/benchmarks/reading/gpu.md):
-# Tier 1 (about 6 minutes): the CUDA tests; JPEG decode ways, alone and
-# beside a launching model (the contended run did not finish in 60 s);
-# Nimble against torch.compile on EfficientNet-B0 (not reached); DVABatch
-# on BERT-base (measured once, 9x below NO Wait's capacity: rerun after
-# its fix).
-# Tier 2 (about 6 minutes): Ebird against the stock baselines with graphs on
-# either side, and its A/A twin; REEF workloads C and A.
+# Tier 1 (about 7 minutes): the CUDA tests (the batched JPEG decoder's
+# among them: never run on a GPU); Ebird with JPEGs decoded in batches by
+# nvJPEG against Ebird as before, NO Wait, a 5 ms wait and NO Wait's twin
+# (its capacity against NO Wait's is the must-show not yet met); JPEG decode
+# ways beside a launching model (the contended run did not finish in 60 s);
+# Nimble against torch.compile on EfficientNet-B0 (not reached).
+# Tier 2 (about 6 minutes): DVABatch on BERT-base (measured once, 9x below
+# NO Wait's capacity: rerun after its fix); REEF workloads C and A.
 # Tier 3: Orca on GPT-2; Nimble on Inception-v3 and ResNet-50 again.
 # The next GPU session starts with whatever tier is still unmeasured.
 #
@@ -32,8 +33,8 @@ work=$(mktemp -d)
 export PYTHONPATH="$PWD/.site:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
 
-tier1="tests jpeg nimble_effnet dvabatch"
-tier2="ebird reef_c reef_a"
+tier1="tests ebird jpeg nimble_effnet"
+tier2="dvabatch reef_c reef_a"
 tier3="orca nimble_inception nimble_resnet50"
 steps=" "
 for arg in "${@:-1}"; do
@@ -79,41 +80,39 @@ echo "steps:$steps"
 step tests 150 "$py" -m pytest -q -p no:cacheprovider -rs \
     tests/gpu tests/unit/test_ebird_handler.py tests/unit/test_plain_handler_direct.py -k "$tests_k"
 
+# Ebird (graphs) with JPEGs decoded in batches (nvJPEG) and as before (4 PIL threads) vs NO Wait and a 5 ms
+# wait, and NO Wait's twin (A/A); the graphs-on-either-side comparison was measured on the H200.
+step ebird 220 "$py" -m bench.ebird_direct --device "$dev" --wait-ms 5 --no-graphs-compare --twin \
+    --ebird-decode-threads batched,auto \
+    --fractions 0.3,0.85 --seconds "$secs" --repeats "$reps" --capacity-seconds "$cap" --warmup-seconds "$warm" \
+    --out-dir "$work"
 # Where Ebird should decode JPEGs on a GPU server: PIL or torchvision on threads, or nvJPEG batched,
 # alone and beside an eager ResNet-50 launching kernels from another thread (the GIL they share).
 step jpeg 120 bash -c "$py -m bench.jpeg_decode --device $dev --images 512 --out-dir $work &&
     $py -m bench.jpeg_decode --device $dev --images 512 --contend --out-dir $work"
 
-# Nimble (with its compiled candidate) vs torch.compile reduce-overhead on the two models not yet measured
-# so, one step each so that a slow compile costs only its own model.
-step nimble_inception 150 "$py" -m bench.nimble --device "$dev" --models inception_v3 \
-    --batches "$batches" --repeats 3 --runs 10 --suffix _inception_v3 --out-dir "$work"
-
-# DVABatch vs NO Wait and a 10 ms wait: three loads, but one repeat and a short capacity step (the H200 run
-# with two repeats reached 6 of 18 runs in 120 s).
-step dvabatch 180 "$py" -m bench.ebird_direct --handler dvabatch --model bert-base --device "$dev" --wait-ms 10 \
-    --fractions 0.25,0.6,0.9 --seconds "$secs" --repeats 1 --capacity-seconds 3 --warmup-seconds "$warm" \
-    --out-dir "$work"
-
-# REEF workload C: six models in four handlers, one repeat.
-step reef_c 150 "$py" -m bench.reef_direct --device "$dev" --workload C --padding \
-    --seconds $((secs + 3)) --repeats 1 --out-dir "$work"
-
-
+# Nimble (with its compiled candidate) vs torch.compile reduce-overhead, one model per step so that a slow
+# compile costs only its own model (EfficientNet-B0 is the one not yet measured so).
 step nimble_effnet 150 "$py" -m bench.nimble --device "$dev" --models efficientnet_b0 \
     --batches "$batches" --repeats 3 --runs 10 --suffix _efficientnet_b0 --out-dir "$work"
 
 # -- tier 2 ---------------------------------------------------------------
-# Ebird (graphs) vs NO Wait and a 5 ms wait, Ebird eager and NO Wait on graphs, and NO Wait's twin (A/A).
-step ebird 220 "$py" -m bench.ebird_direct --device "$dev" --wait-ms 5 --graphs-compare --twin \
-    --fractions 0.3,0.85 --seconds "$secs" --repeats "$reps" --capacity-seconds "$cap" --warmup-seconds "$warm" \
+# DVABatch vs NO Wait and a 10 ms wait: three loads, one repeat, a short capacity step (165 s on the H100).
+step dvabatch 180 "$py" -m bench.ebird_direct --handler dvabatch --model bert-base --device "$dev" --wait-ms 10 \
+    --fractions 0.25,0.6,0.9 --seconds "$secs" --repeats 1 --capacity-seconds 3 --warmup-seconds "$warm" \
     --out-dir "$work"
+
+# REEF workloads C (six models in four handlers; 146 s on the H100) and A.
+step reef_c 150 "$py" -m bench.reef_direct --device "$dev" --workload C --padding \
+    --seconds $((secs + 3)) --repeats 1 --out-dir "$work"
 step reef_a 120 "$py" -m bench.reef_direct --device "$dev" --workload A --padding \
     --seconds $((secs + 3)) --repeats "$reps" --out-dir "$work"
 
 # -- tier 3 ---------------------------------------------------------------
 step orca 120 "$py" -m bench.orca --device "$dev" --fractions 0.3,0.7 --seconds $((secs * 2)) \
     --capacity-seconds "$cap" --max-batches 16 --out-dir "$work"
+step nimble_inception 150 "$py" -m bench.nimble --device "$dev" --models inception_v3 \
+    --batches "$batches" --repeats 3 --runs 10 --suffix _inception_v3 --out-dir "$work"
 step nimble_resnet50 150 "$py" -m bench.nimble --device "$dev" --models resnet50 --batches "$batches" \
     --repeats 3 --runs 10 --suffix _resnet50 --out-dir "$work"
 pack

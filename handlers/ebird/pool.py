@@ -4,8 +4,9 @@ Each request's input is copied into the next slot the moment it arrives, so
 by the time the scheduler forms a batch the data is already where the model
 reads it: a batch is a contiguous run of slots, and batching is a slice of
 the pool's storage, not a copy.  (On CUDA the storage lives on the device and
-each slot's copy runs on a copy stream with an event the engine waits on; on
-CPU the same ring is host memory.)
+each slot's copy runs on a copy stream with an event the engine waits on; an
+input already decoded on the device is copied there directly; on CPU the
+same ring is host memory.)
 
 Slots are handed out in ring order and batches are taken in the same order,
 so the ready inputs always form a run starting at ``tail``.  A run never
@@ -96,11 +97,16 @@ class InputPool:
             for buf, tensor in zip(self.storage, tensors, strict=True):
                 buf[slot].copy_(tensor)
         else:
-            for staging, tensor in zip(self._staging, tensors, strict=True):
-                staging[slot].copy_(tensor)
             with torch.cuda.stream(self._copy_stream):
-                for buf, staging in zip(self.storage, self._staging, strict=True):
-                    buf[slot].copy_(staging[slot], non_blocking=True)
+                for buf, staging, tensor in zip(self.storage, self._staging, tensors, strict=True):
+                    if tensor.device == self.device:
+                        # Decoded on the device already (batched_decode.py, complete when handed over):
+                        # one device copy, and the allocator keeps its memory until the copy stream is done.
+                        buf[slot].copy_(tensor, non_blocking=True)
+                        tensor.record_stream(self._copy_stream)
+                    else:
+                        staging[slot].copy_(tensor)
+                        buf[slot].copy_(staging[slot], non_blocking=True)
                 self._copied[slot].record(self._copy_stream)
         with self._lock:
             self._state[slot] = SlotState.READY

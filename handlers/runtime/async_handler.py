@@ -46,7 +46,8 @@ from handlers.errors import ResponseError, ServiceUnavailable, bad_request
 from handlers.pinning.worker import PackratWorkerMixin
 from handlers.runtime import worker_pump
 from handlers.runtime.arrivals import Arrivals
-from handlers.runtime.decode import LANE, RequestDecoder, default_decode_placement, parse_decode_threads
+from handlers.runtime.batched_decode import BatchedJpegDecoder
+from handlers.runtime.decode import BATCHED, LANE, RequestDecoder, default_decode_placement, parse_decode_threads
 from handlers.runtime.device import ExecutionDevice
 from handlers.runtime.engine import Engine, StageTimes, input_key
 from handlers.runtime.lanes import CpuLanes
@@ -163,7 +164,7 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
         self.response_timeout_s = DEFAULT_RESPONSE_TIMEOUT_S
         self.cpu_threads = torch.get_num_threads()
         self.lanes: CpuLanes | None = None  # CPU only
-        self.decoder: RequestDecoder | None = None
+        self.decoder: RequestDecoder | BatchedJpegDecoder | None = None
         # Encode answers where the engine settles them (``TicketFuture.encode``):
         # the default on CPU lanes.  On the event loop, a batch's JSON answers
         # (~0.5 ms each for ResNet-50's 1000 logits) are encoded beside the
@@ -299,7 +300,13 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
             return False
         return setting == ENGINE
 
-    def _make_decoder(self, placement: int | str | None) -> RequestDecoder:
+    def _make_decoder(self, placement: int | str | None) -> RequestDecoder | BatchedJpegDecoder:
+        if placement == BATCHED:
+            fallback = self._make_decoder(None)  # the device's default, for PNG, JSON and v2 bodies
+            if self.spec.input_kind == "image":
+                return BatchedJpegDecoder(self.codec, self.device.device, fallback)
+            logger.warning("%s takes tokens: decode_threads 'batched' becomes %s", self.spec.name, fallback.where)
+            return fallback
         if placement is None:
             placement = default_decode_placement(self.device.is_cuda)
         if placement == LANE:

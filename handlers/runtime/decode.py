@@ -20,6 +20,9 @@ milliseconds of CPU.  Where it runs matters differently per device:
   its batch window.  The next batch is formed once the decodes queued ahead
   of it are done (late binding, ``arrivals.py``), so a burst shares it.
 - **Inline** (0): on the event loop, one at a time; for tests and comparison.
+- **Batched** (``batched``): JPEG bodies decoded in batches by torchvision's
+  decoder on one thread of their own, nvJPEG on CUDA
+  (``batched_decode.py``); other payloads on the device's default threads.
 
 ``decode_threads`` in the archive's ``handler:`` section overrides the
 default (``packrat archive --decode-threads N|lane``).  The time a request
@@ -40,18 +43,20 @@ from handlers.codecs import ModelInput
 
 CUDA_DECODE_THREADS = 4
 LANE = "lane"
+BATCHED = "batched"  # JPEGs in batches by torchvision's decoder (batched_decode.py), the rest on threads
 
-DecodePlacement = int | str  # threads (0 = inline), or LANE
+DecodePlacement = int | str  # threads (0 = inline), LANE or BATCHED
 
 
 def parse_decode_threads(value: Any) -> DecodePlacement | None:
-    """An explicit placement (threads, 0 = inline, or "lane"), or None for the device's default ("auto" or absent)."""
+    """An explicit placement (threads, 0 = inline, "lane" or "batched"), or None for the device's default
+    ("auto" or absent)."""
     if value is None or value == "auto":
         return None
-    if value == LANE:
-        return LANE
+    if value in (LANE, BATCHED):
+        return value
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"decode_threads must be an integer ≥ 0, 'lane' or 'auto', got {value!r}")
+        raise ValueError(f"decode_threads must be an integer ≥ 0, 'lane', 'batched' or 'auto', got {value!r}")
     return value
 
 

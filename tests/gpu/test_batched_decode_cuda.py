@@ -1,0 +1,46 @@
+"""The batched JPEG decoder on CUDA (nvJPEG), alone and behind Ebird; skipped without CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from handlers.runtime.batched_decode import BatchedJpegDecoder
+from handlers.runtime.decode import RequestDecoder
+from model_store.factory import outputs_close
+from model_store.samples import jpeg_bytes
+from tests.unit.test_batched_decode import CODEC, decode_all, pixels_reference, png_bytes
+from tests.unit.test_ebird_handler import make_handler, model_dir, serve_all  # noqa: F401 (fixtures are used by name)
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@needs_cuda
+def test_on_cuda_jpegs_are_decoded_in_batches_on_the_device_near_the_cpu_decoders_pixels():
+    decoder = BatchedJpegDecoder(CODEC, torch.device("cuda", 0), RequestDecoder(CODEC.decode, threads=2))
+    try:
+        raws = [jpeg_bytes(seed=i) for i in range(24)]
+        got = decode_all(decoder, [{"body": raw} for raw in raws] + [{"body": b"\xff\xd8\xff broken"}])
+        assert type(got[-1]).__name__ == "RequestError" and got[-1].status == 415
+        assert max(decoder.batch_sizes) > 1, decoder.batch_sizes
+        for raw, item in zip(raws, got, strict=False):
+            (image,) = item.tensors
+            assert image.device.type == "cuda" and image.shape == (3, 224, 224)
+            # nvJPEG's chroma upsampling differs from libjpeg's pixel by pixel; the image on average does not.
+            assert (image.cpu() - pixels_reference(raw)).abs().mean() < 0.05
+    finally:
+        decoder.close()
+
+
+@needs_cuda
+def test_on_cuda_ebird_copies_device_decoded_inputs_into_its_pool_and_answers_them(make_handler):
+    handler, ctx = make_handler("cuda", decode_threads="batched", worker_batches=[1, 1, 2, 4], pool_slots=8)
+    assert isinstance(handler.decoder, BatchedJpegDecoder)
+    rows = [{"body": jpeg_bytes(seed=i)} for i in range(12)] + [{"body": png_bytes(3)}]
+    answers = serve_all(handler, ctx, rows)
+    assert [status for status, _ in answers] == [200] * len(rows)
+    decoded = [item.tensors[0] for item in decode_all(handler.decoder, rows[:12])]
+    with torch.inference_mode():
+        expected = handler.model(torch.stack(decoded)).cpu()
+    for (_, body), row in zip(answers[:12], expected, strict=True):
+        assert outputs_close(torch.tensor(body["logits"]), row, 1e-2)  # TF32 kernels
