@@ -329,10 +329,12 @@ def test_a_slow_rise_is_acted_on_once_and_mostly_before_the_fat_worker_saturates
 
 def test_a_slow_rise_the_detector_calls_a_step_moves_early_and_at_worst_back_once():
     # The same ramp with the detector's steps acted on (the default).  The detector is tuned for 2×, so the
-    # ramp trips it; where the alarm's (biased) estimate makes it look like a step of 3× or more, Packrat
-    # moves on it, below the 8 req/s crossover.  Measured on these 12 seeds: 4 move at 19.5-27.25 s
-    # (4.4-6.1 req/s) instead of 40-51 s, and one of them moves back 4.5 s later and up again at 50.75 s:
-    # three swaps where the windows alone made one.  The cost of acting on steps within seconds.
+    # ramp trips it; where the change's size, read in the first second after its alarm, looks like a step of
+    # 3× or more, Packrat moves on it, below the 8 req/s crossover.  Measured on these 12 seeds: 6 move at
+    # 19.25-27 s (4.3-6.1 req/s) instead of 40-58 s, one of them moves back 4.75 s later and up again at
+    # 50 s, and one moves on to a larger cap at 59.5 s.  (Read at the alarm alone, 5 moved early; the second
+    # reading is what turns a diluted alarm on a real step into a step: load_monitor.last_change_ratio.)
+    # The cost of acting on steps within seconds.
     ramp = [(1.0, 2.0 + 15.0 * (t + 0.5) / 60) for t in range(60)]
     early, more_than_once = 0, 0
     for seed in range(12):
@@ -342,7 +344,7 @@ def test_a_slow_rise_the_detector_calls_a_step_moves_early_and_at_worst_back_onc
         assert moves[0][0] < 10 + 50, moves  # before the ramp's top, as with the windows alone
         early += moves[0][0] < 10 + 24
         more_than_once += len(moves) > 1
-    assert early <= 5 and more_than_once <= 2, (early, more_than_once)
+    assert early <= 6 and more_than_once <= 2, (early, more_than_once)
 
 
 def test_the_expected_rule_moves_sooner_on_a_slow_rise_and_before_the_fat_worker_saturates():
