@@ -13,7 +13,8 @@ centre crop 224, scale, normalise), on the sample JPEGs the benchmarks send:
 - ``pil``: the codec's own decode (``handlers.codecs.InputCodec``: PIL, then
   torchvision's PIL transforms), what every handler runs today, on k threads;
 - ``tv-cpu``: ``torchvision.io.decode_jpeg`` to a uint8 tensor, then the same
-  steps as tensor ops (antialiased bilinear resize), on k threads;
+  steps as tensor ops (``InputCodec.image_from_pixels``, what the batched
+  decoder runs: antialiased bilinear resize), on k threads;
 - ``tv-cuda``: ``decode_jpeg(list, device="cuda")``, nvJPEG decoding a batch
   of b images in one call, resized, cropped and normalised on the GPU, one
   host thread (the answer lands on the device, where the model wants it).
@@ -45,20 +46,6 @@ if __package__ in (None, ""):  # `python bench/NAME.py` from the repository root
 
 from bench.report import add_output_arguments, markdown_table, provenance, provenance_block, write_outputs
 
-MEAN = (0.485, 0.456, 0.406)
-STD = (0.229, 0.224, 0.225)
-
-
-def _tensor_pipeline(image, crop: int = 224):
-    """uint8 [3, H, W] (any device) to the normalised float crop, as tensor ops."""
-    import torch
-    from torchvision.transforms.v2 import functional as F
-
-    image = F.resize(image, [round(crop * 256 / 224)], antialias=True)
-    image = F.center_crop(image, [crop, crop])
-    image = image.to(torch.float32).div_(255)
-    return F.normalize(image, MEAN, STD)
-
 
 def _ways(device: str, threads: list[int], batches: list[int]) -> dict[str, Any]:
     """name -> function(list of JPEG bytes) -> list of decoded tensors (the name says how)."""
@@ -74,7 +61,7 @@ def _ways(device: str, threads: list[int], batches: list[int]) -> dict[str, Any]
         return codec.decode({"body": raw}).tensors[0]
 
     def tv_one(raw: bytes):
-        return _tensor_pipeline(decode_jpeg(torch.frombuffer(bytearray(raw), dtype=torch.uint8)))
+        return codec.image_from_pixels(decode_jpeg(torch.frombuffer(bytearray(raw), dtype=torch.uint8)))
 
     ways: dict[str, Any] = {}
     for k in threads:
@@ -87,7 +74,7 @@ def _ways(device: str, threads: list[int], batches: list[int]) -> dict[str, Any]
             out = []
             for start in range(0, len(raws), b):
                 chunk = [torch.frombuffer(bytearray(r), dtype=torch.uint8) for r in raws[start : start + b]]
-                out.extend(_tensor_pipeline(img) for img in decode_jpeg(chunk, device="cuda"))
+                out.extend(codec.image_from_pixels(img) for img in decode_jpeg(chunk, device="cuda"))
             torch.cuda.synchronize()
             return out
 
