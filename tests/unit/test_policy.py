@@ -329,12 +329,11 @@ def test_a_slow_rise_is_acted_on_once_and_mostly_before_the_fat_worker_saturates
 
 def test_a_slow_rise_the_detector_calls_a_step_moves_early_and_at_worst_back_once():
     # The same ramp with the detector's steps acted on (the default).  The detector is tuned for 2×, so the
-    # ramp trips it; where the change's size, read in the first second after its alarm, looks like a step of
-    # 3× or more, Packrat moves on it, below the 8 req/s crossover.  Measured on these 12 seeds: 6 move at
-    # 19.25-27 s (4.3-6.1 req/s) instead of 40-58 s, one of them moves back 4.75 s later and up again at
-    # 50 s, and one moves on to a larger cap at 59.5 s.  (Read at the alarm alone, 5 moved early; the second
-    # reading is what turns a diluted alarm on a real step into a step: load_monitor.last_change_ratio.)
-    # The cost of acting on steps within seconds.
+    # ramp trips it; where the change's size, read at the alarm and again in the second after it, looks like a
+    # step of 3× or more at the lower confidence bound of its arrivals, Packrat moves on it, below the 8 req/s
+    # crossover.  Measured on these 12 seeds: 3 move at 19.25-25 s instead of 39.75-57.75 s, one of them moves
+    # again.  (Sized as measured, not at the bound: 6 moved early, and a constant load's start was taken for a
+    # step: load_monitor.last_change_ratio.)  The cost of acting on steps within seconds.
     ramp = [(1.0, 2.0 + 15.0 * (t + 0.5) / 60) for t in range(60)]
     early, more_than_once = 0, 0
     for seed in range(12):
@@ -344,7 +343,7 @@ def test_a_slow_rise_the_detector_calls_a_step_moves_early_and_at_worst_back_onc
         assert moves[0][0] < 10 + 50, moves  # before the ramp's top, as with the windows alone
         early += moves[0][0] < 10 + 24
         more_than_once += len(moves) > 1
-    assert early <= 6 and more_than_once <= 2, (early, more_than_once)
+    assert early <= 3 and more_than_once <= 1, (early, more_than_once)
 
 
 def test_the_expected_rule_moves_sooner_on_a_slow_rise_and_before_the_fat_worker_saturates():
