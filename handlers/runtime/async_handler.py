@@ -256,11 +256,11 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
         model_dir = context.system_properties["model_dir"]
         artefact = os.path.join(model_dir, context.manifest["model"]["serializedFile"])
         self.model = load_model(self.spec, artefact, self.device.device)
+        self.metrics = HandlerMetrics.for_worker(context, handler_config)
         self.decoder = self._make_decoder(decode_placement)
         self.encode_on_engine = self._encode_on_engine(encode_answers)
         if self.decoder.on_lanes:
             self.arrivals = Arrivals()
-        self.metrics = HandlerMetrics.for_worker(context, handler_config)
         for example in declared_inputs(self.codec):
             engine = self.create_engine(example)
             engine.warm_up()
@@ -304,7 +304,7 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
         if placement == BATCHED:
             fallback = self._make_decoder(None)  # the device's default, for PNG, JSON and v2 bodies
             if self.spec.input_kind == "image":
-                return BatchedJpegDecoder(self.codec, self.device.device, fallback)
+                return BatchedJpegDecoder(self.codec, self.device.device, fallback, on_batch=self.metrics.decode_batch)
             logger.warning("%s takes tokens: decode_threads 'batched' becomes %s", self.spec.name, fallback.where)
             return fallback
         if placement is None:

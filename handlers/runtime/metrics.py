@@ -11,6 +11,8 @@ Names (Prometheus, per ModelName):
 - ``HandlerQueueSeconds`` (histogram): arrival → start of the request's batch.
 - ``HandlerBatches`` (counter, ``BatchSize`` label): batches run, by size;
   the batch-size histogram with exact buckets.
+- ``HandlerDecodeBatches`` (counter, ``BatchSize`` label): JPEG decoder calls by images decoded,
+  where the archive decodes in batches (``decode_threads: batched``).
 - ``HandlerBatchSeconds`` (histogram): one batch's execution, start to output on the host.
 - ``HandlerInflight`` (gauge): requests admitted and not yet answered.
 - ``HandlerPeakConcurrentBatches`` (gauge): most batches in flight at once.
@@ -136,6 +138,7 @@ class HandlerMetrics:
             self._flusher = threading.Thread(target=self._flush_periodically, name="metrics-flush", daemon=True)
             self._flusher.start()
         self.batches: collections.Counter[int] = collections.Counter()
+        self.decode_batches: collections.Counter[int] = collections.Counter()
         # The most recent samples only: a worker serves for weeks.
         self.queue_seconds: collections.deque[float] = collections.deque(maxlen=RECENT_SAMPLES)
         self.batch_seconds: collections.deque[float] = collections.deque(maxlen=RECENT_SAMPLES)
@@ -189,6 +192,13 @@ class HandlerMetrics:
                 self._pending.observe(series("HandlerQueueSeconds", "s"), seconds)
         self._emit_now_if_unbatched()
 
+    def decode_batch(self, size: int) -> None:
+        """One call of the batched JPEG decoder decoded ``size`` images (``HandlerDecodeBatches``)."""
+        with self._lock:
+            self.decode_batches[size] += 1
+            self._pending.count(series("HandlerDecodeBatches", "count", BatchSize=str(size)), 1)
+        self._emit_now_if_unbatched()
+
     def batch_finished(self, seconds: float) -> None:
         with self._lock:
             self._concurrent_batches -= 1
@@ -226,6 +236,7 @@ class HandlerMetrics:
         with self._lock:
             return {
                 "batches": dict(self.batches),
+                "decode_batches": dict(self.decode_batches),
                 "requests_batched": sum(size * n for size, n in self.batches.items()),
                 "inflight": self.inflight,
                 "peak_concurrent_batches": self.peak_concurrent_batches,

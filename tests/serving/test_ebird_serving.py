@@ -17,16 +17,19 @@ import zipfile
 
 import aiohttp
 import pytest
+import torch
 import yaml
 
 from archiver.build import build_archive
 from archiver.options import ServingOptions
 from model_store.catalog import get_spec
-from model_store.samples import image_tensor_json, jpeg_bytes
+from model_store.factory import outputs_close
+from model_store.samples import image_tensor_json, jpeg_bytes, png_bytes
 from serving_harness.loadgen import open_loop, run
 from tests.conftest import EBIRD_TEST_SETTINGS
 from tests.metrics_endpoint import handler_metric, requests_batched
-from tests.serving.test_serving import assert_matches_reference
+from tests.payloads import reference_logits
+from tests.serving.test_serving import TOLERANCE, assert_matches_reference
 
 pytestmark = pytest.mark.torchserve
 
@@ -239,3 +242,42 @@ def test_answers_on_the_event_loop_and_loud_batches_inside_torchserve(torchserve
         assert (config["encode_answers"], config["ebird"]["cpu_quiet_batches"]) == ("loop", False)
         serve_good_and_bad(torchserve, "ebird-loop-loud", good=9)
         assert "encoding answers on the event loop" in startup_line(torchserve, "ebird-loop-loud")
+
+
+def test_batched_jpeg_decoding_inside_torchserve_answers_every_payload_and_refuses_a_corrupt_jpeg(
+    torchserve, model_store_dir, tmp_path
+):
+    """``decode_threads: batched`` (nvJPEG batches on CUDA; torchvision's decoder on CPU) under TorchServe's real
+    async worker: JPEGs that arrive together are decoded in one call (``HandlerDecodeBatches``) and answer the
+    model; a PNG and tensor JSON go to the codec; a truncated JPEG (which fails its batch's call), one that is
+    not a JPEG past its magic, malformed JSON and a wrong shape get their own 4xx while the rest of their burst
+    is answered; the worker keeps serving."""
+    spec = get_spec("resnet50", "eager")
+    options = ServingOptions(
+        handler="ebird", handler_settings=tuple(sorted(EBIRD_TEST_SETTINGS.items())), decode_threads="batched"
+    )
+    with registered_apart(torchserve, model_store_dir, tmp_path, options, "ebird-batched") as archive:
+        assert archive_config(archive)["handler"]["decode_threads"] == "batched"
+        rows = [{"body": jpeg_bytes(seed=i)} for i in range(10)]
+        rows += [{"body": png_bytes(seed=10)}, {"body": image_tensor_json(spec, seed=11)}]
+        bad = [
+            (jpeg_bytes(seed=12)[:3000], 415),
+            (b"\xff\xd8\xff\xe0 not a jpeg after its magic", 415),
+            (b"{not json", 400),
+            ({"data": [[[0.0] * 8] * 8] * 3}, 400),
+        ]
+        answers = post_all(f"{torchserve.inference_url}/predictions/ebird-batched",
+                           [r["body"] for r in rows] + [p for p, _ in bad])  # fmt: skip
+        assert [s for s, _ in answers] == [200] * len(rows) + [code for _, code in bad], answers
+        expected = reference_logits(spec, rows, batched_jpeg=True)
+        for (_, body), row in zip(answers[: len(rows)], expected, strict=True):
+            served = torch.tensor(json.loads(body)["logits"])
+            assert outputs_close(served, row, TOLERANCE[spec.mode]), (served - row).abs().max()
+        assert "wrong tensor shape [3, 8, 8]" in json.loads(answers[-1][1])["message"]
+        again = torchserve.inference().predict("ebird-batched", rows[0]["body"])
+        assert again.status == 200 and outputs_close(torch.tensor(again.body["logits"]), expected[0], 1e-4)
+        assert "in batches" in startup_line(torchserve, "ebird-batched")
+        decoded = handler_metric(torchserve, "HandlerDecodeBatches", "ebird-batched",
+                                 until=lambda s: requests_batched(s) >= 11)  # fmt: skip
+        sizes = {int(labels["BatchSize"]): n for labels, n in decoded}
+        assert requests_batched(decoded) == 11 and max(sizes) > 1, sizes  # 10 JPEGs, then one more alone

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+from concurrent.futures import Future
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ from handlers.runtime.decode import BATCHED, RequestDecoder, parse_decode_thread
 from model_store.catalog import get_spec
 from model_store.factory import outputs_close
 from model_store.samples import image_tensor_json, jpeg_bytes
-from tests.payloads import reference_logits
+from tests.payloads import batched_jpeg_input, reference_logits
 from tests.unit.test_ebird_handler import SPEC, make_handler, model_dir, serve_all  # noqa: F401 (fixtures)
 
 CODEC = InputCodec(get_spec("resnet50", "eager"))
@@ -40,9 +41,7 @@ def decode_all(decoder, rows):
 
 
 def pixels_reference(raw: bytes) -> torch.Tensor:
-    from torchvision.io import ImageReadMode, decode_jpeg
-
-    return CODEC.image_from_pixels(decode_jpeg(torch.frombuffer(bytearray(raw), dtype=torch.uint8), ImageReadMode.RGB))
+    return batched_jpeg_input(CODEC.spec, raw)
 
 
 @pytest.fixture
@@ -91,6 +90,29 @@ def test_other_payloads_and_bad_images_are_answered_alone_by_the_codec(decoder):
     assert torch.equal(got[5].tensors[0], pixels_reference(rows[5]["body"]))
     for i in (2, 3):  # not JPEG: the codec's own decode, exactly
         assert torch.equal(got[i].tensors[0], CODEC.decode(rows[i]).tensors[0])
+
+
+def test_a_truncated_jpeg_in_a_batch_gets_its_4xx_and_the_rest_stay_in_batches():
+    """A JPEG whose header reads but whose data stops half-way fails the decoder's batch call; the batch is
+    decoded again in halves down to the bad image alone, which the codec answers (415, saying why), so the good
+    ones keep the batch decoder's pixels and are still decoded several at a time."""
+    made = BatchedJpegDecoder(CODEC, torch.device("cpu"), RequestDecoder(CODEC.decode, threads=2))
+    sizes = []
+    made.on_batch = sizes.append
+    raws = [jpeg_bytes(seed=i) for i in range(8)]
+    raws[5] = raws[5][: len(raws[5]) // 2]
+    try:
+        with made._wake:  # queued before the thread can take any: one batch of 8
+            futures = [Future() for _ in raws]
+            made._pending.extend(zip(raws, futures, strict=True))
+            made._wake.notify()
+        got = [f.exception(timeout=60) or f.result() for f in futures]
+    finally:
+        made.close()
+    assert isinstance(got[5], RequestError) and got[5].status == 415 and "truncated" in str(got[5])
+    for i in (0, 1, 2, 3, 4, 6, 7):
+        assert torch.equal(got[i].tensors[0], pixels_reference(raws[i])), i
+    assert sorted(sizes) == [1, 2, 4], sizes  # 8 fails, 4 + 4: the first half whole, 2 + 2, then 1 + 1
 
 
 def test_a_closed_decoder_refuses_new_work_and_its_thread_ends(decoder):
