@@ -362,7 +362,9 @@ class TreeEnsemble(nn.Module):
         # The node-order walk's tables (``node_walk_layout``): built on its first use (a perfect forest
         # never walks in node order when serving), derived, not saved.
         self._walk_tables: dict[str, torch.Tensor] | None = None
-        self._threshold_tables: dict[str, tuple[tuple[int, int, torch.device], torch.Tensor]] = {}
+        # Thresholds as the walks read them, and the perfect layout's leaf values per bottom position: keyed by
+        # the parameter's version, so rebuilt after training.
+        self._derived_tables: dict[str, tuple[tuple[int, int, torch.device], torch.Tensor]] = {}
         self._trees = trees  # for the soft form's path matrices, built on first use (``dense``)
         self._dense: tuple[torch.Tensor, torch.Tensor] | None = None
         self.values = nn.Parameter(torch.as_tensor(values))
@@ -435,9 +437,9 @@ class TreeEnsemble(nn.Module):
         return self._walk_tables
 
     def derived_bytes(self) -> int:
-        """Bytes of the tables built on first use (walk tables, float32 thresholds) beside the module's own
-        parameters and buffers: what serving holds in memory on top of ``state_dict``."""
-        tables = [*(self._walk_tables or {}).values(), *(t for _, t in self._threshold_tables.values())]
+        """Bytes of the tables built on first use (walk tables, thresholds, leaf values per position) beside the
+        module's own parameters and buffers: what serving holds in memory on top of ``state_dict``."""
+        tables = [*(self._walk_tables or {}).values(), *(t for _, t in self._derived_tables.values())]
         return sum(t.numel() * t.element_size() for t in tables)
 
     def _threshold_table(self, layout: str) -> torch.Tensor:
@@ -445,7 +447,7 @@ class TreeEnsemble(nn.Module):
         node-walk slot, +inf on leaf slots so every input turns left into the leaf itself), as float32;
         rebuilt when training has changed them."""
         key = (self.thresholds._version, self.thresholds.data_ptr(), self.thresholds.device)
-        cached = self._threshold_tables.get(layout)
+        cached = self._derived_tables.get(layout)
         if cached is None or cached[0] != key:
             with torch.no_grad():
                 flat = self.thresholds.detach().reshape(-1).to(self.compare_dtype)
@@ -454,10 +456,32 @@ class TreeEnsemble(nn.Module):
                 else:
                     walk = self._node_walk()
                     table = flat.index_select(0, walk["node"]).masked_fill(walk["is_leaf"], float("inf"))
-            cached = self._threshold_tables[layout] = (key, table)
+            cached = self._derived_tables[layout] = (key, table)
         return cached[1]
 
     def _walk_perfect(self, x: torch.Tensor) -> torch.Tensor:
+        at, tree_major = self._perfect_positions(x)
+        trees, n = self.shape[0], x.shape[0]
+        leaf = self.perfect_leaf.index_select(0, at).view((trees, n) if tree_major else (n, trees))
+        return leaf.t() if tree_major else leaf
+
+    def _perfect_values(self) -> torch.Tensor:
+        """``[T·2^D, K]``: the values of the leaf each bottom position of the perfect layout reaches, so a walk's
+        last position reads its answer in one lookup (no leaf index, no per-tree offset, no transpose);
+        derived, rebuilt when training has changed the values."""
+        key = (self.values._version, self.values.data_ptr(), self.values.device)
+        cached = self._derived_tables.get("perfect_values")
+        if cached is None or cached[0] != key:
+            trees, _, leaves, k = self.shape
+            offset = torch.arange(trees, device=self.values.device).repeat_interleave(1 << self.depth) * leaves
+            with torch.no_grad():
+                table = self.values.detach().reshape(trees * leaves, k).index_select(0, self.perfect_leaf + offset)
+            cached = self._derived_tables["perfect_values"] = (key, table)
+        return cached[1]
+
+    def _perfect_positions(self, x: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """Each (tree, row)'s bottom position in the perfect layout, flat (tree-major ``[T·N]`` or row-major
+        ``[N·T]``), and which of the two."""
         # Tables level-major (``level_major``): each level reads its own slice with 1-D index_select,
         # which costs a fraction of advanced indexing (``table[index]``) on CPU.  From
         # ``TREE_MAJOR_ROWS`` rows the walk runs tree by tree ([T, N]: neighbours share a tree's slice of
@@ -488,8 +512,7 @@ class TreeEnsemble(nn.Module):
             value = xf.gather(0 if tree_major else 1, feature).reshape(-1)
             right = value > thresholds.narrow(0, start, size).index_select(0, at)
             at = torch.add(right, at, alpha=2)
-        leaf = self.perfect_leaf.index_select(0, at).view(shape)
-        return leaf.t() if tree_major else leaf
+        return at, tree_major
 
     def _walk_nodes(self, x: torch.Tensor) -> torch.Tensor:
         # One step per level over the slots of ``node_walk_layout``: a leaf's children are itself and its
@@ -551,19 +574,26 @@ class TreeEnsemble(nn.Module):
         return torch.exp(log_p) * (lefts >= 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        trees, _, leaves, k = self.shape
+        tree_dim = 1
         if self.soft:
             per_tree = torch.einsum("ntl,tlk->ntk", self.leaf_weights(x), self.values)
-        else:  # hard: walk the trees, then read each reached leaf's values
-            trees, _, leaves, _ = self.shape
+        elif self.perfect and not (torch.is_grad_enabled() and self.values.requires_grad):
+            # Serving: each walk's bottom position reads its leaf's values from the derived table.
+            at, tree_major = self._perfect_positions(x)
+            per_tree = self._perfect_values().index_select(0, at)
+            per_tree = per_tree.view(trees, x.shape[0], k) if tree_major else per_tree.view(x.shape[0], trees, k)
+            tree_dim = 0 if tree_major else 1
+        else:  # hard, values trained or a deep forest: walk the trees, then read each reached leaf's values
             reached = self.leaves(x) + torch.arange(trees, device=x.device) * leaves
             per_tree = self.values.reshape(trees * leaves, -1).index_select(0, reached.reshape(-1))
             per_tree = per_tree.view(x.shape[0], trees, -1)
         if self.combine == "average":  # a regression forest: the trees' mean prediction
-            return apply_link(per_tree.mean(dim=1), self.link)
+            return apply_link(per_tree.mean(dim=tree_dim), self.link)
         if self.combine == "mean":
             # A forest's mean of class distributions; after fine-tuning the leaf
             # values may leave the simplex, so the answer is put back on it.
-            out = per_tree.mean(dim=1).clamp_min(0.0)
+            out = per_tree.mean(dim=tree_dim).clamp_min(0.0)
             return out / out.sum(dim=1, keepdim=True).clamp_min(1e-300)
-        scores = self.init + self.scale * per_tree.sum(dim=1)
+        scores = self.init + self.scale * per_tree.sum(dim=tree_dim)
         return apply_link(scores, self.link)

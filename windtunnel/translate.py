@@ -281,9 +281,28 @@ class TranslatedPipeline(nn.Module):
         X = np.asarray(X)
         if X.ndim != 2 or X.shape[1] != len(self.columns):
             raise RowError(f"expected a 2-D array of {len(self.columns)} columns, got shape {list(X.shape)}")
+        if X.dtype.kind in "iuf" and not self.categorical:
+            return self._encode_number_matrix(X)
         by_name = {c.name: X[:, i] for i, c in enumerate(self.columns)}
         read = {c.name: by_name[c.name] for c in (*self.numeric, *self.categorical)}
         return self.encode_columns(read, count=len(X))
+
+    def _encode_number_matrix(self, X: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """A numeric array for a pipeline of numbers alone: its columns taken and checked in a few whole-matrix
+        operations.  Column by column (``Column.numbers``) cost ~5 NumPy calls per column, 56 µs for 16
+        columns, a sixth of the forest's own time at 64 rows."""
+        position = {c.name: i for i, c in enumerate(self.columns)}
+        take = [position[c.name] for c in self.numeric]
+        numeric = np.ascontiguousarray(X if take == list(range(X.shape[1])) else X[:, take], dtype=np.float64)
+        bad = ~np.isfinite(numeric)
+        filled = [j for j, c in enumerate(self.numeric) if c.fill is not None]
+        if filled:
+            bad[:, filled] &= ~np.isnan(numeric[:, filled])  # NaN is missing there: the Impute step fills it
+        if bad.any():
+            r, j = (int(i) for i in np.argwhere(bad)[0])
+            raise RowError(f"row {r}: column {self.numeric[j].name!r} must be a finite number, "
+                           f"got {_plain(X[r, take[j]])!r}")  # fmt: skip
+        return torch.from_numpy(numeric), torch.empty((len(X), 0), dtype=torch.int64)
 
 
 # -- operators -----------------------------------------------------------------

@@ -357,6 +357,36 @@ def test_a_depth_unlimited_forest_translates_exactly_in_memory_of_its_own_size()
         model.set_soft(True)
 
 
+def test_a_number_matrix_encodes_as_its_columns_do_and_a_bad_value_is_named_by_row_and_column():
+    """``encode_array`` on a float matrix for a pipeline of numbers alone (whole-matrix operations): the same
+    tensors as column by column, a column the pipeline does not read left out, NaN kept only where an imputer
+    fills it, and anything else not finite refused naming its row and column."""
+    from sklearn.impute import SimpleImputer
+
+    data = synthetic_tabular(300, seed=5)
+    X = np.asarray(data.X[:, data.numeric], dtype=np.float64)
+    names = [data.columns[j] for j in data.numeric]
+    columns = ColumnTransformer([("filled", SimpleImputer(), [1]), ("plain", StandardScaler(), [0, 2])])
+    pipeline = Pipeline([("columns", columns), ("model", RandomForestClassifier(10, max_depth=5, random_state=0))])
+    pipeline.fit(X[:200], data.y[:200])
+    model = translate(pipeline, names)
+    held = X[200:].copy()
+    held[::5, 1] = np.nan
+    numeric, codes = model.encode_array(held)
+    by_column = model.encode_columns({c: held[:, i] for i, c in enumerate(names)})
+    np.testing.assert_array_equal(numeric.numpy(), by_column[0].numpy())
+    assert codes.shape == (len(held), 0) and torch.equal(codes, by_column[1])
+    with torch.no_grad():
+        np.testing.assert_allclose(model(numeric, codes).numpy(), pipeline.predict_proba(held), atol=TOL)
+    for column, value, shown in [(1, np.inf, "inf"), (2, np.nan, "nan"), (0, -np.inf, "-inf")]:
+        bad = held.copy()
+        bad[7, column] = value
+        with pytest.raises(RowError, match=rf"^row 7: column '{names[column]}' must be a finite number, got {shown}$"):
+            model.encode_array(bad)
+    held[7, 3] = np.inf  # a column no step reads: never looked at
+    assert torch.equal(model.encode_array(held)[0].nan_to_num(), numeric.nan_to_num())
+
+
 def test_columns_rows_and_arrays_encode_alike_and_a_bad_value_is_named_by_row_and_column():
     """``encode_columns`` (array operations) against ``encode_rows`` and ``encode_array``: the same tensors on a
     table with string and numeric categories, missing values an imputer fills, and an unseen category the
