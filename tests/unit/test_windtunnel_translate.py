@@ -240,6 +240,30 @@ def test_the_perfect_layout_walks_to_the_same_leaves_as_the_node_order_even_on_t
     assert forest.depth > 0 and forest.perfect == (forest.depth <= 12)
 
 
+def test_a_perfect_forest_served_reads_its_leaf_values_table_and_follows_trained_values():
+    """Serving (no gradient) reads the leaf values by bottom position; the same answer as the walk to each
+    leaf and its values (what runs while values are being trained), row- and tree-major, for each way of
+    combining trees, and again after the values change in place (an optimizer step)."""
+    X, y = load_breast_cancer(return_X_y=True)
+    from sklearn.ensemble import GradientBoostingRegressor, RandomForestRegressor
+
+    cases = [(RandomForestClassifier(n_estimators=9, max_depth=6, random_state=0), y),
+             (GradientBoostingClassifier(n_estimators=9, max_depth=3, random_state=0), y),
+             (RandomForestRegressor(n_estimators=9, max_depth=6, random_state=0), X[:, 0]),
+             (GradientBoostingRegressor(n_estimators=9, max_depth=3, random_state=0), X[:, 0])]  # fmt: skip
+    for estimator, target in cases:
+        (forest,) = translate(estimator.fit(X[:400], target[:400])).trees()
+        assert forest.perfect and forest.combine in ("mean", "sum", "average")
+        x = torch.as_tensor(np.concatenate([X, X]))  # 1138 rows: tree-major; the first 100: row-major
+        for step in range(2):
+            for rows in (x, x[:100]):
+                served = forest(rows)  # with a gradient: the walk to each leaf, then its values
+                with torch.no_grad():
+                    assert torch.allclose(forest(rows), served, rtol=1e-12, atol=1e-12), (estimator, step)
+            with torch.no_grad():
+                forest.values.mul_(1.5).add_(0.01)  # in place: the table must follow
+
+
 def test_the_node_order_walk_drops_finished_walks_and_still_reaches_every_leaf_as_scikit_learn():
     """Deep trees are walked in their own node order, dropping walks that reached their leaves on the way:
     every row's leaf in every tree is the one scikit-learn's ``apply`` names, also on rows at a threshold and
