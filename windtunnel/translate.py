@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from windtunnel.boosters import BoosterError, is_lightgbm, lightgbm_ensemble
+from windtunnel.boosters import BoosterError, is_lightgbm, is_xgboost, lightgbm_ensemble, xgboost_ensemble
 from windtunnel.operators import Affine, Impute, LinearHead, OneHot, Projection, TreeArrays, TreeEnsemble
 from windtunnel.transforms import Binarize, Discretize, Normalize, Polynomial, Select, Union
 
@@ -451,9 +451,9 @@ def _estimator(op: Any, n_features: int) -> tuple[nn.Module, list[Any], str]:
     if isinstance(op, (LinearRegression, Ridge, Lasso, ElasticNet, DecisionTreeRegressor, RandomForestRegressor,
                        ExtraTreesRegressor, GradientBoostingRegressor)):  # fmt: skip
         return _regressor(op, n_features), [], "prediction"
-    if is_lightgbm(op):
+    if is_lightgbm(op) or is_xgboost(op):
         try:
-            ensemble, link = lightgbm_ensemble(op)
+            ensemble, link = (lightgbm_ensemble if is_lightgbm(op) else xgboost_ensemble)(op)
         except BoosterError as exc:
             raise UntranslatableError(str(exc)) from None
         if link in ("logistic", "softmax"):
@@ -484,7 +484,8 @@ def _estimator(op: Any, n_features: int) -> tuple[nn.Module, list[Any], str]:
         f"DecisionTreeClassifier, RandomForestClassifier, ExtraTreesClassifier, GradientBoostingClassifier, "
         f"HistGradientBoostingClassifier; regressors: LinearRegression, Ridge, Lasso, ElasticNet, "
         f"DecisionTreeRegressor, RandomForestRegressor, ExtraTreesRegressor, GradientBoostingRegressor, "
-        f"HistGradientBoostingRegressor; LightGBM's LGBMClassifier and LGBMRegressor)"
+        f"HistGradientBoostingRegressor; LightGBM's LGBMClassifier and LGBMRegressor; XGBoost's XGBClassifier "
+        f"and XGBRegressor)"
     )
 
 
