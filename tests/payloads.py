@@ -39,10 +39,7 @@ def reference_logits(spec: ModelSpec, rows: list[dict], batched_jpeg: bool = Fal
     codec = InputCodec(spec)
     inputs = []
     for row in rows:
-        body = row.get("body")
-        if batched_jpeg and isinstance(body, bytes) and body[:3] == b"\xff\xd8\xff":
-            inputs.append(ModelInput((batched_jpeg_input(spec, body),)))
-        else:
-            inputs.append(codec.decode(row))
+        raw = codec.jpeg_payload(row) if batched_jpeg else None  # what the batched decoder takes
+        inputs.append(codec.decode(row) if raw is None else ModelInput((batched_jpeg_input(spec, raw),)))
     with torch.inference_mode():
         return _MODELS[key](*collate(inputs))

@@ -151,9 +151,9 @@ def xgboost_ensemble(estimator: Any) -> tuple[TreeEnsemble, str]:
         base = np.log(base / (1.0 - base))
     elif intercept_form == "log":
         base = np.log(base)
-    init = np.broadcast_to(base, (width,)).copy() if base.size in (1, width) else None
-    if init is None:
+    if base.size not in (1, width):
         raise BoosterError(f"{name}: base_score holds {base.size} values for {width} outputs")
+    init = np.broadcast_to(base, (width,)).copy()
     model = booster["model"]
     trees = [_xgboost_tree(tree, column, width, name) for tree, column in zip(model["trees"], model["tree_info"],
                                                                              strict=True)]  # fmt: skip
