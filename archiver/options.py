@@ -33,7 +33,8 @@ class ServingOptions:
     # e.g. Ebird's worker batch sizes; validated at build time.
     handler_settings: tuple[tuple[str, Any], ...] = ()
     # Async handlers: where requests are decoded (``handlers/runtime/decode.py``):
-    # N threads, 0 inline, "lane"; None leaves it to the runtime's default.
+    # N threads, 0 inline, "lane", "batched"; None leaves it to the runtime's default.
+    # The plain handler takes "batched" alone: each batch's JPEGs in one decoder call.
     decode_threads: int | str | None = None
     # How often the handler hands its metrics to TorchServe, in seconds
     # (``handlers/runtime/metrics.py``; 0: at every event); None: the default.
@@ -57,8 +58,11 @@ class ServingOptions:
             object.__setattr__(self, "handler", ALIASES[self.handler])
         self.kind.parse_settings(dict(self.handler_settings))
         if self.decode_threads is not None:
-            if not self.kind.asynchronous:
-                raise ValueError(f"decode_threads applies to async handlers; {self.handler!r} decodes in its batch")
+            if not self.kind.asynchronous and not (self.handler == "plain" and self.decode_threads == "batched"):
+                raise ValueError(
+                    f"{self.handler!r} decodes in its batch: decode_threads applies to async handlers, "
+                    "and to the plain handler only as 'batched' (its batch's JPEGs in one decoder call)"
+                )
             parse_decode_threads(self.decode_threads)
         if self.token_lengths and not self.kind.asynchronous:
             raise ValueError(f"token_lengths applies to async handlers; {self.handler!r} pads a batch to one length")
@@ -115,12 +119,12 @@ def model_config(spec: ModelSpec, options: ServingOptions) -> dict:
         config.update(asyncCommunication=True, batchSize=1, maxBatchDelay=0)
     if options.kind.settings is not None:
         config["handler"][options.handler] = dict(options.handler_settings)
-        if options.decode_threads is not None:
-            config["handler"]["decode_threads"] = options.decode_threads
         if options.worker_pump is not None:
             config["handler"]["worker_pump"] = options.worker_pump
         if options.encode_answers is not None:
             config["handler"]["encode_answers"] = options.encode_answers
+    if options.decode_threads is not None:  # validated: async handlers, or the plain handler's 'batched'
+        config["handler"]["decode_threads"] = options.decode_threads
     if options.cuda_graphs:
         config["handler"]["cuda_graphs"] = True
     if options.metrics_flush_interval_s is not None:

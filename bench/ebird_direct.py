@@ -39,6 +39,11 @@ table tells Ebird's scheduling apart from its execution:
 - ``nowait-graphs``: NO Wait with the plain handler replaying captured
   graphs (``cuda_graphs: true``), the same execution Ebird's workers have.
 
+``--same-execution`` adds ``nowait-graphs-batched``: NO Wait replaying
+graphs and decoding each batch's JPEGs in one call (``decode_threads:
+batched``), the execution of Ebird with batched decoding; that Ebird's
+ratio column is then against it.
+
 Left out: the HTTP hop and the Java frontend, which both systems pay alike.
 
 Load is set from capacity, as the Ebird paper sets it from a QoS-bounded
@@ -72,9 +77,11 @@ from bench.direct_systems import (
     EBIRD_EAGER,
     GRAPH_BASELINE,
     NOWAIT_BATCH,
+    SAME_EXECUTION,
     TWIN,
     SystemProcess,
     ebird_system,
+    execution_twin,
     is_baseline,
     label,
 )
@@ -181,9 +188,9 @@ def summary(data: dict[str, Any]) -> list[dict[str, Any]]:
             }
             if name != BASELINE:
                 row[name].update(ratio_spread(system_runs, runs[BASELINE]))
-            if name.startswith("ebird") and GRAPH_BASELINE in runs:
-                row[name]["vs_graphs"] = ratio_spread(system_runs, runs[GRAPH_BASELINE])
-            if not is_baseline(name) and name not in (GRAPH_BASELINE, TWIN):
+            if (twin := execution_twin(name, runs)) is not None:
+                row[name]["vs_graphs"] = ratio_spread(system_runs, runs[twin])
+            if not is_baseline(name) and name not in (GRAPH_BASELINE, SAME_EXECUTION, TWIN):
                 row[name]["vs_best"] = ratio_spread(system_runs, best_baseline(runs))
         out.append(row)
     return out
@@ -225,9 +232,9 @@ def render(data: dict[str, Any], stem: str) -> str:
         header.append(f"{label(n)} mean (p99) ms")
         if n != BASELINE:
             header.append(f"{label(n)} ÷ NO Wait (min–max)")
-        if n.startswith("ebird") and GRAPH_BASELINE in names:
-            header.append(f"{label(n)} ÷ NO Wait (graphs)")
-        if not is_baseline(n) and n not in (GRAPH_BASELINE, TWIN):
+        if (twin := execution_twin(n, names)) is not None:
+            header.append(f"{label(n)} ÷ {label(twin)}")
+        if not is_baseline(n) and n not in (GRAPH_BASELINE, SAME_EXECUTION, TWIN):
             header.append(f"{label(n)} ÷ better stock baseline")
     header += ["mean batch (" + " / ".join(label(n) for n in names) + ")", "requests (failed)"]
     stable = [cells(r) for r in data["summary"] if not r["overload"]]
@@ -294,6 +301,12 @@ def main(argv: list[str] | None = None) -> int:
         "neither has graphs, a dry run of the code)",
     )
     parser.add_argument(
+        "--same-execution",
+        action="store_true",
+        help="also run NO Wait replaying graphs and decoding each batch's JPEGs in one call, the execution of "
+        "Ebird with batched decoding",
+    )
+    parser.add_argument(
         "--twin", action="store_true", help="also serve NO Wait twice: the twin ÷ NO Wait is the A/A band"
     )
     parser.add_argument("--quick", action="store_true", help="8 s runs, 2 repeats, short capacity step")
@@ -330,6 +343,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--wait-ms takes milliseconds, e.g. 5,10; got {args.wait_ms!r}")
     if any(w <= 0 for w in waits):
         parser.error("--wait-ms values must be positive (0 is NO Wait, always run)")
+    if args.same_execution:
+        args.systems.append(SAME_EXECUTION)
     args.systems += [f"wait{w:g}" for w in waits]
     if args.twin:
         args.systems.append(TWIN)

@@ -33,9 +33,9 @@ work=$(mktemp -d)
 export PYTHONPATH="$PWD/.site:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
 
-tier1="tests ebird jpeg nimble_effnet"
+tier1="tests ebird ebird_same jpeg nimble_effnet"
 tier2="dvabatch reef_c reef_a"
-tier3="orca nimble_inception nimble_resnet50"
+tier3="orca nimble_inception nimble_resnet50 nimble_fault"
 steps=" "
 for arg in "${@:-1}"; do
     case $arg in
@@ -86,6 +86,12 @@ step ebird 220 "$py" -m bench.ebird_direct --device "$dev" --wait-ms 5 --no-grap
     --ebird-decode-threads batched,auto \
     --fractions 0.3,0.85 --seconds "$secs" --repeats "$reps" --capacity-seconds "$cap" --warmup-seconds "$warm" \
     --out-dir "$work"
+# How much of batched Ebird's lead is its scheduling: against NO Wait given the same execution (graphs
+# replayed, each batch's JPEGs decoded in one nvJPEG call), with NO Wait's twin for the A/A band.
+step ebird_same 200 "$py" -m bench.ebird_direct --device "$dev" --no-graphs-compare --same-execution --twin \
+    --ebird-decode-threads batched --suffix _same_execution \
+    --fractions 0.3,0.85 --seconds "$secs" --repeats "$reps" --capacity-seconds "$cap" --warmup-seconds "$warm" \
+    --out-dir "$work"
 # Where Ebird should decode JPEGs on a GPU server: PIL or torchvision on threads, or nvJPEG batched,
 # alone and beside an eager ResNet-50 launching kernels from another thread (the GIL they share).
 step jpeg 120 bash -c "$py -m bench.jpeg_decode --device $dev --images 512 --out-dir $work &&
@@ -115,5 +121,9 @@ step nimble_inception 150 "$py" -m bench.nimble --device "$dev" --models incepti
     --batches "$batches" --repeats 3 --runs 10 --suffix _inception_v3 --out-dir "$work"
 step nimble_resnet50 150 "$py" -m bench.nimble --device "$dev" --models resnet50 --batches "$batches" \
     --repeats 3 --runs 10 --suffix _resnet50 --out-dir "$work"
+# torch.compile(mode="reduce-overhead") beside Nimble's captured graphs in one process: the fault seen on
+# the H200 reproduced, or the same calls clean.
+step nimble_fault 120 "$py" -m bench.nimble_compile_fault --device "$dev" --model resnet50 \
+    --batches "$batches" --out-dir "$work"
 pack
 ls -la "$work"

@@ -6,6 +6,13 @@ with one difference from its ``BaseHandler``: a bad request fails alone.
 ones that fail; only the good ones are batched and run, and ``handle`` puts
 results and errors back in request order.  TorchServe answers each request
 with the status set for its index (``context.set_response_status``).
+
+``decode_threads: batched`` (image models) decodes the JPEGs of each batch
+the frontend hands over in one call of torchvision's decoder, nvJPEG on
+CUDA (``handlers/runtime/batched_decode.py``), as Ebird's batched placement
+does; other bodies, and any JPEG that call cannot read, go through the
+codec one by one.  On a GPU this is the stock handler given Ebird's decode,
+so that a comparison of the two shows scheduling alone.
 """
 
 from __future__ import annotations
@@ -29,7 +36,9 @@ from handlers.codecs import (
 )
 from handlers.errors import RequestError
 from handlers.pinning.worker import PackratWorkerMixin, process_age_s, startup_priority
+from handlers.runtime.batched_decode import JpegBatchDecode
 from handlers.runtime.cuda_graphs import GraphBuckets
+from handlers.runtime.decode import BATCHED
 from handlers.runtime.device import ExecutionDevice
 from handlers.runtime.metrics import HandlerMetrics
 from handlers.runtime.model_loading import load_model
@@ -44,6 +53,17 @@ def cuda_graphs_wanted(handler_cfg: dict[str, Any]) -> bool:
     if not isinstance(value, bool):
         raise RuntimeError(f"handler.cuda_graphs must be true or false, got {value!r}")
     return value
+
+
+def jpeg_batches_wanted(handler_cfg: dict[str, Any]) -> bool:
+    """The archive's ``handler.decode_threads`` for the plain handler: absent, or ``batched`` (it decodes on
+    the worker's thread, in its batch, so thread counts and lanes do not apply)."""
+    value = handler_cfg.get("decode_threads")
+    if value is not None and value != BATCHED:
+        raise RuntimeError(
+            f"the plain handler decodes in its batch: decode_threads may only be 'batched', got {value!r}"
+        )
+    return value == BATCHED
 
 
 @dataclass
@@ -72,6 +92,7 @@ class PlainModelHandler(PackratWorkerMixin):
         self.codec: InputCodec | None = None
         self.metrics = HandlerMetrics(None, "")  # TorchServe's cache once warm-up is done
         self.device = ExecutionDevice("cpu")
+        self.jpeg_batches: JpegBatchDecode | None = None
 
     # -- template methods ----------------------------------------------------
 
@@ -85,6 +106,13 @@ class PlainModelHandler(PackratWorkerMixin):
         self.configure_runtime(context)
         if self.packrat_claim is None:
             self.device = ExecutionDevice.from_context(context)
+        if jpeg_batches_wanted(handler_cfg):
+            if self.spec.input_kind == "image":  # the metrics object is replaced below: look it up per call
+                self.jpeg_batches = JpegBatchDecode(
+                    self.codec, self.device.device, lambda n: self.metrics.decode_batch(n)
+                )
+            else:
+                logger.warning("%s takes tokens: decode_threads 'batched' decodes nothing in batches", self.spec.name)
         with startup_priority():
             started = time.perf_counter()
             model_dir = context.system_properties["model_dir"]
@@ -140,13 +168,29 @@ class PlainModelHandler(PackratWorkerMixin):
             self.postprocess(self.inference(collate([sample] * size)))
 
     def preprocess(self, data: list[dict[str, Any]]) -> Preprocessed:
-        out = Preprocessed()
+        decoded: dict[int, ModelInput | Exception] = {}
+        jpegs: dict[int, bytes] = {}
         for index, row in enumerate(data):
             try:
-                out.inputs.append(self.codec.decode(row))
-                out.indices.append(index)
+                raw = self.codec.jpeg_payload(row) if self.jpeg_batches is not None else None
+                if raw is None:
+                    decoded[index] = self.codec.decode(row)
+                else:
+                    jpegs[index] = raw
             except RequestError as err:
-                out.errors[index] = err
+                decoded[index] = err
+        if jpegs:
+            decoded.update(zip(jpegs, self.jpeg_batches(list(jpegs.values())), strict=True))
+        out = Preprocessed()
+        for index in range(len(data)):
+            item = decoded[index]
+            if isinstance(item, RequestError):
+                out.errors[index] = item
+            elif isinstance(item, Exception):  # not the codec's refusal: a fault, as the per-request path raises it
+                raise item
+            else:
+                out.inputs.append(item)
+                out.indices.append(index)
         return out
 
     def inference(self, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:

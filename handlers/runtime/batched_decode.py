@@ -43,6 +43,72 @@ from handlers.runtime.decode import RequestDecoder
 DEFAULT_MAX_BATCH = 32
 
 
+class JpegBatchDecode:
+    """JPEG bodies decoded together, synchronously: one decoder call for the lot, halved down to the images it
+    cannot read, which the codec answers alone.  The work of :class:`BatchedJpegDecoder`'s thread, and of the
+    plain handler's ``preprocess`` with ``decode_threads: batched`` (its frontend batch decoded in one call)."""
+
+    def __init__(self, codec: InputCodec, device: torch.device, on_batch: Callable[[int], None] | None = None) -> None:
+        """``on_batch``: told the size of each decoder call (the handler's ``HandlerDecodeBatches`` metric)."""
+        self.codec, self.device, self.on_batch = codec, torch.device(device), on_batch
+        self.batch_sizes: collections.Counter[int] = collections.Counter()  # images per decoder call
+        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+
+    def __call__(self, raws: list[bytes]) -> list[ModelInput | Exception]:
+        """Each body's input, or the exception the codec raised for it (its ``RequestError``: a 4xx)."""
+        answers: list[ModelInput | Exception | None] = [None] * len(raws)
+        fits = []
+        for index, raw in enumerate(raws):
+            if _within_pixel_limit(raw):
+                fits.append(index)
+            else:
+                answers[index] = self._decode_alone(raw)
+        if fits:
+            self._decode_halving(raws, fits, answers)
+        return answers  # type: ignore[return-value]  # every slot is filled above
+
+    def _decode_halving(self, raws: list[bytes], fits: list[int], answers: list) -> None:
+        """Decode ``fits`` in one call; if an image it cannot read fails the call, each half again, down to
+        the image alone, which the codec answers (its 4xx says what is wrong).  A truncated JPEG among 32 costs
+        about ten calls, and the good images keep the batch decoder's pixels and mostly its batches."""
+        try:
+            images = self._decode_many([raws[i] for i in fits])
+        except Exception:
+            if len(fits) == 1:
+                answers[fits[0]] = self._decode_alone(raws[fits[0]])
+                return
+            half = len(fits) // 2
+            self._decode_halving(raws, fits[:half], answers)
+            self._decode_halving(raws, fits[half:], answers)
+            return
+        self.batch_sizes[len(fits)] += 1
+        if self.on_batch is not None:
+            self.on_batch(len(fits))
+        for index, image in zip(fits, images, strict=True):
+            answers[index] = ModelInput((image,))
+
+    def _decode_many(self, raws: list[bytes]) -> list[torch.Tensor]:
+        from torchvision.io import ImageReadMode, decode_jpeg
+
+        data = [torch.frombuffer(bytearray(raw), dtype=torch.uint8) for raw in raws]
+        if self._stream is None:
+            return [self.codec.image_from_pixels(p) for p in decode_jpeg(data, mode=ImageReadMode.RGB)]
+        with torch.cuda.stream(self._stream):
+            pixels = decode_jpeg(data, mode=ImageReadMode.RGB, device=self.device)
+            images = [self.codec.image_from_pixels(p) for p in pixels]
+        # The images are handed to other threads' streams (the input pool's copy stream, the model's): they
+        # must be complete before anyone reads them, and the decoding thread waits, not the event loop.
+        self._stream.synchronize()
+        return images
+
+    def _decode_alone(self, raw: bytes) -> ModelInput | Exception:
+        """One image through the codec's own decode (PIL): its answer, or its 4xx."""
+        try:
+            return self.codec.decode({"body": raw})
+        except Exception as exc:  # the codec's RequestError reaches the caller unchanged
+            return exc
+
+
 class BatchedJpegDecoder:
     """Awaitable decoding, as :class:`RequestDecoder`; JPEGs in batches on one thread, the rest on ``fallback``."""
 
@@ -58,15 +124,18 @@ class BatchedJpegDecoder:
         if max_batch < 1:
             raise ValueError(f"max_batch must be ≥ 1, got {max_batch}")
         self.codec, self.device, self.fallback, self.max_batch = codec, torch.device(device), fallback, max_batch
-        self.on_batch = on_batch
+        self.decode = JpegBatchDecode(codec, self.device, on_batch)
         self.threads = fallback.threads
-        self.batch_sizes: collections.Counter[int] = collections.Counter()  # images per decoder call
         self._pending: collections.deque[tuple[bytes, Future]] = collections.deque()
         self._wake = threading.Condition()
         self._closed = False
-        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._thread = threading.Thread(target=self._run, name="jpeg-batch", daemon=True)
         self._thread.start()
+
+    @property
+    def batch_sizes(self) -> collections.Counter[int]:
+        """Images per decoder call so far."""
+        return self.decode.batch_sizes
 
     @property
     def on_lanes(self) -> bool:
@@ -102,58 +171,11 @@ class BatchedJpegDecoder:
                 if not self._pending:
                     return
                 batch = [self._pending.popleft() for _ in range(min(self.max_batch, len(self._pending)))]
-            self._decode_batch(batch)
-
-    def _decode_batch(self, batch: list[tuple[bytes, Future]]) -> None:
-        fits: list[tuple[bytes, Future]] = []
-        for raw, done in batch:
-            if _within_pixel_limit(raw):
-                fits.append((raw, done))
-            else:
-                self._decode_alone(raw, done)
-        if fits:
-            self._decode_halving(fits)
-
-    def _decode_halving(self, fits: list[tuple[bytes, Future]]) -> None:
-        """Decode ``fits`` in one call; if an image it cannot read fails the call, each half again, down to
-        the image alone, which the codec answers (its 4xx says what is wrong).  A truncated JPEG among 32 costs
-        about ten calls, and the good images keep the batch decoder's pixels and mostly its batches."""
-        try:
-            images = self._decode_many([raw for raw, _ in fits])
-        except Exception:
-            if len(fits) == 1:
-                self._decode_alone(*fits[0])
-                return
-            half = len(fits) // 2
-            self._decode_halving(fits[:half])
-            self._decode_halving(fits[half:])
-            return
-        self.batch_sizes[len(fits)] += 1
-        if self.on_batch is not None:
-            self.on_batch(len(fits))
-        for (_, done), image in zip(fits, images, strict=True):
-            done.set_result(ModelInput((image,)))
-
-    def _decode_many(self, raws: list[bytes]) -> list[torch.Tensor]:
-        from torchvision.io import ImageReadMode, decode_jpeg
-
-        data = [torch.frombuffer(bytearray(raw), dtype=torch.uint8) for raw in raws]
-        if self._stream is None:
-            return [self.codec.image_from_pixels(p) for p in decode_jpeg(data, mode=ImageReadMode.RGB)]
-        with torch.cuda.stream(self._stream):
-            pixels = decode_jpeg(data, mode=ImageReadMode.RGB, device=self.device)
-            images = [self.codec.image_from_pixels(p) for p in pixels]
-        # The images are handed to other threads' streams (the input pool's copy stream): they must be
-        # complete before anyone reads them, and this thread waits, not the event loop.
-        self._stream.synchronize()
-        return images
-
-    def _decode_alone(self, raw: bytes, done: Future) -> None:
-        """One image through the codec's own decode (PIL): its answer, or its 4xx."""
-        try:
-            done.set_result(self.codec.decode({"body": raw}))
-        except Exception as exc:  # the codec's RequestError reaches the caller unchanged
-            done.set_exception(exc)
+            for (_, done), answer in zip(batch, self.decode([raw for raw, _ in batch]), strict=True):
+                if isinstance(answer, Exception):
+                    done.set_exception(answer)
+                else:
+                    done.set_result(answer)
 
     def close(self) -> None:
         with self._wake:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import io
+
 import pytest
 import torch
+from PIL import Image
 
 from handlers.runtime.batched_decode import BatchedJpegDecoder
 from handlers.runtime.decode import RequestDecoder
@@ -23,13 +26,26 @@ def test_on_cuda_jpegs_are_decoded_in_batches_on_the_device_near_the_cpu_decoder
         got = decode_all(decoder, [{"body": raw} for raw in raws] + [{"body": b"\xff\xd8\xff broken"}])
         assert type(got[-1]).__name__ == "RequestError" and got[-1].status == 415
         assert max(decoder.batch_sizes) > 1, decoder.batch_sizes
-        for raw, item in zip(raws, got, strict=False):
+        for item in got[:-1]:
             (image,) = item.tensors
             assert image.device.type == "cuda" and image.shape == (3, 224, 224)
-            # nvJPEG's chroma upsampling differs from libjpeg's pixel by pixel; the image on average does not.
-            assert (image.cpu() - pixels_reference(raw)).abs().mean() < 0.05
+        # nvJPEG's chroma upsampling is not libjpeg's: on these noise images, whose colour changes from pixel
+        # to pixel, the mean difference was 0.15 normalised on the lent H200.  On images whose colour varies
+        # as a photograph's does, the two decoders agree.
+        smooth = [smooth_jpeg_bytes(seed=i) for i in range(8)]
+        for raw, item in zip(smooth, decode_all(decoder, [{"body": raw} for raw in smooth]), strict=True):
+            assert (item.tensors[0].cpu() - pixels_reference(raw)).abs().mean() < 0.05
     finally:
         decoder.close()
+
+
+def smooth_jpeg_bytes(seed: int, size: tuple[int, int] = (320, 240)) -> bytes:
+    """A JPEG whose colours vary smoothly: a random 6x6 image enlarged (bicubic) to ``size``."""
+    gen = torch.Generator().manual_seed(seed)
+    small = torch.randint(0, 256, (6, 6, 3), generator=gen, dtype=torch.uint8).numpy()
+    buf = io.BytesIO()
+    Image.fromarray(small).resize(size, Image.BICUBIC).save(buf, "JPEG", quality=90)
+    return buf.getvalue()
 
 
 @needs_cuda

@@ -244,19 +244,25 @@ def test_answers_on_the_event_loop_and_loud_batches_inside_torchserve(torchserve
         assert "encoding answers on the event loop" in startup_line(torchserve, "ebird-loop-loud")
 
 
+@pytest.mark.parametrize("handler", ["ebird", "plain"])
 def test_batched_jpeg_decoding_inside_torchserve_answers_every_payload_and_refuses_a_corrupt_jpeg(
-    torchserve, model_store_dir, tmp_path
+    torchserve, model_store_dir, tmp_path, handler
 ):
     """``decode_threads: batched`` (nvJPEG batches on CUDA; torchvision's decoder on CPU) under TorchServe's real
-    async worker: JPEGs that arrive together are decoded in one call (``HandlerDecodeBatches``) and answer the
-    model; a PNG and tensor JSON go to the codec; a truncated JPEG (which fails its batch's call), one that is
-    not a JPEG past its magic, malformed JSON and a wrong shape get their own 4xx while the rest of their burst
-    is answered; the worker keeps serving."""
+    workers: Ebird's async worker, and the plain handler, which decodes the JPEGs of each batch the frontend
+    hands it in one call.  JPEGs that arrive together are decoded in one call (``HandlerDecodeBatches``) and
+    answer the model; a PNG and tensor JSON go to the codec; a truncated JPEG (which fails its batch's call), one
+    that is not a JPEG past its magic, malformed JSON and a wrong shape get their own 4xx while the rest of their
+    burst is answered; the worker keeps serving."""
     spec = get_spec("resnet50", "eager")
-    options = ServingOptions(
-        handler="ebird", handler_settings=tuple(sorted(EBIRD_TEST_SETTINGS.items())), decode_threads="batched"
-    )
-    with registered_apart(torchserve, model_store_dir, tmp_path, options, "ebird-batched") as archive:
+    if handler == "ebird":
+        options = ServingOptions(
+            handler="ebird", handler_settings=tuple(sorted(EBIRD_TEST_SETTINGS.items())), decode_threads="batched"
+        )
+    else:  # the frontend gathers the burst into batches of up to 8
+        options = ServingOptions(handler="plain", batch_size=8, max_batch_delay_ms=200, decode_threads="batched")
+    model = f"{handler}-batched"
+    with registered_apart(torchserve, model_store_dir, tmp_path, options, model) as archive:
         assert archive_config(archive)["handler"]["decode_threads"] == "batched"
         rows = [{"body": jpeg_bytes(seed=i)} for i in range(10)]
         rows += [{"body": png_bytes(seed=10)}, {"body": image_tensor_json(spec, seed=11)}]
@@ -266,7 +272,7 @@ def test_batched_jpeg_decoding_inside_torchserve_answers_every_payload_and_refus
             (b"{not json", 400),
             ({"data": [[[0.0] * 8] * 8] * 3}, 400),
         ]
-        answers = post_all(f"{torchserve.inference_url}/predictions/ebird-batched",
+        answers = post_all(f"{torchserve.inference_url}/predictions/{model}",
                            [r["body"] for r in rows] + [p for p, _ in bad])  # fmt: skip
         assert [s for s, _ in answers] == [200] * len(rows) + [code for _, code in bad], answers
         expected = reference_logits(spec, rows, batched_jpeg=True)
@@ -274,10 +280,11 @@ def test_batched_jpeg_decoding_inside_torchserve_answers_every_payload_and_refus
             served = torch.tensor(json.loads(body)["logits"])
             assert outputs_close(served, row, TOLERANCE[spec.mode]), (served - row).abs().max()
         assert "wrong tensor shape [3, 8, 8]" in json.loads(answers[-1][1])["message"]
-        again = torchserve.inference().predict("ebird-batched", rows[0]["body"])
+        again = torchserve.inference().predict(model, rows[0]["body"])
         assert again.status == 200 and outputs_close(torch.tensor(again.body["logits"]), expected[0], 1e-4)
-        assert "in batches" in startup_line(torchserve, "ebird-batched")
-        decoded = handler_metric(torchserve, "HandlerDecodeBatches", "ebird-batched",
+        if handler == "ebird":
+            assert "in batches" in startup_line(torchserve, model)
+        decoded = handler_metric(torchserve, "HandlerDecodeBatches", model,
                                  until=lambda s: requests_batched(s) >= 11)  # fmt: skip
         sizes = {int(labels["BatchSize"]): n for labels, n in decoded}
         assert requests_batched(decoded) == 11 and max(sizes) > 1, sizes  # 10 JPEGs, then one more alone
