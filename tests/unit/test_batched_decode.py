@@ -96,9 +96,10 @@ def test_a_truncated_jpeg_in_a_batch_gets_its_4xx_and_the_rest_stay_in_batches()
     """A JPEG whose header reads but whose data stops half-way fails the decoder's batch call; the batch is
     decoded again in halves down to the bad image alone, which the codec answers (415, saying why), so the good
     ones keep the batch decoder's pixels and are still decoded several at a time."""
-    made = BatchedJpegDecoder(CODEC, torch.device("cpu"), RequestDecoder(CODEC.decode, threads=2))
     sizes = []
-    made.on_batch = sizes.append
+    made = BatchedJpegDecoder(
+        CODEC, torch.device("cpu"), RequestDecoder(CODEC.decode, threads=2), on_batch=sizes.append
+    )
     raws = [jpeg_bytes(seed=i) for i in range(8)]
     raws[5] = raws[5][: len(raws[5]) // 2]
     try:
