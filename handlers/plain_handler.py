@@ -66,6 +66,11 @@ def jpeg_batches_wanted(handler_cfg: dict[str, Any]) -> bool:
     return value == BATCHED
 
 
+def on_device(item: ModelInput, device: torch.device) -> ModelInput:
+    """``item`` with its tensors on ``device`` (those already there are not copied)."""
+    return ModelInput(tuple(t.to(device, non_blocking=True) for t in item.tensors), item.v2)
+
+
 @dataclass
 class Preprocessed:
     """Decoded requests of one batch, and the ones that failed decoding."""
@@ -181,6 +186,10 @@ class PlainModelHandler(PackratWorkerMixin):
                 decoded[index] = err
         if jpegs:
             decoded.update(zip(jpegs, self.jpeg_batches(list(jpegs.values())), strict=True))
+            if self.device.is_cuda:  # nvJPEG's images are on the GPU: the codec's (JSON, PNG) go there to join them
+                for index, item in list(decoded.items()):
+                    if isinstance(item, ModelInput):
+                        decoded[index] = on_device(item, self.device.device)
         out = Preprocessed()
         for index in range(len(data)):
             item = decoded[index]
