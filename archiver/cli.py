@@ -62,7 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=decode_threads_argument,
         help="async handlers: where requests are decoded: N threads, 0 inline on the event loop, 'lane' "
         "(between batches on the CPU lanes) or 'batched' (JPEGs in batches by torchvision's decoder, nvJPEG on "
-        "CUDA) (default: 4 threads on CUDA, lane on CPU)",
+        "CUDA) (default: 4 threads on CUDA, lane on CPU); the plain handler takes 'batched' alone (each batch's "
+        "JPEGs in one decoder call)",
     )
     parser.add_argument(
         "--token-lengths",

@@ -5,17 +5,18 @@
 #   bash bench/gpu_session.sh OUT_DIR TIER|STEP...     # e.g. `1`, `2`, `tests ebird`, `all`
 #   DRY=1 bash bench/gpu_session.sh /tmp/dry all       # the same steps on this CPU, tiny runs
 #
-# Tiers follow what is still unmeasured on a GPU (after the H100 session of
-# 2026-11-27, commit a040fbc; docs/benchmarks/reading/gpu.md):
-# Tier 1 (about 7 minutes): the CUDA tests (the batched JPEG decoder's
-# among them: never run on a GPU); Ebird with JPEGs decoded in batches by
-# nvJPEG against Ebird as before, NO Wait, a 5 ms wait and NO Wait's twin
-# (its capacity against NO Wait's is the must-show not yet met); JPEG decode
-# ways beside a launching model (the contended run did not finish in 60 s);
-# Nimble against torch.compile on EfficientNet-B0 (not reached).
-# Tier 2 (about 6 minutes): DVABatch on BERT-base (measured once, 9x below
-# NO Wait's capacity: rerun after its fix); REEF workloads C and A.
-# Tier 3: Orca on GPT-2; Nimble on Inception-v3 and ResNet-50 again.
+# Tiers follow what is still unmeasured on a GPU (after the H200 session of
+# 2026-11-27, commits eac5868/eba1994; docs/benchmarks/reading/gpu.md):
+# Tier 1 (about 7 minutes): the CUDA tests (the plain handler's batched
+# decoding on CUDA failed there once; its fix has not run on a GPU); Ebird
+# with batched nvJPEG decoding against NO Wait given the same execution
+# (ebird_same) and against the stock systems (ebird); JPEG decode ways
+# beside a launching model (the contended run has not finished in 60 s);
+# Nimble against torch.compile on EfficientNet-B0 (measured: 1.62-2.26x).
+# Tier 2 (about 6 minutes): DVABatch on BERT-base (9x below NO Wait's
+# capacity on the H100, unchanged since); REEF workloads C and A.
+# Tier 3: Orca on GPT-2; Nimble on Inception-v3 and ResNet-50 again; the
+# torch.compile fault beside Nimble's multi-stream capture (reproduced).
 # The next GPU session starts with whatever tier is still unmeasured.
 #
 # Needs TorchServe's Python package `ts` importable (the handlers raise its
