@@ -83,3 +83,62 @@ def test_handler_overhead_moves_the_choice_from_the_fat_worker_to_one_per_core()
     assert policy.best(11.0).batch == 2
     assert policy.level(1).capacity == pytest.approx(1000 / (57 * 1.1 + 10))
     assert math.isfinite(policy.level(2).predicted_latency_s(13.8))
+
+
+def test_contention_is_the_cores_busy_time_less_the_workers_own_per_request_per_second():
+    """A 2-thread worker on 2 cores, 10 s at 10 req/s: its forward passes kept both threads busy 5 s (10 CPU-s),
+    decode and encode 0.4 s on one; the cores were busy 13.4 s, so the rest of the machine took 3 CPU-s, 15 %
+    of the cores: 0.015 per req/s.  The slowdown read is the model's own, with that contention taken out."""
+    from packrat_plugin.calibration import CoreUsage
+
+    cal = ServiceCalibrator(CalibrationConfig(min_requests=20))
+    cal.restart(ServiceTotals(), CoreUsage(100.0, 50.0))
+    model_s = 25 * 0.340 * 1.3  # 25 batches of 4, at 1.3 times their profile
+    window = ServiceTotals(25, 100, model_s + 0.4, model_s)
+    own = 2 * model_s + 0.4
+    assert cal.update(window, ROUNDS, threads=2, usage=CoreUsage(110.0, 50.0 + own + 3.0), cores=2)
+    assert cal.current.contention == pytest.approx(0.015)
+    assert cal.current.slowdown == pytest.approx(1.3 * (1 - 2 * 0.15))
+    # The same window without the cores' counters: contention stays unmeasured, the slowdown as read.
+    plain = ServiceCalibrator(CalibrationConfig(min_requests=20))
+    plain.restart(ServiceTotals())
+    assert plain.update(window, ROUNDS, threads=2)
+    assert plain.current.contention == 0.0 and plain.current.slowdown == pytest.approx(1.3)
+
+
+def test_a_team_slows_with_the_load_in_proportion_to_its_threads():
+    cal = Calibration(slowdown=1.0, contention=0.0125)
+    assert cal.slowdown_at(2, 0.0) == cal.slowdown_at(1, 0.0) == 1.0
+    assert cal.slowdown_at(2, 12.0) == pytest.approx(1 / 0.7)  # its two cores, 15 % each taken
+    assert cal.slowdown_at(1, 12.0) == pytest.approx(1 / 0.85)
+    assert Calibration(contention=1.0).slowdown_at(2, 100.0) == pytest.approx(10.0)  # capped
+    assert Calibration(slowdown=1.3).slowdown_at(2, 50.0) == 1.3  # no contention measured: one slowdown
+
+
+def test_contention_moves_the_crossover_to_the_split_where_the_crossover_bench_measured_it():
+    """This VM's ResNet-50 rounds: with one slowdown for both classes the model put the split ahead of the fat
+    worker from 13 req/s; with the fat worker's team slowed by the load, from about 9 (the crossover bench:
+    at 10 req/s the split 165 ms, the fat worker 193).  Each level's capacity is where it serves as fast as
+    it is loaded."""
+    import dataclasses
+
+    from packrat_plugin.levels import levels_for
+    from packrat_plugin.optimizer import KnapsackOptimizer
+    from packrat_plugin.profile import Profile, ProfilePoint
+
+    rounds = {(1, 1): 100.3, (1, 2): 202.7, (1, 4): 431.9, (1, 8): 844.8,
+              (2, 1): 52.3, (2, 2): 128.8, (2, 4): 231.4, (2, 8): 435.8}  # fmt: skip
+    profile = Profile("resnet50", tuple(ProfilePoint(t, b, ms) for (t, b), ms in rounds.items()))
+    levels = levels_for(KnapsackOptimizer(profile), 2, 16)
+
+    def crossover(calibration: Calibration) -> float:
+        fat, split = (max((dataclasses.replace(lv, calibration=calibration) for lv in levels
+                           if lv.threads == t), key=lambda lv: lv.batch) for t in (2, 1))  # fmt: skip
+        for lv in (fat, split):
+            assert lv.capacity_at(lv.capacity) == pytest.approx(lv.capacity, rel=1e-6)
+        return next(
+            r / 10 for r in range(10, 200) if split.predicted_latency_s(r / 10) < fat.predicted_latency_s(r / 10)
+        )
+
+    assert crossover(Calibration(1.1, 4.0, 1)) > 12.5
+    assert 8.5 <= crossover(Calibration(1.04, 4.0, 1, 0.0125)) <= 10.0
