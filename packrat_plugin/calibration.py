@@ -24,31 +24,16 @@ worker class and applied to every class: the overhead is per request and
 single-threaded whatever ``t`` is; the slowdown is the share of the machine
 that serving does not get, roughly the same for any split of the cores.
 
-That one slowdown is not the same for every class, and it grows with the
-load. On the 2-core VM (``docs/benchmarks/packrat_crossover_resnet50.md``)
-the 2-thread worker's model ran at 1.18-1.33× its profile at 4-8 req/s and
-1.40-1.52× at 10-13, two 1-thread workers at 1.22-1.26× up to 12. The rest
-of the machine (TorchServe's frontend, the clients, the controller) takes
-CPU time on the model's cores in proportion to the load, and a team of t
-threads stalls whenever any of its t cores is taken, a one-thread worker
-only when its own is. So, with ``β(r)`` the share of the model's cores the
-rest of the machine takes at rate ``r`` (``contention · r``)::
-
-    slowdown(t, r) = slowdown / (1 − t · β(r))
-
-``slowdown`` is then the model's own slowdown with the machine to itself,
-and ``contention`` is measured from the cores' busy time (the kernel's per-CPU
-counters) less the workers' own: a window's β is that difference over its
-wall time and the model's cores, divided by the window's request rate.
-Where no busy time is given (tests, the queue model) ``contention`` stays 0
-and every class keeps the one slowdown, as before.  Why it matters: with one
-slowdown measured on the fat worker at a light load the policy put the
-crossover to the split at 12-14 req/s against the 10 measured, and so moved
-late on a step that ended near 14 and not at all on the diurnal's slow rise
-(``docs/benchmarks/reading/packrat.md``).  Keeping a pair per worker class,
-each measured at the load it last served, was tried before and is worse: at
-a constant 16 req/s the split's fresh 1.3× against the fat worker's 1.2×
-from a lighter load moved there and back.
+Roughly: on the 2-core VM a 2-thread ResNet-50 worker ran at 1.2-1.5× its
+profile and two 1-thread workers at ~1.2× (docs/benchmarks/
+packrat_crossover_resnet50.md), so one pair measured on the split flatters
+the fat worker.  Keeping a pair per worker class was tried and is worse: a
+class's numbers are measured at the load it last served, and the slowdown
+grows with the load (the frontend and the clients take more of the cores),
+so at a constant 16 req/s the split's fresh 1.3× against the fat worker's
+1.2× from a lighter load made the fat worker look the larger and moved
+there and back (issue 45's constant-load bench).  A slowdown that is a
+function of the load, per class, is what would fix both.
 """
 
 from __future__ import annotations
@@ -57,43 +42,19 @@ from dataclasses import dataclass
 
 from handlers.pinning.slots import ServiceTotals
 
-# t·β is capped here (a team at most 10× slower than uncontended): the formula is a first-order model, and a
-# load the machine cannot carry is the queueing model's to refuse.
-MAX_CONTENDED_SHARE = 0.9
-
 
 @dataclass(frozen=True)
 class Calibration:
     slowdown: float = 1.0
     overhead_ms: float = 0.0
     updates: int = 0  # windows measured so far (0: the bare profile)
-    # Share of the model's cores the rest of the machine takes per request/s of load (the module doc says why).
-    contention: float = 0.0
 
-    def slowdown_at(self, threads: int = 1, rate: float = 0.0) -> float:
-        """The model's slowdown for a team of ``threads`` at ``rate`` requests/s."""
-        share = min(MAX_CONTENDED_SHARE, threads * self.contention * max(rate, 0.0))
-        return self.slowdown / (1.0 - share)
-
-    def round_ms(self, k: int, profiled_ms: float, threads: int = 1, rate: float = 0.0) -> float:
-        """Predicted time of one round of ``k`` requests profiled at ``profiled_ms``, by a team of
-        ``threads`` while the load is ``rate`` requests/s."""
-        return profiled_ms * self.slowdown_at(threads, rate) + k * self.overhead_ms
+    def round_ms(self, k: int, profiled_ms: float) -> float:
+        """Predicted time of one round of ``k`` requests profiled at ``profiled_ms``."""
+        return profiled_ms * self.slowdown + k * self.overhead_ms
 
     def to_dict(self) -> dict[str, float]:
-        return {"slowdown": round(self.slowdown, 3), "overhead_ms": round(self.overhead_ms, 2),
-                "contention": round(self.contention, 5), "updates": self.updates}  # fmt: skip
-
-
-@dataclass(frozen=True)
-class CoreUsage:
-    """Cumulative wall time and busy CPU time of the model's cores (the kernel's per-CPU counters)."""
-
-    wall_s: float
-    busy_s: float
-
-    def __sub__(self, other: CoreUsage) -> CoreUsage:
-        return CoreUsage(self.wall_s - other.wall_s, self.busy_s - other.busy_s)
+        return {"slowdown": round(self.slowdown, 3), "overhead_ms": round(self.overhead_ms, 2), "updates": self.updates}
 
 
 @dataclass(frozen=True)
@@ -138,53 +99,32 @@ class ServiceCalibrator:
         self.config = config
         self.current = prior
         self._base: ServiceTotals | None = None
-        self._usage: CoreUsage | None = None
 
-    def restart(self, totals: ServiceTotals, usage: CoreUsage | None = None) -> None:
+    def restart(self, totals: ServiceTotals) -> None:
         """A new active set: measure from its counters as they are now."""
-        self._base, self._usage = totals, usage
+        self._base = totals
 
-    def update(
-        self,
-        totals: ServiceTotals,
-        rounds_ms: tuple[tuple[int, float], ...],
-        threads: int = 1,
-        usage: CoreUsage | None = None,
-        cores: int = 1,
-    ) -> bool:
-        """Fold in the window since the last update, if it is long enough; True if it was.
-
-        ``threads``: the active class's team size; ``usage``: its ``cores`` cores' usage now (None: contention
-        is not measured, and the slowdown is read as every class's, as before)."""
+    def update(self, totals: ServiceTotals, rounds_ms: tuple[tuple[int, float], ...]) -> bool:
+        """Fold in the window since the last update, if it is long enough; True if it was."""
         base = self._base
         if base is None or totals.requests < base.requests or totals.batches < base.batches:
             # First reading, or a worker restarted and took its counters with it.
-            self._base, self._usage = totals, usage
+            self._base = totals
             return False
         window = totals - base
         if window.requests < self.config.min_requests or window.batches <= 0 or window.model_s <= 0:
             return False
+        self._base = totals
         mean_batch = window.requests / window.batches
         profiled_s = profiled_round_ms(rounds_ms, mean_batch) * window.batches / 1000.0
         cfg = self.config
-        measured = window.model_s / profiled_s
-        old = self.current
-        contention = old.contention
-        if usage is not None and self._usage is not None and (used := usage - self._usage).wall_s > 0:
-            # The workers' own CPU: each forward pass keeps its whole team busy; decode and encode one thread.
-            own_s = window.model_s * threads + (window.handler_s - window.model_s)
-            share = min(MAX_CONTENDED_SHARE, max(0.0, used.busy_s - own_s) / (used.wall_s * max(cores, 1)))
-            rate = window.requests / used.wall_s
-            contention = share / rate
-            measured *= 1.0 - min(MAX_CONTENDED_SHARE, threads * share)  # the uncontended slowdown
-        self._base, self._usage = totals, usage
-        slowdown = min(cfg.max_slowdown, max(cfg.min_slowdown, measured))
+        slowdown = min(cfg.max_slowdown, max(cfg.min_slowdown, window.model_s / profiled_s))
         overhead_ms = max(0.0, (window.handler_s - window.model_s) * 1000.0 / window.requests)
-        weight = 1.0 if old.updates == 0 else cfg.learning_rate
+        old = self.current
+        rate = 1.0 if old.updates == 0 else cfg.learning_rate
         self.current = Calibration(
-            old.slowdown + weight * (slowdown - old.slowdown),
-            old.overhead_ms + weight * (overhead_ms - old.overhead_ms),
+            old.slowdown + rate * (slowdown - old.slowdown),
+            old.overhead_ms + rate * (overhead_ms - old.overhead_ms),
             old.updates + 1,
-            old.contention + weight * (contention - old.contention),
         )
         return True

@@ -23,7 +23,6 @@ split into instances and threads, and enough batch capacity for the load.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -48,50 +47,29 @@ class Level:
         return self.plan.instances[0].count
 
     @property
-    def threads(self) -> int:
-        return self.plan.instances[0].threads
-
-    @property
     def round_s(self) -> float:
-        """The time of a full round of B, calibrated, with no load on the machine (``round_s_at``)."""
-        return self.round_s_at(0.0)
-
-    def round_s_at(self, rate: float) -> float:
-        """The time of a full round of B, calibrated, while the load is ``rate`` requests/s.  From the
-        profiled round (``plan.latency_ms`` already holds the optimizer's own costs); a mixed plan's level
-        has none and keeps the optimizer's prediction."""
+        """The time of a full round of B, calibrated.  From the profiled round
+        (``plan.latency_ms`` already holds the optimizer's own costs); a mixed
+        plan's level has none and keeps the optimizer's prediction."""
         b = self.plan.instances[0].batch
         profiled = dict(self.rounds_ms).get(b)
         if profiled is None:
             return self.plan.latency_ms / 1000.0
-        return self.calibration.round_ms(b, profiled, self.threads, rate) / 1000.0
+        return self.calibration.round_ms(b, profiled) / 1000.0
 
-    def _rounds_s(self, rate: float = 0.0) -> list[tuple[int, float]]:
-        return [(k, self.calibration.round_ms(k, ms, self.threads, rate) / 1000.0) for k, ms in self.rounds_ms]
+    def _rounds_s(self) -> list[tuple[int, float]]:
+        return [(k, self.calibration.round_ms(k, ms) / 1000.0) for k, ms in self.rounds_ms]
 
-    def capacity_at(self, rate: float) -> float:
-        """Requests per second this level would sustain (its best batch size, back to back) with the machine
-        as contended as it is at ``rate`` requests/s."""
-        return max(self.instances * k / round_s for k, round_s in self._rounds_s(rate))
-
-    @functools.cached_property
+    @property
     def capacity(self) -> float:
-        """Requests per second this level sustains: the rate at which it serves as fast as it is loaded (the
-        contention of a load grows with it, ``calibration.py``).  ``capacity_at(r) − r`` falls as ``r`` grows,
-        so the rate is found by bisection between 0 and the uncontended capacity."""
-        low, high = 0.0, self.capacity_at(0.0)
-        if self.calibration.contention <= 0.0:
-            return high
-        for _ in range(40):
-            mid = (low + high) / 2.0
-            low, high = (mid, high) if self.capacity_at(mid) > mid else (low, mid)
-        return low
+        """Requests per second this level sustains (its best batch size, back to back)."""
+        return max(self.instances * k / round_s for k, round_s in self._rounds_s())
 
     def predicted_latency_s(self, rate: float) -> float:
         """Mean latency at ``rate`` requests/s; inf when no batch size keeps up."""
         best = math.inf
         i = self.instances
-        for k, round_s in self._rounds_s(rate):
+        for k, round_s in self._rounds_s():
             rho = rate * round_s / (i * k)
             if rho < 1.0:
                 wait = erlang_c(i, i * rho) / (2.0 * i * (1.0 - rho))
@@ -108,9 +86,9 @@ class Level:
         wander near capacity.  Finite, so levels can be compared in
         expectation over a rate that is only known within its noise.
         """
-        mu = self.capacity_at(rate)
+        mu = self.capacity
         backlog = max(0.0, rate - mu) * horizon_s / 2.0 + math.sqrt(max(rate, 0.0) * horizon_s)
-        return min(self.predicted_latency_s(rate), self.round_s_at(rate) + backlog / mu)
+        return min(self.predicted_latency_s(rate), self.round_s + backlog / mu)
 
     def expected_latency_s(self, rate: float, span_s: float, horizon_s: float) -> float:
         """:meth:`latency_within_s` averaged over what a rate measured as

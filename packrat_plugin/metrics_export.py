@@ -36,10 +36,6 @@ METRICS: dict[str, tuple[str, str]] = {
     "packrat_in_service_requests": ("gauge", "Requests inside the model's workers."),
     "packrat_calibration_slowdown": ("gauge", "Measured serving time over the profile's prediction."),
     "packrat_calibration_overhead_seconds": ("gauge", "Measured handler time per request outside the model."),
-    "packrat_calibration_contention": (
-        "gauge",
-        "Share of the model's cores the rest of the machine takes, per request/s of load.",
-    ),
     "packrat_swaps_total": ("counter", "Reconfigurations, by kind (initial, scale, swap)."),
     "packrat_last_swap_seconds": ("gauge", "The last reconfiguration's duration, by phase and in total."),
     "packrat_last_swap_serving_after_seconds": ("gauge", "Seconds the last reconfiguration took to serve."),
@@ -81,7 +77,6 @@ def _samples(status: dict[str, Any]) -> Iterable[tuple[str, dict[str, object], f
         if calibration:
             yield "packrat_calibration_slowdown", model, calibration.get("slowdown", 1.0)
             yield "packrat_calibration_overhead_seconds", model, calibration.get("overhead_ms", 0.0) / 1000.0
-            yield "packrat_calibration_contention", model, calibration.get("contention", 0.0)
         for kind, count in sorted((m.get("swaps_by_kind") or {}).items()):
             yield "packrat_swaps_total", {**model, "kind": kind}, count
         last = m.get("last_swap")

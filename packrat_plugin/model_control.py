@@ -28,7 +28,6 @@ from typing import Any
 
 from handlers.pinning.slots import PlanStore
 from packrat_plugin.calibration import Calibration, CalibrationConfig, ServiceCalibrator
-from packrat_plugin.core_usage import read_core_usage
 from packrat_plugin.division import OVERLOAD_S, DivisionConfig
 from packrat_plugin.levels import Level, level_of, levels_for
 from packrat_plugin.load_monitor import LoadMonitor, MonitorConfig
@@ -280,9 +279,7 @@ class ModelController:
         if report.kind != "none":
             # The new set's counters start where they are now; the drain is over,
             # so its first window is not slowed by the old set.
-            self.calibrator.restart(
-                self.store.service_totals(self.target.name, self.swapper.active), read_core_usage(self.topology.cores)
-            )
+            self.calibrator.restart(self.store.service_totals(self.target.name, self.swapper.active))
         with self.lock:
             self.level, self.plan = level, level.plan
             if report.kind != "none":
@@ -311,10 +308,7 @@ class ModelController:
         active = served.get(self.swapper.active or "")
         # self.level's profiled rounds; the policy's copy of each level carries the calibration.
         calibrating = self.config.calibrate and self.level is not None and active is not None and self.level.rounds_ms
-        usage = read_core_usage(self.topology.cores) if calibrating else None
-        if calibrating and self.calibrator.update(
-            active.totals, self.level.rounds_ms, self.level.threads, usage, len(self.topology.cores)
-        ):
+        if calibrating and self.calibrator.update(active.totals, self.level.rounds_ms):
             with self.lock:
                 self.policy.calibrate(self.calibrator.current)
 
