@@ -219,6 +219,7 @@ def run_all(spec, archive, profile, shapes, payloads, repeats: int, workdir: Pat
             swaps_per_run=[len(run_["swaps"]) for run_ in packrat_runs],
             decisions=[d for run_ in packrat_runs for d in run_["decisions"]],
             reactions=[r for run_ in packrat_runs for r in run_["reactions"]],
+            calibrations=[run_["calibration"] for run_ in packrat_runs],
             timeline=packrat_runs[0]["timeline"],
             swap_marks=packrat_runs[0]["swap_marks"],
             **windows_of(packrat_runs),
@@ -239,6 +240,7 @@ def play(system: str, url: str, phases, payloads, model) -> dict:
             swaps=swaps,
             decisions=decisions,
             reactions=reactions(phases, decisions, swaps, start_wall),
+            calibration=model.calibrator.current.to_dict(),  # what the policy predicted with at the run's end
             timeline=[(round(s.sent, 3), round(s.latency_s * 1e3, 1), s.status) for s in result.samples],
             swap_marks=[(s["started"] - start_wall, s["seconds"]) for s in swaps],
             inside=[s.latency_s for s in in_swaps(result, swaps, start_wall, True)],
