@@ -11,6 +11,13 @@ measured mean latency stands what Packrat's policy predicts for that setting
 with what the workers' own counters measured in that run (the model's time
 and the handler's time outside it), so the table shows how good the
 queueing model is once the service time is known.
+
+Beside the model's slowdown over its profile stands the workers' CPU time
+over their forward passes as a share of their threads' wall time: the test
+of whether the fat worker slows with the load because other processes take
+its cores (a team of two stalls when either core is taken; a one-thread
+worker only when its own is), the model of a load-dependent slowdown per
+worker class (``docs/benchmarks/reading/packrat.md``).
 """
 
 from __future__ import annotations
@@ -94,7 +101,10 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict:
                     "rate": rate, "system": system, "requests": len(result.samples), "failed": result.failed,
                     "mean_ms": result.mean_latency_ms(), "p99_ms": result.percentile_ms(99),
                     "throughput": result.throughput(), "model_ms": model_ms, "overhead_ms": overhead_ms,
-                    "predicted_ms": level.predicted_latency_s(rate) * 1e3,
+                    "predicted_ms": level.predicted_latency_s(rate) * 1e3, "slowdown": model_ms / profiled,
+                    # The workers' CPU time over their forward passes, as a share of their threads' wall time:
+                    # under 1 by the time other processes held their cores (None: no forward measured).
+                    "cpu_share": window.model_cpu_s / (item.threads * window.model_s) if window.model_s > 0 else None,
                 })  # fmt: skip
                 time.sleep(1.0)
     return {"model": spec.name, "mode": spec.mode, "threads": threads, "rows": rows, "profile_path": str(profile_path)}
@@ -118,9 +128,11 @@ def render(data: dict, stem: str) -> str:
 
     table = markdown_table(
         ["req/s", "setting", "mean ms (measured)", "mean ms (predicted)", "p99 ms", "throughput", "model ms / batch",
-         "handler ms outside the model / request", "requests (failed)"],
+         "model ÷ profile", "CPU in the model ÷ threads × its time", "handler ms outside the model / request",
+         "requests (failed)"],
         [[f"{r['rate']:g}", r["system"], ms(r["mean_ms"]), ms(r["predicted_ms"]), ms(r["p99_ms"]),
-          f"{r['throughput']:.1f}", f"{r['model_ms']:.1f}", f"{r['overhead_ms']:.1f}",
+          f"{r['throughput']:.1f}", f"{r['model_ms']:.1f}", f"{r['slowdown']:.2f}",
+          "-" if r.get("cpu_share") is None else f"{r['cpu_share']:.2f}", f"{r['overhead_ms']:.1f}",
           f"{r['requests']} ({r['failed']})"] for r in data["rows"]],
     )  # fmt: skip
     T = data["threads"]
@@ -128,7 +140,9 @@ def render(data: dict, stem: str) -> str:
         f"# One fat worker or one worker per core: {data['model']} ({data['mode']}), T={T}\n\n"
         f"fat = ⟨1,{T},1⟩, static = ⟨{T},1,1⟩, both in one TorchServe, taking turns at each open-loop Poisson rate "
         f"(same arrivals). Predicted = Packrat's queueing model (M/D/i over the profiled round, "
-        f"`packrat_plugin/policy.py`) calibrated with that run's own counters. Profile: `{data['profile_path']}`.\n\n"
+        f"`packrat_plugin/policy.py`) calibrated with that run's own counters. *CPU in the model*: the workers' "
+        f"CPU time over their forward passes ÷ their threads × the passes' wall time, under 1 by the time other "
+        f"processes held their cores. Profile: `{data['profile_path']}`.\n\n"
         f"{table}\n\n![crossover]({stem}.png)\n\n{provenance_block(data['provenance'])}"
     )
 

@@ -231,16 +231,17 @@ class PlainModelHandler(PackratWorkerMixin):
             self.metrics.batch_started(len(pre.inputs), [])  # the frontend's queue is not the handler's to time
             with self.in_service(len(pre.inputs)):
                 batch = collate(pre.inputs)
-                model_started = time.perf_counter_ns()
+                model_started, cpu_started = time.perf_counter_ns(), time.process_time_ns()
                 logits = self.inference(batch)
                 model_ns = time.perf_counter_ns() - model_started
+                model_cpu_ns = time.process_time_ns() - cpu_started
                 encode_started = time.perf_counter_ns()
                 outputs = self.postprocess(logits, pre.inputs)
             for index, result in zip(pre.indices, outputs, strict=True):
                 responses[index] = result
             done = time.perf_counter_ns()
             self.metrics.batch_finished((encode_started - decoded) / 1e9)
-            self.record_batch(len(pre.inputs), done - started, model_ns)
+            self.record_batch(len(pre.inputs), done - started, model_ns, model_cpu_ns)
             stages_ns = {"decode": decoded - started, "model": encode_started - decoded,
                          "encode": done - encode_started}  # fmt: skip
             self.metrics.stages({k: v / 1e9 for k, v in stages_ns.items()}, requests=len(pre.inputs))

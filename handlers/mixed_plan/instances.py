@@ -189,7 +189,7 @@ class InstancePool:
             logger.exception("batch of %d on instance %d failed", len(taken), index)
             outputs, error = None, ServiceUnavailable(f"inference failed: {type(exc).__name__}: {exc}")
         finished = time.monotonic()
-        # Recorded before any answer leaves (one 64-byte write): a client that has every answer
+        # Recorded before any answer leaves (one 72-byte write): a client that has every answer
         # then reads counters that hold every batch, as the controller's calibration assumes.
         if self._on_batch is not None:
             try:

@@ -55,7 +55,7 @@ class Slot:
 
 
 PLAN_DIR_ENV = "PACKRAT_PLAN_DIR"
-_COUNTERS = struct.Struct("<8q")  # the fields of CountersRecord
+_COUNTERS = struct.Struct("<9q")  # the fields of CountersRecord
 
 
 @dataclass(frozen=True)
@@ -195,8 +195,9 @@ class PlanStore:
                 continue
             in_service += max(0, record.in_service)
             totals = totals + ServiceTotals(
-                record.batches, record.requests, record.handler_ns / 1e9, record.model_ns / 1e9
-            )
+                record.batches, record.requests, record.handler_ns / 1e9, record.model_ns / 1e9,
+                record.model_cpu_ns / 1e9,
+            )  # fmt: skip
         return VersionCounters(in_service, totals)
 
     def in_service(self, model: str, version: str) -> int:
@@ -216,14 +217,19 @@ class ServiceTotals:
     requests: int = 0
     handler_s: float = 0.0  # whole ``handle()``: decode, model, encode
     model_s: float = 0.0  # the model's forward pass alone
+    # The worker process's CPU time over those forward passes (all its threads): under ``threads × model_s``
+    # by the time its threads were not running, which is what other processes on its cores cost it.
+    model_cpu_s: float = 0.0
 
     def __add__(self, other: ServiceTotals) -> ServiceTotals:
         return ServiceTotals(self.batches + other.batches, self.requests + other.requests,
-                             self.handler_s + other.handler_s, self.model_s + other.model_s)  # fmt: skip
+                             self.handler_s + other.handler_s, self.model_s + other.model_s,
+                             self.model_cpu_s + other.model_cpu_s)  # fmt: skip
 
     def __sub__(self, other: ServiceTotals) -> ServiceTotals:
         return ServiceTotals(self.batches - other.batches, self.requests - other.requests,
-                             self.handler_s - other.handler_s, self.model_s - other.model_s)  # fmt: skip
+                             self.handler_s - other.handler_s, self.model_s - other.model_s,
+                             self.model_cpu_s - other.model_cpu_s)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -242,6 +248,7 @@ class CountersRecord(NamedTuple):
     requests: int
     handler_ns: int
     model_ns: int
+    model_cpu_ns: int
     seq_again: int
 
 
@@ -263,7 +270,7 @@ def read_counters(path: Path, attempts: int = 3) -> CountersRecord | None:
 class SlotCounters:
     """A worker's side of its slot's counters file.
 
-    One 64-byte ``pwrite`` per update, framed by a sequence number at both
+    One 72-byte ``pwrite`` per update, framed by a sequence number at both
     ends: a reader that races a write sees two different numbers and reads
     again, so it never adds up half of one record and half of another.
     """
@@ -277,20 +284,23 @@ class SlotCounters:
         self.requests = 0
         self.handler_ns = 0
         self.model_ns = 0
+        self.model_cpu_ns = 0
         self._write()
 
     def set_in_service(self, count: int) -> None:
         self.in_service = count
         self._write()
 
-    def add_batch(self, requests: int, handler_ns: int, model_ns: int) -> None:
+    def add_batch(self, requests: int, handler_ns: int, model_ns: int, model_cpu_ns: int = 0) -> None:
         self.batches += 1
         self.requests += requests
         self.handler_ns += handler_ns
         self.model_ns += model_ns
+        self.model_cpu_ns += model_cpu_ns
         self._write()
 
     def _write(self) -> None:
         self._seq += 1
-        fields = (self._pid, self.in_service, self.batches, self.requests, self.handler_ns, self.model_ns)
+        fields = (self._pid, self.in_service, self.batches, self.requests, self.handler_ns, self.model_ns,
+                  self.model_cpu_ns)  # fmt: skip
         os.pwrite(self._fd, _COUNTERS.pack(self._seq, *fields, self._seq), 0)

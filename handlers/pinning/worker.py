@@ -250,8 +250,9 @@ class PackratWorkerMixin:
         if claim is not None and claim.instance_counters and requests > 0:
             claim.instance_counters[instance].add_batch(requests, model_ns, model_ns)
 
-    def record_batch(self, requests: int, handler_ns: int, model_ns: int) -> None:
+    def record_batch(self, requests: int, handler_ns: int, model_ns: int, model_cpu_ns: int = 0) -> None:
         """Add one served batch to the slot's counters: what serving really costs,
-        decode and encode included, for the controller's calibration."""
+        decode and encode included, for the controller's calibration; ``model_cpu_ns``:
+        the process's CPU time over the forward pass (0: not measured)."""
         if self.packrat_claim is not None and requests > 0:
-            self.packrat_claim.counters.add_batch(requests, handler_ns, model_ns)
+            self.packrat_claim.counters.add_batch(requests, handler_ns, model_ns, model_cpu_ns)
