@@ -232,10 +232,19 @@ def run_profile(
             done = {(p.threads, p.batch): p for p in previous.points}
             handler = previous.handler
         grid = [(t, b) for t in threads for b in batches]
+
         # Pass-major: every pass sweeps the whole grid, so a slow phase of a
         # shared machine lands on one pass of many points rather than on all
-        # passes of a few, and the median over passes leaves it out.
-        todo = [(k, tb) for k in range(passes) for tb in grid if len(passes_of(done.get(tb))) <= k]
+        # passes of a few, and the median over passes leaves it out.  Within a
+        # pass, batch-major with the thread counts taking turns (reversed every
+        # other pass): what the policy weighs is the ratio between worker
+        # classes at one batch, and measured a minute apart on a VM that drifts
+        # it came out 1.47 where serving showed 1.86 (t = 1 against t = 2, b = 1;
+        # docs/benchmarks/reading/packrat.md).
+        def sweep(k: int) -> list[tuple[int, int]]:
+            return [(t, b) for b in batches for t in (threads if k % 2 == 0 else threads[::-1])]
+
+        todo = [(k, tb) for k in range(passes) for tb in sweep(k) if len(passes_of(done.get(tb))) <= k]
         meta = {
             "mode": spec.mode,
             "warmup": warmup,
@@ -342,6 +351,9 @@ def format_table(profile: Profile) -> str:
 
 LOCAL_PROFILE_DIR = Path("logs/profiles")
 BRIEF_BATCHES = [1, 2, 4, 8]
+# Three sweeps, each point the median of its three: one sweep's points on a shared VM are each one draw of
+# a speed that drifts by up to 1.7x over seconds (about a minute for ResNet-50 on 2 cores per sweep).
+BRIEF_PASSES = 3
 
 
 def profile_for_this_machine(
@@ -384,5 +396,6 @@ def profile_for_this_machine(
         f"For a thorough one: packrat profile {model} --out profiles/{model}.json",
         file=sys.stderr,
     )
-    profile = run_profile(model, list(range(1, cores + 1)), batches or BRIEF_BATCHES, out, mode=mode, warmup=2, iters=5)
+    profile = run_profile(model, list(range(1, cores + 1)), batches or BRIEF_BATCHES, out, mode=mode, warmup=2, iters=5,
+                          passes=BRIEF_PASSES)  # fmt: skip
     return profile, out
