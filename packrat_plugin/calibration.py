@@ -33,7 +33,16 @@ grows with the load (the frontend and the clients take more of the cores),
 so at a constant 16 req/s the split's fresh 1.3× against the fat worker's
 1.2× from a lighter load made the fat worker look the larger and moved
 there and back (issue 45's constant-load bench).  A slowdown that is a
-function of the load, per class, is what would fix both.
+function of the load, per class, looked like what would fix both.
+
+Measured since (``docs/benchmarks/packrat_crossover_resnet50_cpu_share.md``
+and ``..._interleaved_profile.md``): the workers' threads run 0.95-0.98 of
+their forward passes' time in both classes at every load, so the rest of the
+machine does not stall the fat worker's team; and the classes' different
+slowdowns (0.98-1.25× against 1.22-1.36×) came from the profile, whose
+one-pass sweep measured all of t = 1 and then all of t = 2 a minute apart
+on a VM that drifts. Profiled in interleaved passes (``profiler.py``), both
+classes run at 1.01-1.15× their profile, so one slowdown serves both.
 """
 
 from __future__ import annotations
