@@ -15,12 +15,12 @@ def test_plans_round_trip_and_in_service_ignores_dead_workers(tmp_path):
 
     live = SlotCounters(store.counters_path("m", "a", 0))  # this process, alive
     live.set_in_service(3)
-    live.add_batch(3, handler_ns=300_000_000, model_ns=240_000_000)
+    live.add_batch(3, handler_ns=300_000_000, model_ns=240_000_000, model_cpu_ns=420_000_000)
     dead = subprocess.Popen(["true"])
     dead.wait()  # a pid that no longer runs
-    store.counters_path("m", "a", 1).write_bytes(_COUNTERS.pack(1, dead.pid, 5, 9, 9, 9, 9, 1))
+    store.counters_path("m", "a", 1).write_bytes(_COUNTERS.pack(1, dead.pid, 5, 9, 9, 9, 9, 9, 1))
     assert store.in_service("m", "a") == 3  # the dead worker's last record is not load
-    assert store.service_totals("m", "a") == ServiceTotals(1, 3, 0.3, 0.24)
+    assert store.service_totals("m", "a") == ServiceTotals(1, 3, 0.3, 0.24, 0.42)  # CPU of the forward passes too
     live.set_in_service(0)
     assert store.in_service("m", "a") == 0
     assert not any(p.name.endswith(".partial") for p in (tmp_path / "m").iterdir())
@@ -31,7 +31,7 @@ def test_a_record_torn_by_a_concurrent_write_is_not_read(tmp_path):
     store.write(VersionPlan("m", "a", 1, 1, (Slot((0,), 1, 1),)))
     import os
 
-    torn = _COUNTERS.pack(7, os.getpid(), 2, 1, 1, 1, 1, 6)  # the two sequence numbers differ
+    torn = _COUNTERS.pack(7, os.getpid(), 2, 1, 1, 1, 1, 1, 6)  # the two sequence numbers differ
     store.counters_path("m", "a", 0).write_bytes(torn)
     assert store.in_service("m", "a") == 0
     assert store.service_totals("m", "a") == ServiceTotals()
