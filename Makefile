@@ -22,7 +22,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 # The unit tests only: no TorchServe, no Java, no GPU; for a developer's edit-test loop.
 test-fast: $(STAMP)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import statistics
 import threading
 import time
 from pathlib import Path
@@ -23,8 +24,10 @@ from model_store.samples import client_payload, image_tensor_json
 from packrat_plugin.compare import ComparisonConfig, compare_fat_and_plan, format_rows
 from packrat_plugin.controller import PackratController
 from packrat_plugin.load_monitor import MonitorConfig
+from packrat_plugin.measure import InstanceJob, InstanceProcess
 from packrat_plugin.model_control import ControllerConfig, ModelTarget
 from packrat_plugin.profile import Profile, ProfilePoint
+from packrat_plugin.profiler import prepare_model
 from packrat_plugin.swapper import SwapperConfig
 from serving_harness.loadgen import open_loop, run
 from serving_harness.topology import CpuTopology, parse_cpu_list
@@ -40,18 +43,76 @@ SPEC = get_spec("resnet50", "script")
 def two_core_profile() -> Profile:
     """B=1 → one 2-thread instance; B≥2 → one 1-thread instance per core (b = B/2).
 
-    The fat instance's capacity (1/0.09 s ≈ 11 requests/s) is the bottleneck
-    on paper; one 1-thread instance per core carries ~20/s on paper and ~13/s
-    on the 2-core AMD VM (1.3-1.5× slower than this profile, plus ~4 ms of
-    decoding per request), so the step goes to 10/s: past the fat worker,
-    well within the split.  Batching gains little, as for
-    ResNet-50 on a CPU (the AMD VM: 101, 203, 425 ms at batch 1, 2, 4): the
-    controller's calibration scales every batch size alike, so a profile
-    that promised much from batching would keep promising it after serving
-    had shown otherwise, and move again.
+    For the tests that need the optimizer's choice known in advance and time
+    no load (pinning, respawn, roll-back, the wire protocols, the fat-vs-plan
+    comparison).  The tests that play a load against the controller take
+    ``measured_profile`` instead, so that their rates sit where they mean to
+    on a machine of any speed.  Batching gains little, as for ResNet-50 on a
+    CPU (the AMD VM: 101, 203, 425 ms at batch 1, 2, 4): the controller's
+    calibration scales every batch size alike, so a profile that promised
+    much from batching would keep promising it after serving had shown
+    otherwise, and move again.
     """
     latency = {(1, 1): 100.0, (2, 1): 90.0, (1, 2): 190.0, (2, 2): 170.0, (1, 4): 380.0, (2, 4): 400.0}
     return Profile("resnet50", tuple(ProfilePoint(t, b, lat) for (t, b), lat in latency.items()))
+
+
+def this_machines_profile(fat_ms: float, one_ms: float) -> Profile:
+    """A profile of the two batch-1 points measured on this machine, with batching's small gain written in.
+
+    The optimizer's choices are those of ``two_core_profile`` while one
+    1-thread instance takes under twice the time of one 2-thread one: B=1 →
+    the fat instance, B≥2 → one 1-thread instance per core.  Batches gain
+    5 % on one thread and nothing on two, so B=4 (⟨1,2⟩ per core) carries
+    the most and B=8 (⟨1,4⟩) a little less: a load past every capacity
+    moves once, to ⟨1,2⟩, not on through the batch sizes.
+    """
+    latency = {(1, 1): one_ms, (2, 1): fat_ms, (1, 2): 1.9 * one_ms, (2, 2): 2.0 * fat_ms,
+               (1, 4): 3.9 * one_ms, (2, 4): 4.0 * fat_ms}  # fmt: skip
+    return Profile("resnet50", tuple(ProfilePoint(t, b, lat) for (t, b), lat in latency.items()))
+
+
+@pytest.fixture(scope="module")
+def measured_profile(archive, tmp_path_factory) -> Profile:
+    """ResNet-50 timed on this machine: one 2-thread instance on both cores against one 1-thread instance on one.
+
+    The load tests below set their rates from it.  Fixed rates on the hand-
+    written profile failed on a VM that ran the model twice as slowly as the
+    one they were tuned on (CI, 2026-11): the calibrated model then put 3
+    requests/s past the crossover and 10/s past the split's capacity, and
+    the controller, rightly, moved twice.  Real pinned processes of the
+    served artefact (``packrat_plugin.measure``, as the profiler uses),
+    timed in alternating 1-second windows, three each; each point is the
+    median of its windows' medians (~20 s with the processes' start).
+    """
+    prepared = prepare_model(str(archive("resnet50", "script")), "script", tmp_path_factory.mktemp("speed"))
+    cores = tuple(sorted(os.sched_getaffinity(0)))[:2]
+    spec = prepared.spec.to_dict()
+    windows: dict[int, list[float]] = {1: [], 2: []}
+    with InstanceProcess(InstanceJob(spec, str(prepared.artefact), 2, 1, cores)) as fat:
+        fat.wait_ready()
+        with InstanceProcess(InstanceJob(spec, str(prepared.artefact), 1, 1, cores[:1])) as one:
+            one.wait_ready()
+            for threads in (2, 1, 1, 2, 2, 1):  # each point first, middle and last once
+                instance = fat if threads == 2 else one
+                instance.request(time.time(), duration_s=1.0, min_iters=3)
+                windows[threads].append(statistics.median(instance.result(timeout_s=120).latencies_ms))
+    fat_ms, one_ms = statistics.median(windows[2]), statistics.median(windows[1])
+    # Alone, two threads ran 1.4-2.05× one thread's speed on the 2-core VM
+    # from one run to the next; under serving the 2-thread worker slows more
+    # than the 1-thread ones (the frontend and the clients share its cores),
+    # so the split pays there even when it does not alone.  Capped at 1.8×,
+    # the profile keeps the split as the plan for B ≥ 2 on every such run.
+    one_ms = min(one_ms, 1.8 * fat_ms)
+    return this_machines_profile(fat_ms, one_ms)
+
+
+def fat_capacity_per_s(profile: Profile, calibration: dict[str, float] | None = None) -> float:
+    """Requests per second the fat 2-thread worker carries at batch 1: on the profile, or as calibrated by serving."""
+    fat_ms = profile.latency(2, 1)
+    if calibration is None:
+        return 1000.0 / fat_ms
+    return 1000.0 / (fat_ms * calibration["slowdown"] + calibration["overhead_ms"])
 
 
 def affinity_of_tasks(pid: int) -> set[tuple[int, ...]]:
@@ -85,12 +146,12 @@ def wait_for(predicate, timeout_s: float, what: str):
 def controller_factory(tmp_path, archive):
     started: list[PackratController] = []
 
-    def make(**config_kwargs) -> PackratController:
+    def make(profile: Profile | None = None, **config_kwargs) -> PackratController:
         config_kwargs.setdefault("standby_workers", 0)
         config = ControllerConfig(
             monitor=MonitorConfig(period_s=0.1), swapper=SwapperConfig(max_batch_delay_ms=20), **config_kwargs
         )
-        target = ModelTarget("resnet50", archive("resnet50", "script"), two_core_profile())
+        target = ModelTarget("resnet50", archive("resnet50", "script"), profile or two_core_profile())
         topology = CpuTopology({0: tuple(sorted(os.sched_getaffinity(0)))[:2]})
         controller = PackratController(tmp_path / f"packrat{len(started)}", [target], config, topology=topology)
         started.append(controller)
@@ -141,8 +202,8 @@ def swaps_after(controller: PackratController, wall: float) -> list:
     return [r for r in controller.models["resnet50"].swaps if r.kind != "initial" and r.started >= wall]
 
 
-def test_one_step_of_open_loop_load_swaps_warm_within_seconds_with_zero_failures(controller_factory):
-    controller = controller_factory(standby_workers=8)
+def test_one_step_of_open_loop_load_swaps_warm_within_seconds_with_zero_failures(controller_factory, measured_profile):
+    controller = controller_factory(measured_profile, standby_workers=8)
     first = controller.status()["models"]["resnet50"]
     assert first["plan"]["instances"] == [{"count": 1, "threads": 2, "batch": 1}]
     assert first["active_version"] == "t2b1"
@@ -154,11 +215,6 @@ def test_one_step_of_open_loop_load_swaps_warm_within_seconds_with_zero_failures
     fat_pids = [w["pid"] for w in workers(controller, "t2b1")]
     url = f"{controller.server.inference_url}/predictions/resnet50"
     payload = client_payload(SPEC, seed=5)  # a JPEG, as clients send; JSON tensors cost more to decode
-    # The low phase carries enough requests (≥ 20) for the controller to calibrate
-    # the hand-written profile against real serving before the step.  A step taken
-    # on the bare profile may be followed by a second, corrective move once
-    # serving has been measured (seen in CI: 2×⟨1,1⟩, then 2×⟨1,2⟩ 8 s later).
-    step_wall = time.time() + 8
     # A scraper of the status port's /metrics during the load sees the plan change.
     metrics_url = controller.status_url.replace("/status", "/metrics")
     scraped: list[str] = []
@@ -171,19 +227,32 @@ def test_one_step_of_open_loop_load_swaps_warm_within_seconds_with_zero_failures
 
     scraper = threading.Thread(target=scrape, daemon=True)
     scraper.start()
-    result = run(open_loop(url, lambda i: payload, [(8, 3.0), (24, 10.0)], seed=7))
+    # The low phase: a quarter of the fat worker's capacity on this machine's
+    # profile (serving runs slower still, up to 2×: under half of it), where
+    # the fat worker is the better plan by far, with enough requests (≥ 20)
+    # for the controller to calibrate the profile against real serving.
+    low = run(open_loop(url, lambda i: payload, [(14, 0.25 * fat_capacity_per_s(measured_profile))], seed=7))
+    calibration = controller.status()["models"]["resnet50"]["calibration"]
+    assert calibration["updates"] >= 1, calibration
+    # The step: 1.4× what the fat worker carries as calibrated, past it for
+    # certain, and near or past what the split carries (on 2 cores, 1.1-1.4×
+    # the fat worker): the best plan is the split's largest batch, one move.
+    high_rate = 1.4 * fat_capacity_per_s(measured_profile, calibration)
+    step_wall = time.time()
+    high = run(open_loop(url, lambda i: payload, [(10, high_rate)], seed=8))
     time.sleep(3.0)  # a swap still in progress would finish, and count, before the state is read
     scraping.set()
     scraper.join(timeout=10)
     status = controller.status()["models"]["resnet50"]
     swaps = swaps_after(controller, 0)
-    assert result.failed == 0, [s.status for s in result.samples if s.status != 200][:5]
+    failed = [s.status for r in (low, high) for s in r.samples if s.status != 200]
+    assert failed == [], failed[:5]
     # One step, one swap.  (A second one used to follow when the old fat
     # worker drained its backlog with two OpenMP threads on the new workers'
     # cores; now the new workers hold their batches until the drain ends.)
     decisions = controller.models["resnet50"].decisions
     moves = [(s.before, s.after, s.started - step_wall) for s in swaps]
-    assert len(swaps) == 1, (moves, decisions, status["calibration"])
+    assert len(swaps) == 1, (moves, decisions, status["calibration"], high_rate)
     swap = swaps[0]
     assert swap.kind == "swap" and swap.warm and swap.before == [{"count": 1, "threads": 2, "batch": 1}]
     assert swap.after[0]["threads"] == 1 and swap.after[0]["count"] == 2
@@ -209,16 +278,21 @@ def test_one_step_of_open_loop_load_swaps_warm_within_seconds_with_zero_failures
     assert serving_after and float(serving_after.group(1)) == pytest.approx(swap.serving_after_s, abs=1e-6)
 
 
-def test_constant_poisson_load_gives_no_swap_over_a_minute(controller_factory):
-    controller = controller_factory(standby_workers=8)
+def test_constant_poisson_load_gives_no_swap_over_a_minute(controller_factory, measured_profile):
+    """A fifth of the fat worker's capacity on this machine's profile, where it is the best plan by far."""
+    controller = controller_factory(measured_profile, standby_workers=8)
     url = f"{controller.server.inference_url}/predictions/resnet50"
     payload = client_payload(SPEC, seed=6)
-    settle_until = time.time() + 15  # the first seconds may move once from the initial B=1
-    result = run(open_loop(url, lambda i: payload, [(75, 8.0)], seed=11))
+    settle_until = time.time() + 15  # the first seconds may move once, before serving has calibrated the profile
+    rate = 0.2 * fat_capacity_per_s(measured_profile)
+    result = run(open_loop(url, lambda i: payload, [(75, rate)], seed=11))
     assert result.failed == 0
     late = swaps_after(controller, settle_until)
-    assert late == [], [(s.before, s.after, s.started - settle_until) for s in late]
-    assert len(swaps_after(controller, 0)) <= 1
+    status = controller.status()["models"]["resnet50"]
+    why = (rate, status["calibration"], controller.models["resnet50"].decisions)
+    assert late == [], ([(s.before, s.after, s.started - settle_until) for s in late], why)
+    assert len(swaps_after(controller, 0)) <= 1, why
+    assert status["calibration"]["updates"] >= 1  # served long enough to measure
 
 
 def test_the_open_inference_protocol_reaches_packrats_pinned_workers_over_http_and_grpc(controller_factory):
