@@ -61,7 +61,7 @@ import math
 from dataclasses import dataclass
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)  # by name: a positional call once set large_ratio to a false-alarm time
 class DetectorConfig:
     ratio: float = 2.0  # the smallest rise (and, inverted, fall) the test is tuned for
     large_ratio: float | None = 5.0  # a second test per direction, for large steps (None: one test per direction)

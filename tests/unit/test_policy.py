@@ -238,6 +238,20 @@ def test_monitor_survives_series_that_vanish_or_appear():
     assert monitor.rate(10.0) == pytest.approx(35.0 / 3.0)
 
 
+def test_the_monitors_detector_runs_the_tests_and_false_alarm_rate_it_is_configured_with():
+    """The monitor once passed its false-alarm time where the detector takes the large test's ratio (a
+    positional argument after a field was added): serving ran a 2× test at twice the time asked for beside
+    a 3600× one (whose fall test fires only on silence, ~13 arrivals' worth of it), and
+    ``packrat serve --false-alarm-hours`` changed nothing."""
+    for seconds, large in ((600.0, 5.0), (7200.0, None)):
+        monitor = LoadMonitor(MonitorConfig(period_s=0.5, change_false_alarm_s=seconds, change_large_ratio=large))
+        for i in range(20):
+            monitor.record(i * 0.5, {"a": 5.0 * i}, 0)  # 10 requests/s
+        config = monitor.detector.config
+        assert (config.ratio, config.large_ratio, config.false_alarm_seconds) == (2.0, large, seconds)
+    assert MonitorConfig().change_large_ratio is None  # what serving has run on since the bank came in
+
+
 def test_monitor_reports_growth_only_when_the_queue_grows():
     monitor = LoadMonitor(MonitorConfig(period_s=0.5, short_window_s=2.0, long_window_s=4.0))
     for i in range(10):
