@@ -21,6 +21,7 @@ import requests
 
 from model_store.catalog import get_spec
 from model_store.samples import client_payload, image_tensor_json
+from packrat_plugin.calibration import Calibration
 from packrat_plugin.compare import ComparisonConfig, compare_fat_and_plan, format_rows
 from packrat_plugin.controller import PackratController
 from packrat_plugin.load_monitor import MonitorConfig
@@ -40,6 +41,11 @@ pytestmark = [
 SPEC = get_spec("resnet50", "script")
 
 
+def resnet50_profile(latency_ms: dict[tuple[int, int], float]) -> Profile:
+    """A ResNet-50 profile of ``{(threads, batch): ms}``."""
+    return Profile("resnet50", tuple(ProfilePoint(t, b, ms) for (t, b), ms in latency_ms.items()))
+
+
 def two_core_profile() -> Profile:
     """B=1 → one 2-thread instance; B≥2 → one 1-thread instance per core (b = B/2).
 
@@ -53,8 +59,7 @@ def two_core_profile() -> Profile:
     much from batching would keep promising it after serving had shown
     otherwise, and move again.
     """
-    latency = {(1, 1): 100.0, (2, 1): 90.0, (1, 2): 190.0, (2, 2): 170.0, (1, 4): 380.0, (2, 4): 400.0}
-    return Profile("resnet50", tuple(ProfilePoint(t, b, lat) for (t, b), lat in latency.items()))
+    return resnet50_profile({(1, 1): 100.0, (2, 1): 90.0, (1, 2): 190.0, (2, 2): 170.0, (1, 4): 380.0, (2, 4): 400.0})
 
 
 def this_machines_profile(fat_ms: float, one_ms: float) -> Profile:
@@ -67,9 +72,8 @@ def this_machines_profile(fat_ms: float, one_ms: float) -> Profile:
     the most and B=8 (⟨1,4⟩) a little less: a load past every capacity
     moves once, to ⟨1,2⟩, not on through the batch sizes.
     """
-    latency = {(1, 1): one_ms, (2, 1): fat_ms, (1, 2): 1.9 * one_ms, (2, 2): 2.0 * fat_ms,
-               (1, 4): 3.9 * one_ms, (2, 4): 4.0 * fat_ms}  # fmt: skip
-    return Profile("resnet50", tuple(ProfilePoint(t, b, lat) for (t, b), lat in latency.items()))
+    return resnet50_profile({(1, 1): one_ms, (2, 1): fat_ms, (1, 2): 1.9 * one_ms, (2, 2): 2.0 * fat_ms,
+                             (1, 4): 3.9 * one_ms, (2, 4): 4.0 * fat_ms})  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +116,7 @@ def fat_capacity_per_s(profile: Profile, calibration: dict[str, float] | None = 
     fat_ms = profile.latency(2, 1)
     if calibration is None:
         return 1000.0 / fat_ms
-    return 1000.0 / (fat_ms * calibration["slowdown"] + calibration["overhead_ms"])
+    return 1000.0 / Calibration(**calibration).round_ms(1, fat_ms)
 
 
 def affinity_of_tasks(pid: int) -> set[tuple[int, ...]]:
