@@ -164,8 +164,9 @@ class _Errors(logging.Handler):
             self.first = text.splitlines()[0][:300]
 
 
-def _child(job: ForeignJob, conn: Any) -> None:
-    """Pinned before torch is imported, so its thread pool inherits the cores; then as a worker loads."""
+def _child(job: ForeignJob, model_dir: str, conn: Any) -> None:
+    """Pinned before torch is imported, so its thread pool inherits the cores; then as a worker loads
+    (the archive unpacked into ``model_dir``, which the parent owns and removes)."""
     os.sched_setaffinity(0, job.cores)
     os.environ["OMP_NUM_THREADS"] = str(job.threads)
     try:
@@ -176,7 +177,6 @@ def _child(job: ForeignJob, conn: Any) -> None:
         from ts.metrics.metric_cache_yaml_impl import MetricsCacheYamlImpl
         from ts.model_loader import ModelLoaderFactory
 
-        model_dir = tempfile.mkdtemp(prefix="packrat-foreign-")
         with zipfile.ZipFile(job.archive) as mar:
             mar.extractall(model_dir)
         sys.path.append(model_dir)  # as TorchServe's worker does: a handler file in the archive imports by name
@@ -223,11 +223,18 @@ class ForeignProcess:
 
     def __init__(self, job: ForeignJob) -> None:
         ctx = mp.get_context("spawn")
+        # The unpacked archive (a model's weights: hundreds of MB for a large
+        # one) is removed by this side, whether the child exits or is killed.
+        self._model_dir = tempfile.TemporaryDirectory(prefix="packrat-foreign-")
         self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_child, args=(job, child), daemon=True)
+        self.process = ctx.Process(target=_child, args=(job, self._model_dir.name, child), daemon=True)
         self.process.start()
         child.close()
-        self.seen = self._receive(600.0)
+        try:
+            self.seen = self._receive(600.0)
+        except BaseException:
+            self.close()
+            raise
 
     def _receive(self, timeout_s: float) -> Any:
         if not self.conn.poll(timeout_s):
@@ -250,6 +257,8 @@ class ForeignProcess:
         self.process.join(10)
         if self.process.is_alive():
             self.process.kill()
+            self.process.join(10)
+        self._model_dir.cleanup()
 
     def __enter__(self) -> ForeignProcess:
         return self

@@ -76,7 +76,9 @@ class PackratPlanHandler(AsyncModelHandler):
         self.metrics.batch_finished(seconds)
         self.record_instance_batch(instance.lane, requests, int(seconds * 1e9))
 
-    def _publish_in_service(self, count: int) -> None:
+    def unanswered_changed(self, count: int) -> None:
+        """The slot's in-service count is every request read and not yet answered (not only those
+        admitted), so the swapper never retires this set while a request is still decoding."""
         claim = self.packrat_claim
         if claim is not None:
             claim.counters.set_in_service(count)
@@ -89,7 +91,7 @@ class PackratPlanHandler(AsyncModelHandler):
             round_size = sum(i.batch for i in instances)
             self.pool = InstancePool(
                 self.lanes, instances, self._run, max_waiting=WAITING_PER_BATCH * round_size,
-                on_batch=self._record, on_count=self._publish_in_service, on_start=self._start_batch,
+                on_batch=self._record, on_start=self._start_batch,
                 max_delay_s=self.max_delay_s,
             )  # fmt: skip
             logger.info("Packrat plan: %s", ", ".join(f"⟨{i.threads},{i.batch}⟩ on lane {i.lane}" for i in instances))

@@ -64,7 +64,6 @@ class InstancePool:
         run: Runner,
         max_waiting: int,
         on_batch: Recorder | None = None,
-        on_count: Callable[[int], None] | None = None,
         on_start: Callable[[Instance, int], None] | None = None,
         max_delay_s: float = 0.0,
     ) -> None:
@@ -77,7 +76,6 @@ class InstancePool:
         self.instances = sorted(instances, key=lambda i: (-i.threads, -i.batch, i.lane))
         self._run = run
         self._on_batch = on_batch
-        self._on_count = on_count  # requests admitted and not yet answered, after every change
         self._on_start = on_start  # on the lane, before a batch runs (may hold it)
         self.max_waiting = max_waiting
         # An idle instance that could take fewer than its batch waits this long
@@ -112,17 +110,8 @@ class InstancePool:
             ticket = Ticket()
             self._waiting.setdefault(input_key(item), deque()).append((item, ticket))
             self._outstanding.add(ticket)
-            count = len(self._outstanding)
             self._cond.notify_all()
-        self._count(count)
         return ticket.future
-
-    def _count(self, count: int) -> None:
-        if self._on_count is not None:
-            try:
-                self._on_count(count)
-            except Exception:
-                logger.exception("publishing the in-service count failed")
 
     def _dispatch_loop(self) -> None:
         """The one place batches are formed: on every arrival, finished batch or batching deadline."""
@@ -202,9 +191,7 @@ class InstancePool:
         with self._cond:
             self._outstanding.difference_update(tickets)
             self._idle.add(index)
-            count = len(self._outstanding)
             self._cond.notify_all()
-        self._count(count)
 
     def warm_up(self, example: ModelInput) -> None:
         """Every instance runs its own batch size once, on its own lane (its OpenMP team, its kernels)."""

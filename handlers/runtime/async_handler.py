@@ -175,6 +175,7 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
         # batches late (``arrivals.py``); only when decoding on the lanes.
         self.arrivals: Arrivals | None = None
         self.closing = False
+        self.unanswered = 0  # requests this worker has read and not yet answered
         # Per event loop: TorchServe runs one for the worker's life, but a
         # handler driven directly (tests) may see several.
         self._admissions: dict[tuple[int, Any], _Admission] = {}
@@ -187,6 +188,9 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
     @abc.abstractmethod
     def create_engine(self, layout_example: ModelInput) -> Engine:
         """An engine for inputs shaped like ``layout_example``."""
+
+    def unanswered_changed(self, count: int) -> None:  # noqa: B027 - optional hook
+        """Called on the event loop whenever ``unanswered`` changes (Packrat's drain reads it)."""
 
     def cpu_lane_count(self) -> int:
         """How many batches may run at once on a CPU, each with an equal share of the cores."""
@@ -323,8 +327,22 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
     async def handle(self, data: list[dict[str, Any]], context: Any) -> list[Any]:
         if is_describe(context):
             return [answer_bytes(self.v2_signature())]
-        answers = await asyncio.gather(*(self._serve(index, row, context) for index, row in enumerate(data)))
+        # Counted from the moment the message is read, not from admission: a
+        # request still decoding, or waiting for room in a full engine, is in
+        # this worker, and a set being drained must not be stopped under it.
+        self._count_unanswered(len(data))
+        try:
+            answers = await asyncio.gather(*(self._serve(index, row, context) for index, row in enumerate(data)))
+        finally:
+            self._count_unanswered(-len(data))
         return list(answers)
+
+    def _count_unanswered(self, change: int) -> None:
+        self.unanswered += change
+        try:
+            self.unanswered_changed(self.unanswered)
+        except Exception:  # bookkeeping must not fail a request
+            logger.exception("publishing the unanswered count failed")
 
     async def _serve(self, index: int, row: dict[str, Any], context: Any) -> Any:
         arrival = None

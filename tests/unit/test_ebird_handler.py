@@ -459,3 +459,32 @@ def test_bad_ebird_config_is_refused_at_build_time(settings, message):
         ServingOptions(handler="ebird", handler_settings=tuple(settings.items()))
     with pytest.raises(EbirdConfigError, match=message):
         EbirdConfig.from_dict(settings)
+
+
+def test_a_request_is_unanswered_from_the_moment_it_is_read_not_only_once_admitted(make_handler):
+    """Packrat's drain reads this count: a request still decoding is in the worker, though no engine holds it."""
+    handler, ctx = make_handler()
+    published: list[int] = []
+    handler.unanswered_changed = published.append
+    decode = handler.decode_request
+
+    async def main():
+        gate = asyncio.Event()
+        decoding = asyncio.Event()
+
+        async def held_decode(row, context, index):
+            decoding.set()
+            await gate.wait()
+            return await decode(row, context, index)
+
+        handler.decode_request = held_decode
+        task = asyncio.create_task(call(handler, ctx, {"body": jpeg_bytes(seed=1)}))
+        await decoding.wait()
+        during = handler.unanswered, handler.metrics.snapshot()["inflight"]
+        gate.set()
+        status, _ = await task
+        return during, status
+
+    (unanswered, admitted), status = asyncio.run(main())
+    assert (unanswered, admitted) == (1, 0) and status == 200
+    assert handler.unanswered == 0 and published == [1, 0]

@@ -64,11 +64,10 @@ def make_pool(runner: Runner, batches: list[int], max_waiting: int = 64, max_del
 def test_each_idle_instance_takes_up_to_its_own_batch_and_every_request_is_answered_once() -> None:
     runner = Runner()
     recorded: list[tuple[int, int]] = []
-    counts: list[int] = []
     lanes = CpuLanes(2, 1)
     pool = InstancePool(
         lanes, [Instance(0, 1, 1), Instance(1, 1, 2)], runner, 64,
-        on_batch=lambda inst, n, s: recorded.append((inst.lane, n)), on_count=counts.append,
+        on_batch=lambda inst, n, s: recorded.append((inst.lane, n)),
     )  # fmt: skip
     engine = InstanceEngine(pool)
     futures = [engine.try_submit(item(v)) for v in range(7)]
@@ -78,7 +77,6 @@ def test_each_idle_instance_takes_up_to_its_own_batch_and_every_request_is_answe
     assert max(n for lane, n in runner.batches if lane == 0) == 1
     assert max(n for lane, n in runner.batches if lane == 1) <= 2
     assert sum(n for _, n in runner.batches) == 7 and sorted(recorded) == sorted(runner.batches)
-    assert counts[-1] == 0 and max(counts) >= 2  # in service, published after every change
     engine.close(5)
     lanes.close(5)
 
