@@ -30,6 +30,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from tqdm import tqdm
 
@@ -191,6 +192,8 @@ def run_all(spec, archive, profile, shapes, payloads, repeats: int, workdir: Pat
                                  SwapperConfig()).apply(plan)  # fmt: skip
             urls[system] = f"{static_server.inference_url}/predictions/{system}"
         model = controller.models[spec.name]
+        levels = [{"batch": lv.batch, "plan": lv.plan.describe(), "capacity": lv.capacity} for lv in model.levels]
+        uncredited = [u.describe() for u in model.uncredited]
         total = len(shapes) * repeats * len(systems)
         with tqdm(total=total, desc="loads × repeats × systems", unit="run") as bar:
             for name, phases in shapes.items():
@@ -199,7 +202,8 @@ def run_all(spec, archive, profile, shapes, payloads, repeats: int, workdir: Pat
                         bar.set_postfix_str(f"{name} #{r + 1} {system}")
                         runs[system][name].append(play(system, urls[system], phases, payloads, model))
                         bar.update()
-    out: dict[str, dict] = {system: {} for system in systems}
+    out: dict[str, Any] = {system: {} for system in systems}
+    out["packrat_levels"], out["uncredited"] = levels, uncredited
     for name in shapes:
         for system in systems:
             out[system][name] = median_run(runs[system][name])
@@ -397,11 +401,20 @@ def render(data: dict) -> str:
         f"How fast Packrat acted on each change of the offered load: reaction = from the change to the "
         f"controller's decision; serving = to the new plan serving (reaction plus the swap's own time).\n\n"
         f"{reaction_table}\n\n"
-        f"Profile: `{data['profile_path']}`.\n\nEvery Packrat swap:\n\n{phase_table}\n\n"
+        f"Profile: `{data['profile_path']}`.{levels_text(data)}\n\nEvery Packrat swap:\n\n{phase_table}\n\n"
         f"Decisions:\n\n" + "\n".join(decisions) + f"\n\n![latency over time, Packrat's first run of each load]"
         f"({data['stem']}.png)\n\n"
         f"{provenance_block(data['provenance'])}"
     )
+
+
+def levels_text(data: dict) -> str:
+    """The levels Packrat chose among (the profile's, less its uncredited batch sizes), when the run recorded them."""
+    if "packrat_levels" not in data:
+        return ""
+    levels = "; ".join(f"B={lv['batch']}: {lv['plan']}" for lv in data["packrat_levels"])
+    dropped = "".join(f"\n- {line}" for line in data["uncredited"])
+    return f" Packrat's levels: {levels}." + (f" Left out of planning:\n{dropped}" if dropped else "")
 
 
 def main(argv: list[str] | None = None) -> int:

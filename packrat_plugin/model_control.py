@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from handlers.pinning.slots import PlanStore
+from packrat_plugin.batch_credit import credit_batches
 from packrat_plugin.calibration import Calibration, CalibrationConfig, ServiceCalibrator
 from packrat_plugin.division import OVERLOAD_S, DivisionConfig
 from packrat_plugin.levels import Level, level_of, levels_for
@@ -67,6 +68,10 @@ class ControllerConfig:
     swapper: SwapperConfig = field(default_factory=SwapperConfig)
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
     calibrate: bool = True  # False: plan on the bare profile
+    # Plan only on batch sizes whose gain exceeds the spread of the profile's
+    # passes (batch_credit.py); False: every profiled point, as its median says.
+    # A fixed B is served as asked, on every point.
+    credit_batches: bool = True
     # Idle workers kept warm beside the serving set, so that a swap to their
     # class starts nothing (each costs its memory: ~0.65 GB for ResNet-50).
     standby_workers: int = 8
@@ -127,7 +132,11 @@ class ModelController:
         # Plans account for what the handler costs per request, as the profile
         # measured it; online calibration then corrects the predictions.
         prior = serving_costs(target.profile) if config.calibrate else Calibration()
-        self.optimizer = KnapsackOptimizer(target.profile, prior)
+        credit = config.credit_batches and config.fixed_batch is None
+        self.profile, self.uncredited = credit_batches(target.profile) if credit else (target.profile, [])
+        for point in self.uncredited:
+            logger.info("%s: %s", target.name, point.describe())
+        self.optimizer = KnapsackOptimizer(self.profile, prior)
         self._levels_by_cores: dict[int, list[Level]] = {}
         self.threads = len(topology.cores)
         self.max_batch = self._largest_feasible_batch()
@@ -158,7 +167,7 @@ class ModelController:
         threads = self.threads if threads is None else threads
         best = 0
         b = 1
-        while b <= threads * max(self.target.profile.batches):
+        while b <= threads * max(self.profile.batches):
             try:
                 self.optimizer.plan(threads, b, uniform=True)
                 best = b
@@ -240,7 +249,7 @@ class ModelController:
         batch = self.config.fixed_batch or 1
         if not self.config.mixed_plans:
             return self.level_for(batch)
-        return level_of(self.target.profile, batch, self.optimizer.plan(self.threads, batch))
+        return level_of(self.profile, batch, self.optimizer.plan(self.threads, batch))
 
     def start(self) -> SwapReport:
         level = self.fixed_level() if self.config.fixed_batch else self.level_for(1)
@@ -381,6 +390,8 @@ class ModelController:
                 "plan": plan.to_dict() if plan else None,
                 "slots": slots,
                 "estimated_batch": self.level.batch if self.level else None,
+                # Profiled points left out of planning: their batch gain was within their passes' spread.
+                "uncredited_points": [u.to_dict() for u in self.uncredited],
                 "arrival_rate": round(self.monitor.rate(short), 3),
                 "arrival_rate_long": round(self.monitor.rate(long_), 3),
                 "pending_requests": self.last_pending,

@@ -130,6 +130,9 @@ def add_policy_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-calibrate", action="store_true",
                    help="plan on the bare profile (the model alone), not on serving costs: the handler's per-request "
                         "cost the profile measured, then what serving measures (calibration.py)")  # fmt: skip
+    g.add_argument("--credit-every-batch", action="store_true",
+                   help="plan on every profiled batch size, even one whose gain is within the spread of the "
+                        "profile's passes (batch_credit.py)")  # fmt: skip
     div = DivisionConfig()
     m = p.add_argument_group("several models on one server (see packrat_plugin/division.py)")
     m.add_argument(
@@ -193,6 +196,7 @@ def config_from(args: argparse.Namespace) -> ControllerConfig:
         swapper=SwapperConfig(max_batch_delay_ms=args.max_batch_delay),
         standby_workers=args.standby_workers,
         calibrate=not args.no_calibrate,
+        credit_batches=not args.credit_every_batch,
         fixed_batch=args.fixed_batch,
         reconfigure=not args.no_reconfigure,
         share_cores=not args.no_share_cores,
