@@ -60,11 +60,10 @@ class Uncredited:
 
 def pass_range(point: ProfilePoint) -> tuple[float, float] | None:
     """The fastest and slowest pass of ``point``, per request; None with fewer than two passes."""
-    passes = point.extra.get("pass_ms")
-    if not isinstance(passes, list) or len(passes) < 2:
+    passes = point.passes_ms
+    if len(passes) < 2:
         return None
-    values = [float(v) for v in passes]
-    return min(values) / point.batch, max(values) / point.batch
+    return min(passes) / point.batch, max(passes) / point.batch
 
 
 def credit_batches(profile: Profile) -> tuple[Profile, list[Uncredited]]:

@@ -41,6 +41,11 @@ class ProfilePoint:
     def to_dict(self) -> dict[str, Any]:
         return {"threads": self.threads, "batch": self.batch, "latency_ms": self.latency_ms, **self.extra}
 
+    @property
+    def passes_ms(self) -> list[float]:
+        """The latency of each pass the point has had (a one-pass point: its latency)."""
+        return [float(v) for v in self.extra.get("pass_ms") or [self.latency_ms]]
+
 
 HANDLER_KEY = "handler"  # top-level key of the handler's per-request cost (handler_cost.py)
 

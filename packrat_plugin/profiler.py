@@ -184,9 +184,7 @@ def run_foreign_profile(
 
 def passes_of(point: ProfilePoint | None) -> list[float]:
     """The mean latency of each pass a point has had (a one-pass point: its latency)."""
-    if point is None:
-        return []
-    return list(point.extra.get("pass_ms") or [point.latency_ms])
+    return [] if point is None else point.passes_ms
 
 
 def with_pass(previous: ProfilePoint | None, new: ProfilePoint) -> ProfilePoint:
