@@ -64,6 +64,10 @@ from serving_harness.torchserve import TorchServeProcess
 
 SYSTEMS = ("packrat", "fat", "static")
 TWIN = "static_twin"  # --twin: the static split again, as a system of its own: its ratio to static is the A/A band
+# --hold-ab: Packrat again, the same controller, with every new worker on the old set's cores holding its batches
+# through a drain instead of the old set narrowing to one core per worker (SwapperConfig.narrow_drains off).
+HOLD = "packrat_hold"
+CONTROLLED = ("packrat", HOLD)
 
 
 def load_shapes(low: float, high: float, args: argparse.Namespace) -> dict[str, list[tuple[float, float]]]:
@@ -163,12 +167,11 @@ def median_run(runs: list[dict]) -> dict:
 
 def speedups(baseline: list[dict], packrat: list[dict]) -> dict:
     """Per repeat, baseline mean / Packrat mean (both ran back to back): median, min, max."""
-    ratios = [b["mean_ms"] / p["mean_ms"] for b, p in zip(baseline, packrat, strict=True)]
-    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
+    return spread([b["mean_ms"] / p["mean_ms"] for b, p in zip(baseline, packrat, strict=True)])
 
 
 def run_all(spec, archive, profile, shapes, payloads, repeats: int, workdir: Path, policy: PolicyConfig,
-            twin: bool = False) -> dict:  # fmt: skip
+            twin: bool = False, hold: bool = False) -> dict:  # fmt: skip
     """Every load, ``repeats`` times, the three systems interleaved (P F S, then S F P, …).
 
     All three stay up for the whole run (Packrat under its controller; fat and
@@ -182,11 +185,11 @@ def run_all(spec, archive, profile, shapes, payloads, repeats: int, workdir: Pat
                                    ControllerConfig(policy=policy),
                                    status_port=None)  # fmt: skip
     static_server = TorchServeProcess(workdir / "ts", workdir / "store", env={PLAN_DIR_ENV: str(plans.root)})
-    systems = (*SYSTEMS, TWIN) if twin else SYSTEMS
+    systems = (*SYSTEMS, *((HOLD,) if hold else ()), *((TWIN,) if twin else ()))
     runs: dict[str, dict[str, list[dict]]] = {system: {name: [] for name in shapes} for system in systems}
     with controller, static_server:
         management = static_server.management()
-        urls = {"packrat": f"{controller.server.inference_url}/predictions/{spec.name}"}
+        urls = {system: f"{controller.server.inference_url}/predictions/{spec.name}" for system in CONTROLLED}
         for system, plan in static_plans(len(topology.cores), twin).items():
             ActivePassiveSwapper(management, plans, system, archive, workdir / "store", topology,
                                  SwapperConfig()).apply(plan)  # fmt: skip
@@ -200,6 +203,7 @@ def run_all(spec, archive, profile, shapes, payloads, repeats: int, workdir: Pat
                 for r in range(repeats):
                     for system in systems if r % 2 == 0 else systems[::-1]:
                         bar.set_postfix_str(f"{name} #{r + 1} {system}")
+                        model.swapper.config.narrow_drains = system != HOLD
                         runs[system][name].append(play(system, urls[system], phases, payloads, model))
                         bar.update()
     out: dict[str, Any] = {system: {} for system in systems}
@@ -213,22 +217,35 @@ def run_all(spec, archive, profile, shapes, payloads, repeats: int, workdir: Pat
         better = [min(f["mean_ms"], st["mean_ms"]) for f, st in zip(runs["fat"][name], runs["static"][name],
                                                                       strict=True)]  # fmt: skip
         over = [p["mean_ms"] / b for p, b in zip(packrat_runs, better, strict=True)]
-        out["packrat"][name]["over_better_static"] = {"median": statistics.median(over), "min": min(over),
-                                                      "max": max(over)}  # fmt: skip
+        out["packrat"][name]["over_better_static"] = spread(over)
         if twin:
             out[TWIN][name]["vs_static"] = speedups(runs["static"][name], runs[TWIN][name])
-        swaps = [s for run_ in packrat_runs for s in run_["swaps"]]
-        out["packrat"][name].update(
-            swaps=swaps,
-            swaps_per_run=[len(run_["swaps"]) for run_ in packrat_runs],
-            decisions=[d for run_ in packrat_runs for d in run_["decisions"]],
-            reactions=[r for run_ in packrat_runs for r in run_["reactions"]],
-            calibrations=[run_["calibration"] for run_ in packrat_runs],
-            timeline=packrat_runs[0]["timeline"],
-            swap_marks=packrat_runs[0]["swap_marks"],
-            **windows_of(packrat_runs),
-        )
+        if hold:
+            hold_runs = runs[HOLD][name]
+            out[HOLD][name].update(controlled_summary(hold_runs))
+            out[HOLD][name]["over_better_static"] = spread([h["mean_ms"] / b for h, b in zip(hold_runs, better,
+                                                                                             strict=True)])  # fmt: skip
+            out[HOLD][name]["vs_packrat"] = speedups(hold_runs, packrat_runs)  # held drains' mean / narrowed ones'
+        out["packrat"][name].update(controlled_summary(packrat_runs))
     return out
+
+
+def spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def controlled_summary(runs: list[dict]) -> dict:
+    """A Packrat system's swaps, decisions and reactions over its repeats; the first run's timeline for the plot."""
+    return {
+        "swaps": [s for run_ in runs for s in run_["swaps"]],
+        "swaps_per_run": [len(run_["swaps"]) for run_ in runs],
+        "decisions": [d for run_ in runs for d in run_["decisions"]],
+        "reactions": [r for run_ in runs for r in run_["reactions"]],
+        "calibrations": [run_["calibration"] for run_ in runs],
+        "timeline": runs[0]["timeline"],
+        "swap_marks": runs[0]["swap_marks"],
+        **windows_of(runs),
+    }
 
 
 def play(system: str, url: str, phases, payloads, model) -> dict:
@@ -237,7 +254,7 @@ def play(system: str, url: str, phases, payloads, model) -> dict:
     seen, start_wall = len(model.swaps), time.time()
     result = run(open_loop(url, lambda i: payloads[i % len(payloads)], phases, seed=1))
     out = summarize(result)
-    if system == "packrat":
+    if system in CONTROLLED:
         swaps = [s.to_dict() for s in model.swaps[seen:]]
         decisions = [d for d in model.decisions if d["at"] >= start_wall]
         out.update(
@@ -376,6 +393,7 @@ def render(data: dict) -> str:
         ["load", "Packrat mean / better static mean (median, min-max)",
          "A/A: static mean / its twin's (median, min-max)"], bound_rows,
     )  # fmt: skip
+    hold_text = hold_ab_text(data)
     decisions = [
         f"- {name}: {d['reason']} → B={d['target_batch']} at {d['rate']:.1f} req/s"
         for name in data["loads"] for d in data["packrat"][name]["decisions"]
@@ -400,11 +418,38 @@ def render(data: dict) -> str:
         f"copy of itself in the same runs, where `--twin` was given):\n\n{bound_table}\n\n"
         f"How fast Packrat acted on each change of the offered load: reaction = from the change to the "
         f"controller's decision; serving = to the new plan serving (reaction plus the swap's own time).\n\n"
-        f"{reaction_table}\n\n"
+        f"{reaction_table}\n\n{hold_text}"
         f"Profile: `{data['profile_path']}`.{levels_text(data)}\n\nEvery Packrat swap:\n\n{phase_table}\n\n"
         f"Decisions:\n\n" + "\n".join(decisions) + f"\n\n![latency over time, Packrat's first run of each load]"
         f"({data['stem']}.png)\n\n"
         f"{provenance_block(data['provenance'])}"
+    )
+
+
+def hold_ab_text(data: dict) -> str:
+    """With ``--hold-ab``: Packrat with held drains beside the default (narrowed), run for run."""
+    if HOLD not in data:
+        return ""
+    rows = []
+    for name in data["loads"]:
+        h, p = data[HOLD][name], data["packrat"][name]
+        drains = {k: [s["phases"].get("drain", 0.0) for s in d["swaps"]] for k, d in (("narrow", p), ("hold", h))}
+        rows.append([
+            name, f"{p['mean_ms']:.0f} / {h['mean_ms']:.0f}",
+            f"{h['vs_packrat']['median']:.2f}× ({h['vs_packrat']['min']:.2f}-{h['vs_packrat']['max']:.2f})",
+            f"{h['over_better_static']['median']:.2f}× "
+            f"({h['over_better_static']['min']:.2f}-{h['over_better_static']['max']:.2f})",
+            " / ".join(" ".join(f"{x:.2f}" for x in drains[k]) or "-" for k in ("narrow", "hold")),
+            f"{sum(h['swaps_per_run'])} / {h['failed']}",
+        ])  # fmt: skip
+    table = markdown_table(
+        ["load", "Packrat mean, narrowed / held drains (ms)", "held mean / narrowed mean (median, min-max)",
+         "held: mean / better static", "drains (s): narrowed / held", "held: swaps / failed"], rows,
+    )  # fmt: skip
+    return (
+        "Drains, A/B (`--hold-ab`): the same controller run again after each Packrat run, its swaps holding every "
+        "new worker on the old set's cores until the drain ends (`SwapperConfig(narrow_drains=False)`) instead "
+        f"of narrowing the old set to one core per worker:\n\n{table}\n\n"
     )
 
 
@@ -429,6 +474,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--up-rule", choices=UP_RULES, default=PolicyConfig().up_rule, help="Packrat's growing rule")
     parser.add_argument("--stem", default=None, help="output file stem (default packrat_swap_MODEL)")
     parser.add_argument("--twin", action="store_true", help="also run the static split's twin: the A/A band")
+    parser.add_argument(
+        "--hold-ab",
+        action="store_true",
+        help="also run Packrat with drains that hold the new set instead of narrowing the old one",
+    )
     add_output_arguments(parser)
     args = parser.parse_args(argv)
 
@@ -443,7 +493,8 @@ def main(argv: list[str] | None = None) -> int:
     prov = provenance("bench.packrat_swap")
     with tempfile.TemporaryDirectory(prefix="packrat-swap-") as tmp:
         policy = PolicyConfig(up_rule=args.up_rule)
-        results = run_all(spec, archive, profile, shapes, payloads, args.repeats, Path(tmp), policy, args.twin)
+        results = run_all(spec, archive, profile, shapes, payloads, args.repeats, Path(tmp), policy, args.twin,
+                          args.hold_ab)  # fmt: skip
     stem = args.stem or f"packrat_swap_{spec.name}"
     data = {
         "model": spec.name, "mode": spec.mode, "threads": threads, "capacity": capacity, "low": low, "high": high,
@@ -452,7 +503,7 @@ def main(argv: list[str] | None = None) -> int:
         "profile_path": str(profile_path), "stem": stem, "provenance": prov,
     }  # fmt: skip
     print(publish(stem, data, render, plot, args.out_dir, args.json))
-    failed = sum(data[s][name]["failed"] for s in (*SYSTEMS, TWIN) if s in data for name in shapes)
+    failed = sum(data[s][name]["failed"] for s in (*SYSTEMS, HOLD, TWIN) if s in data for name in shapes)
     return 0 if failed == 0 else 1
 
 

@@ -19,6 +19,9 @@ Applying a plan:
   it the default (new requests go to it), wait until the old version has
   nothing queued and nothing in service, then retire the old version: scale
   it to zero, or to its standby count if the controller keeps it warm.
+  While the old version drains, its multi-thread workers run on one thread
+  and core each and the new workers on the cores this frees serve at once;
+  no core is shared (``SwapperConfig.narrow_drains``).
 
 A failure before ``set-default`` (a worker that cannot start, a timeout)
 unregisters the half-built version and leaves the active one serving: the
@@ -113,6 +116,10 @@ class SwapperConfig:
     # worker for milliseconds before the worker counts it in service.  Every 0.1 s of it is 0.1 s in which the
     # new plan serves nothing (1.4 requests at 14/s) after a rise.
     drain_settle_s: float = 0.1
+    # The old set's multi-thread workers drain on one thread and core each, and the new workers on the cores
+    # this frees serve at once (handlers/pinning/worker.py, ``wait_for_drains``); off: every new worker on the
+    # old set's cores holds its batches until the drain ends.
+    narrow_drains: bool = True
 
 
 def version_slots(model: str, version: str, item: PlanItem, topology: CpuTopology) -> VersionPlan:
@@ -276,7 +283,7 @@ class ActivePassiveSwapper:
             raise SwapError(f"set-default to version {new} failed: {exc}") from exc
         self._set_active(new, plan)
         phase("switch")
-        self.store.set_draining(self.model, old, True)
+        self.store.set_draining(self.model, old, True, narrow=self.config.narrow_drains)
         try:
             self._drain(old)
         finally:

@@ -65,7 +65,9 @@ class PackratPlanHandler(AsyncModelHandler):
         return CpuLanes(1, self.cpu_threads)
 
     def _start_batch(self, instance: Instance, requests: int) -> None:
-        self.wait_for_drains()  # the old set keeps these cores at full strength while it drains
+        claim = self.packrat_claim
+        lane_cores = claim.instances[instance.lane].cores if claim is not None and claim.instances else None
+        self.wait_for_drains(cores=lane_cores)  # a lane on cores the old set keeps waits for its drain
         self.metrics.batch_started(requests, [])
 
     def _run(self, instance: Instance, stacked: tuple[torch.Tensor, ...]) -> torch.Tensor:

@@ -6,7 +6,7 @@ Layout under the plan directory (``PACKRAT_PLAN_DIR``)::
                                        "slots": [{"cores", "threads", "batch"}], "grouped"}
     <model>/<version>.slot-<i>.lock   held (flock LOCK_EX) by the worker in slot i
     <model>/<version>.slot-<i>.counters   the worker's live counters (``SlotCounters``)
-    <model>/<version>.draining        {"pid", "cores"} while the version drains after a swap
+    <model>/<version>.draining        {"pid", "cores", "narrow"} while the version drains after a swap
     <model>/<version>.slot-<i>.startup.json  {"pid", "spawn_s", "load_s", "warmup_s"}
 
 The controller writes plan files; each worker claims one slot for its whole
@@ -52,6 +52,14 @@ class Slot:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Slot:
         return cls(tuple(int(c) for c in data["cores"]), int(data["threads"]), int(data["batch"]))
+
+    def narrowed(self) -> Slot:
+        """Where this slot's worker runs while its version drains: one thread on its first core.
+
+        The swapper frees the other cores for the new set by this rule and the
+        worker follows it, so both must read it from here.
+        """
+        return Slot(self.cores[:1], 1, self.batch) if self.threads > 1 else self
 
 
 PLAN_DIR_ENV = "PACKRAT_PLAN_DIR"
@@ -128,35 +136,48 @@ class PlanStore:
     def draining_path(self, model: str, version: str) -> Path:
         return self.root / model / f"{version}.draining"
 
-    def set_draining(self, model: str, version: str, draining: bool) -> None:
-        """Mark a version as draining after a swap, with its cores and the marking
-        process (so a marker left by a controller that died is ignored); see
-        ``worker.PackratWorkerMixin.in_service``."""
+    def set_draining(self, model: str, version: str, draining: bool, narrow: bool = False) -> None:
+        """Mark a version as draining after a swap, with the cores it keeps and
+        the marking process (so a marker left by a controller that died is
+        ignored); see ``worker.PackratWorkerMixin.wait_for_drains``.
+
+        ``narrow``: the version's multi-thread workers drain on one thread and
+        core each (``Slot.narrowed``), so its other cores go to the new set
+        at once.  A grouped plan's one worker keeps all of its cores.
+        """
         path = self.draining_path(model, version)
         if not draining:
             path.unlink(missing_ok=True)
             return
         plan = self.read(model, version)
-        cores = sorted({c for slot in plan.slots for c in slot.cores}) if plan else []
-        write_json_atomic(path, {"pid": os.getpid(), "cores": cores})
+        narrow = narrow and plan is not None and not plan.grouped
+        slots = [slot.narrowed() if narrow else slot for slot in plan.slots] if plan else []
+        cores = sorted({c for slot in slots for c in slot.cores})
+        write_json_atomic(path, {"pid": os.getpid(), "cores": cores, "narrow": narrow})
 
-    def draining_cores(self, model: str, except_version: str) -> frozenset[int]:
-        """Cores of the other versions of ``model`` that are draining now."""
-        cores: set[int] = set()
+    def drain_markers(self, model: str) -> dict[str, DrainMarker]:
+        """The versions of ``model`` draining now (live markers only), in one directory scan."""
+        markers: dict[str, DrainMarker] = {}
         try:
             entries = list(os.scandir(self.root / model))
         except FileNotFoundError:
-            return frozenset()
+            return markers
         for entry in entries:
-            if not entry.name.endswith(".draining") or entry.name == f"{except_version}.draining":
+            if not entry.name.endswith(".draining"):
                 continue
             try:
                 data = json.loads(Path(entry.path).read_text())
             except (FileNotFoundError, ValueError):
                 continue
             if isinstance(data, dict) and _pid_alive(int(data.get("pid", 0))):
-                cores.update(int(c) for c in data.get("cores", ()))
-        return frozenset(cores)
+                cores = frozenset(int(c) for c in data.get("cores", ()))
+                markers[entry.name.removesuffix(".draining")] = DrainMarker(cores, bool(data.get("narrow", False)))
+        return markers
+
+    def draining_cores(self, model: str, except_version: str) -> frozenset[int]:
+        """Cores that the other versions of ``model`` keep while they drain."""
+        markers = self.drain_markers(model)
+        return frozenset(c for version, marker in markers.items() if version != except_version for c in marker.cores)
 
     def startup_path(self, model: str, version: str, index: int) -> Path:
         return self.root / model / f"{version}.slot-{index}.startup.json"
@@ -230,6 +251,13 @@ class ServiceTotals:
         return ServiceTotals(self.batches - other.batches, self.requests - other.requests,
                              self.handler_s - other.handler_s, self.model_s - other.model_s,
                              self.model_cpu_s - other.model_cpu_s)  # fmt: skip
+
+
+class DrainMarker(NamedTuple):
+    """A draining version: the cores it keeps, and whether its multi-thread workers narrow to them."""
+
+    cores: frozenset[int]
+    narrow: bool
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from handlers.pinning.slots import PlanStore, ServiceTotals, Slot, VersionPlan
-from handlers.pinning.worker import PackratWorkerMixin, claim_slot
+from handlers.pinning.worker import PackratWorkerMixin, claim_slot, pin_process
 
 pytestmark = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="a 2-thread slot needs two usable cores")
 
@@ -48,6 +48,52 @@ def test_a_new_worker_holds_its_batch_until_the_old_version_on_its_cores_has_dra
     store.set_draining("m", "t2b1", False)
     held.join(1.0)
     assert not held.is_alive()
+
+
+@pytest.fixture
+def restores_this_process():
+    """Narrowing pins every thread of the calling process and sets torch's thread count: undo it after."""
+    import torch
+
+    affinity, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    yield
+    pin_process(tuple(affinity))
+    torch.set_num_threads(threads)
+
+
+def test_a_narrowed_drain_frees_the_old_workers_other_cores_for_the_new_set_at_once(
+    swap_in_progress, restores_this_process
+):
+    import torch
+
+    store, workers = swap_in_progress
+    cores = sorted(os.sched_getaffinity(0))[:2]
+    new_on_kept = workers["t1b1"]
+    new_on_freed = PackratWorkerMixin()
+    new_on_freed.packrat_claim = claim_slot(store, new_on_kept.packrat_claim.plan)  # the version's second slot
+    assert new_on_freed.packrat_claim.slot.cores == (cores[1],)
+    store.set_draining("m", "t2b1", True, narrow=True)
+    assert json.loads(store.draining_path("m", "t2b1").read_text())["cores"] == cores[:1]
+    assert not finishes_within(new_on_freed.wait_for_drains, 1.0).is_alive()  # serves at once
+    assert finishes_within(new_on_kept.wait_for_drains, 0.3).is_alive()  # the old worker keeps this core
+
+    old = workers["t2b1"]
+    old.wait_for_drains()  # the old worker's next batch starts narrowed
+    assert torch.get_num_threads() == 1 and os.sched_getaffinity(0) == {cores[0]}
+    assert old.packrat_claim.narrowed
+    store.set_draining("m", "t2b1", False)
+    old.wait_for_drains()  # and its first batch after the drain is back on its slot
+    assert torch.get_num_threads() == 2 and os.sched_getaffinity(0) == set(cores)
+    assert not old.packrat_claim.narrowed
+
+
+def test_a_grouped_plans_drain_keeps_all_its_cores(tmp_path):
+    cores = tuple(sorted(os.sched_getaffinity(0)))[:2]
+    store = PlanStore(tmp_path)
+    store.write(VersionPlan("m", "mix", 2, 1, (Slot(cores, 2, 1),), grouped=True))
+    store.set_draining("m", "mix", True, narrow=True)
+    assert store.draining_cores("m", "other") == frozenset(cores)
+    assert store.drain_markers("m")["mix"].narrow is False
 
 
 def test_a_drain_marker_of_a_dead_controller_or_a_long_drain_does_not_hold_a_worker_for_ever(swap_in_progress):
