@@ -64,10 +64,10 @@ from serving_harness.torchserve import TorchServeProcess
 
 SYSTEMS = ("packrat", "fat", "static")
 TWIN = "static_twin"  # --twin: the static split again, as a system of its own: its ratio to static is the A/A band
-# --hold-ab: Packrat again, the same controller, with every new worker on the old set's cores holding its batches
-# through a drain instead of the old set narrowing to one core per worker (SwapperConfig.narrow_drains off).
-HOLD = "packrat_hold"
-CONTROLLED = ("packrat", HOLD)
+# --narrow-ab: Packrat again, the same controller, with its old set narrowing to one core per worker through a drain
+# and the freed cores serving at once (SwapperConfig.narrow_drains) instead of the new workers holding their batches.
+NARROW = "packrat_narrow"
+CONTROLLED = ("packrat", NARROW)
 
 
 def load_shapes(low: float, high: float, args: argparse.Namespace) -> dict[str, list[tuple[float, float]]]:
@@ -171,7 +171,7 @@ def speedups(baseline: list[dict], packrat: list[dict]) -> dict:
 
 
 def run_all(spec, archive, profile, shapes, payloads, repeats: int, workdir: Path, policy: PolicyConfig,
-            twin: bool = False, hold: bool = False) -> dict:  # fmt: skip
+            twin: bool = False, narrow: bool = False) -> dict:  # fmt: skip
     """Every load, ``repeats`` times, the three systems interleaved (P F S, then S F P, …).
 
     All three stay up for the whole run (Packrat under its controller; fat and
@@ -185,7 +185,7 @@ def run_all(spec, archive, profile, shapes, payloads, repeats: int, workdir: Pat
                                    ControllerConfig(policy=policy),
                                    status_port=None)  # fmt: skip
     static_server = TorchServeProcess(workdir / "ts", workdir / "store", env={PLAN_DIR_ENV: str(plans.root)})
-    systems = (*SYSTEMS, *((HOLD,) if hold else ()), *((TWIN,) if twin else ()))
+    systems = (*SYSTEMS, *((NARROW,) if narrow else ()), *((TWIN,) if twin else ()))
     runs: dict[str, dict[str, list[dict]]] = {system: {name: [] for name in shapes} for system in systems}
     with controller, static_server:
         management = static_server.management()
@@ -203,7 +203,7 @@ def run_all(spec, archive, profile, shapes, payloads, repeats: int, workdir: Pat
                 for r in range(repeats):
                     for system in systems if r % 2 == 0 else systems[::-1]:
                         bar.set_postfix_str(f"{name} #{r + 1} {system}")
-                        model.swapper.config.narrow_drains = system != HOLD
+                        model.swapper.config.narrow_drains = system == NARROW
                         runs[system][name].append(play(system, urls[system], phases, payloads, model))
                         bar.update()
     out: dict[str, Any] = {system: {} for system in systems}
@@ -220,12 +220,12 @@ def run_all(spec, archive, profile, shapes, payloads, repeats: int, workdir: Pat
         out["packrat"][name]["over_better_static"] = spread(over)
         if twin:
             out[TWIN][name]["vs_static"] = speedups(runs["static"][name], runs[TWIN][name])
-        if hold:
-            hold_runs = runs[HOLD][name]
-            out[HOLD][name].update(controlled_summary(hold_runs))
-            out[HOLD][name]["over_better_static"] = spread([h["mean_ms"] / b for h, b in zip(hold_runs, better,
+        if narrow:
+            narrow_runs = runs[NARROW][name]
+            out[NARROW][name].update(controlled_summary(narrow_runs))
+            out[NARROW][name]["over_better_static"] = spread([h["mean_ms"] / b for h, b in zip(narrow_runs, better,
                                                                                              strict=True)])  # fmt: skip
-            out[HOLD][name]["vs_packrat"] = speedups(hold_runs, packrat_runs)  # held drains' mean / narrowed ones'
+            out[NARROW][name]["vs_packrat"] = speedups(narrow_runs, packrat_runs)  # narrowed drains' mean / held ones'
         out["packrat"][name].update(controlled_summary(packrat_runs))
     return out
 
@@ -393,7 +393,7 @@ def render(data: dict) -> str:
         ["load", "Packrat mean / better static mean (median, min-max)",
          "A/A: static mean / its twin's (median, min-max)"], bound_rows,
     )  # fmt: skip
-    hold_text = hold_ab_text(data)
+    narrow_text = narrow_ab_text(data)
     decisions = [
         f"- {name}: {d['reason']} → B={d['target_batch']} at {d['rate']:.1f} req/s"
         for name in data["loads"] for d in data["packrat"][name]["decisions"]
@@ -418,7 +418,7 @@ def render(data: dict) -> str:
         f"copy of itself in the same runs, where `--twin` was given):\n\n{bound_table}\n\n"
         f"How fast Packrat acted on each change of the offered load: reaction = from the change to the "
         f"controller's decision; serving = to the new plan serving (reaction plus the swap's own time).\n\n"
-        f"{reaction_table}\n\n{hold_text}"
+        f"{reaction_table}\n\n{narrow_text}"
         f"Profile: `{data['profile_path']}`.{levels_text(data)}\n\nEvery Packrat swap:\n\n{phase_table}\n\n"
         f"Decisions:\n\n" + "\n".join(decisions) + f"\n\n![latency over time, Packrat's first run of each load]"
         f"({data['stem']}.png)\n\n"
@@ -426,30 +426,31 @@ def render(data: dict) -> str:
     )
 
 
-def hold_ab_text(data: dict) -> str:
-    """With ``--hold-ab``: Packrat with held drains beside the default (narrowed), run for run."""
-    if HOLD not in data:
+def narrow_ab_text(data: dict) -> str:
+    """With ``--narrow-ab``: Packrat with narrowed drains beside the default (held), run for run."""
+    if NARROW not in data:
         return ""
     rows = []
     for name in data["loads"]:
-        h, p = data[HOLD][name], data["packrat"][name]
-        drains = {k: [s["phases"].get("drain", 0.0) for s in d["swaps"]] for k, d in (("narrow", p), ("hold", h))}
+        n, p = data[NARROW][name], data["packrat"][name]
+        drains = {k: [s["phases"].get("drain", 0.0) for s in d["swaps"]] for k, d in (("hold", p), ("narrow", n))}
+        ratio, over = n["vs_packrat"], n["over_better_static"]
         rows.append([
-            name, f"{p['mean_ms']:.0f} / {h['mean_ms']:.0f}",
-            f"{h['vs_packrat']['median']:.2f}× ({h['vs_packrat']['min']:.2f}-{h['vs_packrat']['max']:.2f})",
-            f"{h['over_better_static']['median']:.2f}× "
-            f"({h['over_better_static']['min']:.2f}-{h['over_better_static']['max']:.2f})",
-            " / ".join(" ".join(f"{x:.2f}" for x in drains[k]) or "-" for k in ("narrow", "hold")),
-            f"{sum(h['swaps_per_run'])} / {h['failed']}",
+            name, f"{p['mean_ms']:.0f} / {n['mean_ms']:.0f}",
+            f"{ratio['median']:.2f}× ({ratio['min']:.2f}-{ratio['max']:.2f})",
+            f"{over['median']:.2f}× ({over['min']:.2f}-{over['max']:.2f})",
+            " / ".join(" ".join(f"{x:.2f}" for x in drains[k]) or "-" for k in ("hold", "narrow")),
+            f"{sum(n['swaps_per_run'])} / {n['failed']}",
         ])  # fmt: skip
     table = markdown_table(
-        ["load", "Packrat mean, narrowed / held drains (ms)", "held mean / narrowed mean (median, min-max)",
-         "held: mean / better static", "drains (s): narrowed / held", "held: swaps / failed"], rows,
+        ["load", "Packrat mean, held / narrowed drains (ms)", "narrowed mean / held mean (median, min-max)",
+         "narrowed: mean / better static", "drains (s): held / narrowed", "narrowed: swaps / failed"], rows,
     )  # fmt: skip
     return (
-        "Drains, A/B (`--hold-ab`): the same controller run again after each Packrat run, its swaps holding every "
-        "new worker on the old set's cores until the drain ends (`SwapperConfig(narrow_drains=False)`) instead "
-        f"of narrowing the old set to one core per worker:\n\n{table}\n\n"
+        "Drains, A/B (`--narrow-ab`): the same controller run again beside each Packrat run, its old set "
+        "narrowing to one core per worker while it drains and the freed cores serving at once "
+        "(`SwapperConfig(narrow_drains=True)`) instead of the new workers on its cores holding their batches "
+        f"(the default):\n\n{table}\n\n"
     )
 
 
@@ -475,9 +476,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stem", default=None, help="output file stem (default packrat_swap_MODEL)")
     parser.add_argument("--twin", action="store_true", help="also run the static split's twin: the A/A band")
     parser.add_argument(
-        "--hold-ab",
+        "--narrow-ab",
         action="store_true",
-        help="also run Packrat with drains that hold the new set instead of narrowing the old one",
+        help="also run Packrat with drains that narrow the old set instead of holding the new one",
     )
     add_output_arguments(parser)
     args = parser.parse_args(argv)
@@ -494,7 +495,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="packrat-swap-") as tmp:
         policy = PolicyConfig(up_rule=args.up_rule)
         results = run_all(spec, archive, profile, shapes, payloads, args.repeats, Path(tmp), policy, args.twin,
-                          args.hold_ab)  # fmt: skip
+                          args.narrow_ab)  # fmt: skip
     stem = args.stem or f"packrat_swap_{spec.name}"
     data = {
         "model": spec.name, "mode": spec.mode, "threads": threads, "capacity": capacity, "low": low, "high": high,
@@ -503,7 +504,7 @@ def main(argv: list[str] | None = None) -> int:
         "profile_path": str(profile_path), "stem": stem, "provenance": prov,
     }  # fmt: skip
     print(publish(stem, data, render, plot, args.out_dir, args.json))
-    failed = sum(data[s][name]["failed"] for s in (*SYSTEMS, HOLD, TWIN) if s in data for name in shapes)
+    failed = sum(data[s][name]["failed"] for s in (*SYSTEMS, NARROW, TWIN) if s in data for name in shapes)
     return 0 if failed == 0 else 1
 
 

@@ -133,6 +133,10 @@ def add_policy_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--credit-every-batch", action="store_true",
                    help="plan on every profiled batch size, even one whose gain is within the spread of the "
                         "profile's passes (batch_credit.py)")  # fmt: skip
+    g.add_argument("--narrow-drains", action="store_true",
+                   help="after a swap, drain the old multi-thread workers on one core each and let the new workers "
+                        "on the freed cores serve at once, instead of holding every new worker on the old set's "
+                        "cores until the drain ends (measured worse on 2 cores; see docs/packrat.md)")  # fmt: skip
     div = DivisionConfig()
     m = p.add_argument_group("several models on one server (see packrat_plugin/division.py)")
     m.add_argument(
@@ -193,7 +197,7 @@ def config_from(args: argparse.Namespace) -> ControllerConfig:
             period_s=args.sample_ms / 1000, short_window_s=args.short_window, long_window_s=args.long_window,
             change_false_alarm_s=args.false_alarm_hours * 3600, regime_window_s=args.regime_window,
         ),
-        swapper=SwapperConfig(max_batch_delay_ms=args.max_batch_delay),
+        swapper=SwapperConfig(max_batch_delay_ms=args.max_batch_delay, narrow_drains=args.narrow_drains),
         standby_workers=args.standby_workers,
         calibrate=not args.no_calibrate,
         credit_batches=not args.credit_every_batch,

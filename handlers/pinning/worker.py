@@ -219,16 +219,16 @@ class PackratWorkerMixin:
         both: a multi-threaded old worker's OpenMP threads wait at every
         barrier for whichever of them the scheduler has just descheduled
         (measured on a 2-core VM: 20 requests drained in 9 s while both new
-        workers ran at half speed).  So cores are never shared: a draining
-        multi-thread worker narrows to one thread on its slot's first core
-        (``Slot.narrowed``; the swapper's marker lists only the cores the old
-        set keeps), the new workers on the freed cores serve at once, and those
-        on a kept core hold their batches until the drain ends.  Narrowing
-        costs the backlog little: under a load near capacity a 2-thread
-        ResNet-50 worker served its queue ~180 ms apart on the 2-core VM, a
-        1-thread one ~190 ms, while holding every new worker (the rule before)
-        left the freed core's share of the new requests queued for the whole
-        drain (1.2-2.5 s after a rise).
+        workers ran at half speed).  So cores are never shared.  By default
+        the marker lists all of the old set's cores and every new worker on
+        them holds its batch: the old set serves its backlog at full strength,
+        roughly in arrival order.  With a narrowed drain (the swapper's
+        ``narrow_drains``) the marker lists only each old slot's first core,
+        a draining multi-thread worker narrows to one thread there
+        (``Slot.narrowed``) and the new workers on the freed cores serve at
+        once.  On the 2-core VM that measured worse, A/B in one run (the quick
+        step's mean 1.22× the held drains'): the backlog waited behind a
+        one-thread worker.
 
         A hold ends when the swapper removes the marker (its pid must be
         alive, so a dead controller's marker does not count) or after

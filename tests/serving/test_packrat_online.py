@@ -282,6 +282,29 @@ def test_one_step_of_open_loop_load_swaps_warm_within_seconds_with_zero_failures
     assert serving_after and float(serving_after.group(1)) == pytest.approx(swap.serving_after_s, abs=1e-6)
 
 
+def test_batch_sizes_within_their_passes_spread_are_left_out_of_planning_warming_and_status(controller_factory):
+    """A profile of three passes per point where batching's gain is smaller than the passes' spread.
+
+    The controller plans only on batch sizes that earn it (``batch_credit.py``): here none does, so its
+    levels are the fat worker and one 1-thread worker per core, the only set it keeps warm is the latter,
+    and ``/status`` lists every left-out point with the passes that left it out.
+    """
+    passes = {(1, 1): [95.0, 100.0, 130.0], (1, 2): [185.0, 190.0, 250.0], (1, 4): [370.0, 380.0, 480.0],
+              (2, 1): [88.0, 90.0, 110.0], (2, 2): [168.0, 170.0, 200.0], (2, 4): [340.0, 345.0, 420.0]}  # fmt: skip
+    profile = Profile("resnet50", tuple(ProfilePoint(t, b, statistics.median(ms), {"pass_ms": ms})
+                                        for (t, b), ms in passes.items()))  # fmt: skip
+    controller = controller_factory(profile, standby_workers=8)
+    status = controller.status()["models"]["resnet50"]
+    left = {(u["threads"], u["batch"]): u for u in status["uncredited_points"]}
+    assert set(left) == {(1, 2), (1, 4), (2, 2), (2, 4)}, status["uncredited_points"]
+    assert left[(1, 2)]["against_batch"] == 1 and left[(1, 2)]["per_request_ms"] == [92.5, 125.0]
+    assert status["plan"]["instances"] == [{"count": 1, "threads": 2, "batch": 1}]
+    assert status["standby"] == ["t1b1"]  # no worker set is started for a batch size that earned nothing
+    assert status["prepared"]["rise"]["version"] == "t1b1", status["prepared"]
+    payload = client_payload(SPEC, seed=4)
+    assert controller.server.inference().predict("resnet50", payload).status == 200
+
+
 def test_constant_poisson_load_gives_no_swap_over_a_minute(controller_factory, measured_profile):
     """A fifth of the fat worker's capacity on this machine's profile, where it is the best plan by far."""
     controller = controller_factory(measured_profile, standby_workers=8)
