@@ -174,11 +174,6 @@ class PlanStore:
                 markers[entry.name.removesuffix(".draining")] = DrainMarker(cores, bool(data.get("narrow", False)))
         return markers
 
-    def draining_cores(self, model: str, except_version: str) -> frozenset[int]:
-        """Cores that the other versions of ``model`` keep while they drain."""
-        markers = self.drain_markers(model)
-        return frozenset(c for version, marker in markers.items() if version != except_version for c in marker.cores)
-
     def startup_path(self, model: str, version: str, index: int) -> Path:
         return self.root / model / f"{version}.slot-{index}.startup.json"
 
@@ -258,6 +253,11 @@ class DrainMarker(NamedTuple):
 
     cores: frozenset[int]
     narrow: bool
+
+
+def draining_cores(markers: dict[str, DrainMarker], except_version: str) -> frozenset[int]:
+    """Cores that versions other than ``except_version`` keep while they drain (from ``PlanStore.drain_markers``)."""
+    return frozenset(c for version, marker in markers.items() if version != except_version for c in marker.cores)
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from handlers.pinning.slots import PlanStore, Slot, SlotCounters, VersionPlan
+from handlers.pinning.slots import PlanStore, Slot, SlotCounters, VersionPlan, draining_cores
 from serving_harness.jsonfile import write_json_atomic
 
 logger = logging.getLogger(__name__)
@@ -246,7 +246,7 @@ class PackratWorkerMixin:
         self._follow_own_drain(claim, own is not None and own.narrow)
         deadline = None
         mine = set(claim.slot.cores if cores is None else cores)
-        while mine & {c for other, marker in markers.items() if other != version for c in marker.cores}:
+        while mine & draining_cores(markers, version):
             now = time.monotonic()
             if deadline is None:
                 deadline = now + claim.max_drain_yield_s

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from handlers.pinning.slots import PlanStore, ServiceTotals, Slot, VersionPlan
+from handlers.pinning.slots import PlanStore, ServiceTotals, Slot, VersionPlan, draining_cores
 from handlers.pinning.worker import PackratWorkerMixin, claim_slot, pin_process
 
 pytestmark = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="a 2-thread slot needs two usable cores")
@@ -92,7 +92,7 @@ def test_a_grouped_plans_drain_keeps_all_its_cores(tmp_path):
     store = PlanStore(tmp_path)
     store.write(VersionPlan("m", "mix", 2, 1, (Slot(cores, 2, 1),), grouped=True))
     store.set_draining("m", "mix", True, narrow=True)
-    assert store.draining_cores("m", "other") == frozenset(cores)
+    assert draining_cores(store.drain_markers("m"), "other") == frozenset(cores)
     assert store.drain_markers("m")["mix"].narrow is False
 
 
