@@ -110,9 +110,9 @@ step dvabatch 180 "$py" -m bench.ebird_direct --handler dvabatch --model bert-ba
     --out-dir "$work"
 
 # REEF workloads C (six models in four handlers; 146 s on the H100) and A.
-step reef_c 150 "$py" -m bench.reef_direct --device "$dev" --workload C --padding \
+step reef_c 180 "$py" -m bench.reef_direct --device "$dev" --workload C --padding \
     --seconds $((secs + 3)) --repeats 1 --out-dir "$work"
-step reef_a 120 "$py" -m bench.reef_direct --device "$dev" --workload A --padding \
+step reef_a 160 "$py" -m bench.reef_direct --device "$dev" --workload A --padding \
     --seconds $((secs + 3)) --repeats "$reps" --out-dir "$work"
 
 # -- tier 3 ---------------------------------------------------------------

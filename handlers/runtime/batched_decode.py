@@ -23,6 +23,10 @@ can differ much more (up to 1.59 normalised on noise images in that run).
 An image the batch call cannot decode (corrupt, CMYK, over the pixel limit)
 is answered through the codec's own decode, alone: a good image is never
 refused because a batch-mate was bad, and a bad one gets the codec's 4xx.
+A JPEG whose data stops before its end-of-image marker never enters a
+batch: on the lent H200 nvJPEG decoded such a truncated file without an
+error (the missing rows filled in) where libjpeg refuses it, so the check
+is made here, from the bytes, the same on either device.
 """
 
 from __future__ import annotations
@@ -59,7 +63,7 @@ class JpegBatchDecode:
         answers: list[ModelInput | Exception | None] = [None] * len(raws)
         fits = []
         for index, raw in enumerate(raws):
-            if _within_pixel_limit(raw):
+            if _within_pixel_limit(raw) and _ends_its_image(raw):
                 fits.append(index)
             else:
                 answers[index] = self._decode_alone(raw)
@@ -69,7 +73,7 @@ class JpegBatchDecode:
 
     def _decode_halving(self, raws: list[bytes], fits: list[int], answers: list) -> None:
         """Decode ``fits`` in one call; if an image it cannot read fails the call, each half again, down to
-        the image alone, which the codec answers (its 4xx says what is wrong).  A truncated JPEG among 32 costs
+        the image alone, which the codec answers (its 4xx says what is wrong).  An unreadable JPEG among 32 costs
         about ten calls, and the good images keep the batch decoder's pixels and mostly its batches."""
         try:
             images = self._decode_many([raws[i] for i in fits])
@@ -195,3 +199,30 @@ def _within_pixel_limit(raw: bytes) -> bool:
     except Exception:
         return False
     return width * height <= MAX_IMAGE_PIXELS
+
+
+_SOI, _EOI, _SOS = b"\xff\xd8", b"\xff\xd9", 0xDA
+_STANDALONE = {0x01, *range(0xD0, 0xD8)}  # TEM and the restart markers carry no length
+
+
+def _ends_its_image(raw: bytes) -> bool:
+    """Whether the JPEG's scan data is followed by an end-of-image marker: the header's segments are skipped
+    by their lengths (an EXIF thumbnail's own end marker sits inside one), and inside entropy-coded data a
+    0xFF byte is always stuffed or a restart marker, so ``FF D9`` after the first scan can only be the end.
+    False for a file cut short, which then goes to the codec alone and gets its 4xx."""
+    if not raw.startswith(_SOI):
+        return False
+    at = len(_SOI)
+    while at + 4 <= len(raw):
+        if raw[at] != 0xFF:
+            return False
+        marker = raw[at + 1]
+        if marker == 0xFF:  # fill byte before a marker
+            at += 1
+        elif marker in _STANDALONE:
+            at += 2
+        elif marker == _SOS:
+            return raw.find(_EOI, at) != -1
+        else:
+            at += 2 + int.from_bytes(raw[at + 2 : at + 4], "big")
+    return False

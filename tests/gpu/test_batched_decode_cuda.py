@@ -23,10 +23,12 @@ def test_on_cuda_jpegs_are_decoded_in_batches_on_the_device_near_the_cpu_decoder
     decoder = BatchedJpegDecoder(CODEC, torch.device("cuda", 0), RequestDecoder(CODEC.decode, threads=2))
     try:
         raws = [jpeg_bytes(seed=i) for i in range(24)]
-        got = decode_all(decoder, [{"body": raw} for raw in raws] + [{"body": b"\xff\xd8\xff broken"}])
-        assert type(got[-1]).__name__ == "RequestError" and got[-1].status == 415
+        cut = jpeg_bytes(seed=30)[:3000]  # nvJPEG alone decodes this without an error
+        got = decode_all(decoder, [{"body": raw} for raw in raws] + [{"body": cut}, {"body": b"\xff\xd8\xff broken"}])
+        for refused in got[-2:]:
+            assert type(refused).__name__ == "RequestError" and refused.status == 415, refused
         assert max(decoder.batch_sizes) > 1, decoder.batch_sizes
-        for item in got[:-1]:
+        for item in got[:-2]:
             (image,) = item.tensors
             assert image.device.type == "cuda" and image.shape == (3, 224, 224)
         # nvJPEG's chroma upsampling is not libjpeg's: on these noise images, whose colour changes from pixel

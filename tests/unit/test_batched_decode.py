@@ -92,28 +92,86 @@ def test_other_payloads_and_bad_images_are_answered_alone_by_the_codec(decoder):
         assert torch.equal(got[i].tensors[0], CODEC.decode(rows[i]).tensors[0])
 
 
-def test_a_truncated_jpeg_in_a_batch_gets_its_4xx_and_the_rest_stay_in_batches():
-    """A JPEG whose header reads but whose data stops half-way fails the decoder's batch call; the batch is
-    decoded again in halves down to the bad image alone, which the codec answers (415, saying why), so the good
-    ones keep the batch decoder's pixels and are still decoded several at a time."""
-    sizes = []
+def bogus_huffman_jpeg(seed: int) -> bytes:
+    """A JPEG whose header and end marker are whole but whose first Huffman table is nonsense: every decoder
+    refuses it, and nothing in its bytes says so before decoding."""
+    raw = bytearray(jpeg_bytes(seed=seed))
+    table = raw.find(b"\xff\xc4")
+    raw[table + 5 : table + 21] = b"\xff" * 16  # sixteen code counts of 255
+    return bytes(raw)
+
+
+def decode_queued_together(raws: list[bytes]) -> tuple[list, list[int]]:
+    """Each body's answer from one BatchedJpegDecoder given them all at once, and its decoder calls' sizes."""
+    sizes: list[int] = []
     made = BatchedJpegDecoder(
         CODEC, torch.device("cpu"), RequestDecoder(CODEC.decode, threads=2), on_batch=sizes.append
     )
-    raws = [jpeg_bytes(seed=i) for i in range(8)]
-    raws[5] = raws[5][: len(raws[5]) // 2]
     try:
-        with made._wake:  # queued before the thread can take any: one batch of 8
+        with made._wake:  # queued before the thread can take any: one batch
             futures = [Future() for _ in raws]
             made._pending.extend(zip(raws, futures, strict=True))
             made._wake.notify()
-        got = [f.exception(timeout=60) or f.result() for f in futures]
+        return [f.exception(timeout=60) or f.result() for f in futures], sizes
     finally:
         made.close()
-    assert isinstance(got[5], RequestError) and got[5].status == 415 and "truncated" in str(got[5])
+
+
+def test_an_undecodable_jpeg_in_a_batch_gets_its_4xx_and_the_rest_stay_in_batches():
+    """A JPEG that fails only when decoded fails the decoder's batch call; the batch is decoded again in halves
+    down to the bad image alone, which the codec answers (415, saying why), so the good ones keep the batch
+    decoder's pixels and are still decoded several at a time."""
+    raws = [jpeg_bytes(seed=i) for i in range(8)]
+    raws[5] = bogus_huffman_jpeg(seed=5)
+    got, sizes = decode_queued_together(raws)
+    assert isinstance(got[5], RequestError) and got[5].status == 415 and "cannot decode" in str(got[5])
     for i in (0, 1, 2, 3, 4, 6, 7):
         assert torch.equal(got[i].tensors[0], pixels_reference(raws[i])), i
     assert sorted(sizes) == [1, 2, 4], sizes  # 8 fails, 4 + 4: the first half whole, 2 + 2, then 1 + 1
+
+
+def test_a_jpeg_cut_short_never_enters_a_batch_and_gets_its_4xx():
+    """A file that stops before its end-of-image marker is answered by the codec alone (415, truncated)
+    without costing its batch-mates a call: nvJPEG decoded such a file without an error on the lent H200,
+    so the batch decoder must not be the one to judge it."""
+    raws = [jpeg_bytes(seed=i) for i in range(8)]
+    raws[5] = raws[5][: len(raws[5]) // 2]
+    got, sizes = decode_queued_together(raws)
+    assert isinstance(got[5], RequestError) and got[5].status == 415 and "truncated" in str(got[5])
+    for i in (0, 1, 2, 3, 4, 6, 7):
+        assert torch.equal(got[i].tensors[0], pixels_reference(raws[i])), i
+    assert sizes == [7], sizes
+
+
+@pytest.mark.parametrize(
+    ("cut", "whole"),
+    [
+        (lambda raw: raw, True),
+        (lambda raw: raw + b"trailing bytes after the end marker", True),
+        (lambda raw: raw[: len(raw) // 2], False),
+        (lambda raw: raw[:-2], False),
+        (lambda raw: raw[:2], False),
+        (lambda raw: b"GIF89a" + raw[2:], False),
+    ],
+)
+def test_the_end_of_image_check_reads_markers_not_just_the_tail(cut, whole):
+    from handlers.runtime.batched_decode import _ends_its_image
+
+    assert _ends_its_image(cut(jpeg_bytes(seed=3))) is whole
+
+
+def test_an_exif_thumbnails_end_marker_does_not_make_a_cut_file_whole():
+    """The thumbnail inside APP1 ends in FF D9 of its own; the check skips header segments by length."""
+    from handlers.runtime.batched_decode import _ends_its_image
+
+    thumbnail = io.BytesIO()
+    Image.effect_noise((32, 32), 50).convert("RGB").save(thumbnail, "JPEG")
+    exif = b"Exif\x00\x00" + thumbnail.getvalue()  # not a valid TIFF block, but a segment whose bytes hold FF D9
+    app1 = b"\xff\xe1" + (len(exif) + 2).to_bytes(2, "big") + exif
+    raw = jpeg_bytes(seed=4)
+    with_thumbnail = raw[:2] + app1 + raw[2:]
+    assert _ends_its_image(with_thumbnail)
+    assert not _ends_its_image(with_thumbnail[: len(with_thumbnail) - 4000])
 
 
 def test_a_closed_decoder_refuses_new_work_and_its_thread_ends(decoder):
