@@ -28,6 +28,7 @@ import math
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -67,7 +68,25 @@ TWIN = "static_twin"  # --twin: the static split again, as a system of its own: 
 # --narrow-ab: Packrat again, the same controller, with its old set narrowing to one core per worker through a drain
 # and the freed cores serving at once (SwapperConfig.narrow_drains) instead of the new workers holding their batches.
 NARROW = "packrat_narrow"
+# --scheduled D,...: the same controller with its policy paused, moved by the bench itself D seconds after each
+# change of the offered rate to the level the policy calls best at the new rate (``policy.best``): a detector
+# that is never wrong and takes exactly D seconds.  At D = 0 the table shows what the swap mechanism and this
+# machine cost on their own; the gap from there to Packrat is its detector's and rules'.
+SCHEDULED = "scheduled_"
 CONTROLLED = ("packrat", NARROW)
+
+
+def scheduled_system(delay_s: float) -> str:
+    return f"{SCHEDULED}{delay_s:g}s"
+
+
+def scheduled_delay(system: str) -> float | None:
+    """The delay of a ``--scheduled`` system, None for any other."""
+    return float(system[len(SCHEDULED) : -1]) if system.startswith(SCHEDULED) else None
+
+
+def controlled(system: str) -> bool:
+    return system in CONTROLLED or scheduled_delay(system) is not None
 
 
 def load_shapes(low: float, high: float, args: argparse.Namespace) -> dict[str, list[tuple[float, float]]]:
@@ -171,7 +190,7 @@ def speedups(baseline: list[dict], packrat: list[dict]) -> dict:
 
 
 def run_all(spec, archive, profile, shapes, payloads, repeats: int, workdir: Path, policy: PolicyConfig,
-            twin: bool = False, narrow: bool = False) -> dict:  # fmt: skip
+            twin: bool = False, narrow: bool = False, scheduled: tuple[float, ...] = ()) -> dict:  # fmt: skip
     """Every load, ``repeats`` times, the three systems interleaved (P F S, then S F P, …).
 
     All three stay up for the whole run (Packrat under its controller; fat and
@@ -185,11 +204,12 @@ def run_all(spec, archive, profile, shapes, payloads, repeats: int, workdir: Pat
                                    ControllerConfig(policy=policy),
                                    status_port=None)  # fmt: skip
     static_server = TorchServeProcess(workdir / "ts", workdir / "store", env={PLAN_DIR_ENV: str(plans.root)})
-    systems = (*SYSTEMS, *((NARROW,) if narrow else ()), *((TWIN,) if twin else ()))
+    systems = (*SYSTEMS, *((NARROW,) if narrow else ()), *map(scheduled_system, scheduled), *((TWIN,) if twin else ()))
     runs: dict[str, dict[str, list[dict]]] = {system: {name: [] for name in shapes} for system in systems}
     with controller, static_server:
         management = static_server.management()
-        urls = {system: f"{controller.server.inference_url}/predictions/{spec.name}" for system in CONTROLLED}
+        urls = {system: f"{controller.server.inference_url}/predictions/{spec.name}" for system in systems
+                if controlled(system)}  # fmt: skip
         for system, plan in static_plans(len(topology.cores), twin).items():
             ActivePassiveSwapper(management, plans, system, archive, workdir / "store", topology,
                                  SwapperConfig()).apply(plan)  # fmt: skip
@@ -226,6 +246,12 @@ def run_all(spec, archive, profile, shapes, payloads, repeats: int, workdir: Pat
             out[NARROW][name]["over_better_static"] = spread([h["mean_ms"] / b for h, b in zip(narrow_runs, better,
                                                                                              strict=True)])  # fmt: skip
             out[NARROW][name]["vs_packrat"] = speedups(narrow_runs, packrat_runs)  # narrowed drains' mean / held ones'
+        for delay in scheduled:
+            system, runs_ = scheduled_system(delay), runs[scheduled_system(delay)][name]
+            out[system][name].update(controlled_summary(runs_))
+            out[system][name]["over_better_static"] = spread([h["mean_ms"] / b for h, b in zip(runs_, better,
+                                                                                             strict=True)])  # fmt: skip
+            out[system][name]["vs_packrat"] = speedups(runs_, packrat_runs)  # its mean / Packrat's
         out["packrat"][name].update(controlled_summary(packrat_runs))
     return out
 
@@ -250,11 +276,25 @@ def controlled_summary(runs: list[dict]) -> dict:
 
 def play(system: str, url: str, phases, payloads, model) -> dict:
     """One load against one system, after settling at its opening rate (Packrat: on the plan for it)."""
+    delay = scheduled_delay(system)
+    model.deciding = delay is None
+    opening = model.policy.best(phases[0][1])
+    if delay is not None and (model.level is None or opening.batch != model.level.batch):
+        model.move_to(opening, phases[0][1], "scheduled start")
     run(open_loop(url, lambda i: payloads[i % len(payloads)], [(8.0, phases[0][1])], seed=99))
     seen, start_wall = len(model.swaps), time.time()
-    result = run(open_loop(url, lambda i: payloads[i % len(payloads)], phases, seed=1))
+    mover = None
+    if delay is not None:
+        mover = threading.Thread(target=move_on_schedule, args=(model, phases, delay, time.monotonic()), daemon=True)
+        mover.start()
+    try:
+        result = run(open_loop(url, lambda i: payloads[i % len(payloads)], phases, seed=1))
+    finally:
+        if mover is not None:
+            mover.join()
+        model.deciding = True
     out = summarize(result)
-    if system in CONTROLLED:
+    if controlled(system):
         swaps = [s.to_dict() for s in model.swaps[seen:]]
         decisions = [d for d in model.decisions if d["at"] >= start_wall]
         out.update(
@@ -269,6 +309,18 @@ def play(system: str, url: str, phases, payloads, model) -> dict:
         )
     time.sleep(2.0)
     return out
+
+
+def move_on_schedule(model, phases, delay_s: float, started: float) -> None:
+    """``delay_s`` after each phase of ``phases`` begins (from ``started``, monotonic), move ``model`` to the level
+    its policy calls best at that phase's rate, if that is another level; reasons as the policy's own."""
+    at = 0.0
+    for (seconds, before), (_, rate) in zip(phases, phases[1:], strict=False):
+        at += seconds
+        time.sleep(max(0.0, started + at + delay_s - time.monotonic()))
+        level = model.policy.best(rate)
+        if model.level is None or level.batch != model.level.batch:
+            model.move_to(level, rate, "load fell" if rate < before else "load rose (scheduled)")
 
 
 def in_swaps(result: LoadResult, swaps: list[dict], load_start_wall: float, inside: bool) -> list:
@@ -393,7 +445,7 @@ def render(data: dict) -> str:
         ["load", "Packrat mean / better static mean (median, min-max)",
          "A/A: static mean / its twin's (median, min-max)"], bound_rows,
     )  # fmt: skip
-    narrow_text = narrow_ab_text(data)
+    narrow_text = narrow_ab_text(data) + scheduled_text(data)
     decisions = [
         f"- {name}: {d['reason']} → B={d['target_batch']} at {d['rate']:.1f} req/s"
         for name in data["loads"] for d in data["packrat"][name]["decisions"]
@@ -454,6 +506,37 @@ def narrow_ab_text(data: dict) -> str:
     )
 
 
+def scheduled_text(data: dict) -> str:
+    """With ``--scheduled``: the same controller moved by the bench at known delays after each change."""
+    systems = [k for k in data if scheduled_delay(k) is not None]
+    if not systems:
+        return ""
+    rows = []
+    for system in sorted(systems, key=scheduled_delay):
+        for name in data["loads"]:
+            d = data[system][name]
+            ratio, over = d["vs_packrat"], d["over_better_static"]
+            serving = [r["serving_s"] for r in d["reactions"] if r["serving_s"] is not None]
+            rows.append([
+                f"{scheduled_delay(system):g} s", name, f"{d['mean_ms']:.0f} / {d['p99_ms']:.0f}",
+                f"{over['median']:.2f}× ({over['min']:.2f}-{over['max']:.2f})",
+                f"{ratio['median']:.2f}× ({ratio['min']:.2f}-{ratio['max']:.2f})",
+                " ".join(f"{x:.2f}" for x in serving) or "-",
+                " ".join(f"{s['phases'].get('drain', 0.0):.2f}" for s in d["swaps"]) or "-",
+                f"{sum(d['swaps_per_run'])} / {d['failed']}",
+            ])  # fmt: skip
+    table = markdown_table(
+        ["moved after", "load", "mean / p99 (ms)", "mean / better static (median, min-max)",
+         "mean / Packrat's mean", "new plan serving after the change (s)", "drains (s)", "swaps / failed"], rows,
+    )  # fmt: skip
+    return (
+        "Scheduled moves (`--scheduled`): the same controller with its policy paused, moved by the benchmark a "
+        "fixed time after each change of the offered rate to the level the policy calls best at the new rate: "
+        "a detector that is never wrong and takes exactly that long. At 0 s this is what the swap itself and this "
+        f"machine cost; the rest of Packrat's gap is its detection.\n\n{table}\n\n"
+    )
+
+
 def levels_text(data: dict) -> str:
     """The levels Packrat chose among (the profile's, less its uncredited batch sizes), when the run recorded them."""
     if "packrat_levels" not in data:
@@ -461,6 +544,16 @@ def levels_text(data: dict) -> str:
     levels = "; ".join(f"B={lv['batch']}: {lv['plan']}" for lv in data["packrat_levels"])
     dropped = "".join(f"\n- {line}" for line in data["uncredited"])
     return f" Packrat's levels: {levels}." + (f" Left out of planning:\n{dropped}" if dropped else "")
+
+
+def parse_delays(text: str) -> tuple[float, ...]:
+    try:
+        delays = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected seconds like 0,1, got {text!r}") from exc
+    if not delays or any(not 0 <= d < 60 for d in delays) or len(set(delays)) != len(delays):
+        raise argparse.ArgumentTypeError(f"expected distinct delays in [0, 60) s, got {text!r}")
+    return delays
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -480,6 +573,13 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also run Packrat with drains that narrow the old set instead of holding the new one",
     )
+    parser.add_argument(
+        "--scheduled",
+        type=parse_delays,
+        default=(),
+        metavar="SECONDS,...",
+        help="also run the controller moved by the bench this long after each load change (policy paused)",
+    )
     add_output_arguments(parser)
     args = parser.parse_args(argv)
 
@@ -495,7 +595,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="packrat-swap-") as tmp:
         policy = PolicyConfig(up_rule=args.up_rule)
         results = run_all(spec, archive, profile, shapes, payloads, args.repeats, Path(tmp), policy, args.twin,
-                          args.narrow_ab)  # fmt: skip
+                          args.narrow_ab, args.scheduled)  # fmt: skip
     stem = args.stem or f"packrat_swap_{spec.name}"
     data = {
         "model": spec.name, "mode": spec.mode, "threads": threads, "capacity": capacity, "low": low, "high": high,
@@ -504,7 +604,8 @@ def main(argv: list[str] | None = None) -> int:
         "profile_path": str(profile_path), "stem": stem, "provenance": prov,
     }  # fmt: skip
     print(publish(stem, data, render, plot, args.out_dir, args.json))
-    failed = sum(data[s][name]["failed"] for s in (*SYSTEMS, NARROW, TWIN) if s in data for name in shapes)
+    systems = (*SYSTEMS, NARROW, TWIN, *map(scheduled_system, args.scheduled))
+    failed = sum(data[s][name]["failed"] for s in systems if s in data for name in shapes)
     return 0 if failed == 0 else 1
 
 

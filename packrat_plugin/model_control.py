@@ -162,6 +162,9 @@ class ModelController:
         self.last_error: str | None = None
         self.swap_errors = 0  # reconfigurations that failed (the old set kept serving)
         self.lock = threading.Lock()
+        # False: the loop samples but the policy does not move (moves come from ``move_to``: an operator's
+        # hold, or a benchmark's moves at known load changes, which measure the swap apart from the detector).
+        self.deciding = True
 
     def _largest_feasible_batch(self, threads: int | None = None) -> int:
         threads = self.threads if threads is None else threads
@@ -333,6 +336,8 @@ class ModelController:
         self.sample(now)
         if self.config.fixed_batch or not self.config.reconfigure or self.level is None or not self.monitor.ready:
             return None
+        if not self.deciding:
+            return None
         with self.swap_lock:
             return self._decide(now)
 
@@ -349,6 +354,17 @@ class ModelController:
             return None
         self.policy.record_swap(time.monotonic(), report.serving_after_s, report.warm)
         return report
+
+    def move_to(self, level: Level, rate: float, reason: str) -> SwapReport:
+        """Serve ``level`` now, chosen outside the policy, and record it as a decision (``reason``, at ``rate``)
+        so that what reads decisions (``/status``, a benchmark's reaction times) sees it as any other move."""
+        with self.swap_lock:
+            current = self.level
+            decision = Decision(level, rate, reason, math.nan, math.nan, level.batch in self.warm_levels())
+            report = self._apply(level, decision)
+            if current is None or current.batch != level.batch:
+                self.policy.record_swap(time.monotonic(), report.serving_after_s, report.warm)
+            return report
 
     def run(self, stop: threading.Event) -> None:
         period = self.config.monitor.period_s

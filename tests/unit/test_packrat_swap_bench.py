@@ -36,3 +36,58 @@ def test_the_false_alarm_bound_is_the_poisson_upper_confidence_limit():
     assert poisson_upper(0) == pytest.approx(2.996, abs=1e-3)  # -ln(0.05): no alarm in T bounds the rate by 3/T
     assert poisson_upper(1) == pytest.approx(4.744, abs=1e-3)
     assert poisson_upper(5) > 5 and poisson_upper(5, confidence=0.5) < poisson_upper(5)
+
+
+class _Level:
+    def __init__(self, batch: int) -> None:
+        self.batch = batch
+
+
+class _Policy:
+    """The best level by rate: B=1 (fat) below 5 req/s, B=2 (split) above."""
+
+    def best(self, rate: float) -> _Level:
+        return _Level(2 if rate > 5 else 1)
+
+
+class _Model:
+    """What ``move_on_schedule`` reads and calls on a ModelController, recording each move and when."""
+
+    def __init__(self) -> None:
+        self.policy, self.level, self.moves = _Policy(), _Level(1), []
+
+    def move_to(self, level, rate, reason) -> None:
+        import time
+
+        self.moves.append((time.monotonic(), level.batch, rate, reason))
+        self.level = level
+
+
+def test_scheduled_moves_come_the_delay_after_each_change_and_only_where_the_level_changes():
+    import time
+
+    from bench.packrat_swap import move_on_schedule
+
+    model, started = _Model(), time.monotonic()
+    # 0.2 s low, 0.2 s high, 0.1 s still high (no move), 0.2 s low: two moves, each 0.1 s after its change.
+    move_on_schedule(model, [(0.2, 1.0), (0.2, 8.0), (0.1, 9.0), (0.2, 1.0)], 0.1, started)
+    assert [(batch, rate, reason) for _, batch, rate, reason in model.moves] == [
+        (2, 8.0, "load rose (scheduled)"),
+        (1, 1.0, "load fell"),
+    ]
+    at = [t - started for t, *_ in model.moves]
+    assert at[0] == pytest.approx(0.3, abs=0.05) and at[1] == pytest.approx(0.6, abs=0.05)
+
+
+def test_scheduled_systems_are_named_by_their_delay_and_parsed_back():
+    import argparse
+
+    from bench.packrat_swap import controlled, parse_delays, scheduled_delay, scheduled_system
+
+    assert parse_delays("0,1.5") == (0.0, 1.5)
+    assert [scheduled_delay(scheduled_system(d)) for d in (0.0, 1.5)] == [0.0, 1.5]
+    assert controlled(scheduled_system(0.0)) and controlled("packrat") and not controlled("static")
+    assert scheduled_delay("static") is None
+    for bad in ("", "x", "-1", "1,1", "90"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_delays(bad)
