@@ -304,6 +304,18 @@ def test_batch_sizes_within_their_passes_spread_are_left_out_of_planning_warming
     payload = client_payload(SPEC, seed=4)
     assert controller.server.inference().predict("resnet50", payload).status == 200
 
+    # A move made outside the policy (a benchmark's scheduled move, an operator's): with the policy paused,
+    # move_to serves the level asked for on the warm standby set and is recorded as any decision.
+    model = controller.models["resnet50"]
+    model.deciding = False
+    split = model.policy.best(4 * fat_capacity_per_s(profile))
+    assert split.plan.instances[0].threads == 1
+    report = model.move_to(split, 20.0, "load rose (scheduled)")
+    assert report.warm and report.kind != "none" and model.swapper.active == "t1b1"
+    assert model.decisions[-1]["reason"] == "load rose (scheduled)" and model.decisions[-1]["target_batch"] == 2
+    assert controller.status()["models"]["resnet50"]["plan"]["instances"] == [{"count": 2, "threads": 1, "batch": 1}]
+    assert controller.server.inference().predict("resnet50", payload).status == 200
+
 
 def test_constant_poisson_load_gives_no_swap_over_a_minute(controller_factory, measured_profile):
     """A fifth of the fat worker's capacity on this machine's profile, where it is the best plan by far."""

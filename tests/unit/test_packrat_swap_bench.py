@@ -91,3 +91,32 @@ def test_scheduled_systems_are_named_by_their_delay_and_parsed_back():
     for bad in ("", "x", "-1", "1,1", "90"):
         with pytest.raises(argparse.ArgumentTypeError):
             parse_delays(bad)
+
+
+def _controlled_run(mean_ms: float, drains: list[float], serving: list[float]) -> dict:
+    return {
+        "mean_ms": mean_ms,
+        "p99_ms": 3 * mean_ms,
+        "failed": 0,
+        "swaps": [{"phases": {"drain": d}} for d in drains],
+        "swaps_per_run": [len(drains)],
+        "reactions": [{"serving_s": s} for s in serving],
+        "vs_packrat": {"median": 0.9, "min": 0.8, "max": 1.1},
+        "over_better_static": {"median": 1.05, "min": 0.95, "max": 1.2},
+    }
+
+
+def test_the_scheduled_and_narrowed_tables_show_each_systems_numbers_and_are_left_out_when_not_run():
+    from bench.packrat_swap import NARROW, narrow_ab_text, scheduled_system, scheduled_text
+
+    data = {"loads": {"step": [(15.0, 1.2), (30.0, 8.4)]}, "packrat": {"step": _controlled_run(500, [1.7], [0.9])}}
+    assert scheduled_text(data) == "" and narrow_ab_text(data) == ""
+    data[scheduled_system(1.0)] = {"step": _controlled_run(555, [1.83], [1.01])}
+    data[scheduled_system(0.0)] = {"step": _controlled_run(525, [0.12], [0.01])}
+    data[NARROW] = {"step": _controlled_run(610, [0.7], [0.95])}
+    text = scheduled_text(data)
+    zero, one = text.index("| 0 s | step | 525 / 1575 |"), text.index("| 1 s | step | 555 / 1665 |")
+    assert zero < one  # by delay, not by insertion
+    assert "1.05× (0.95-1.20)" in text and "| 0.01 | 0.12 | 1 / 0 |" in text
+    narrow = narrow_ab_text(data)
+    assert "| step | 500 / 610 |" in narrow and "1.70 / 0.70" in narrow
