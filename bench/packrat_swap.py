@@ -240,18 +240,14 @@ def run_all(spec, archive, profile, shapes, payloads, repeats: int, workdir: Pat
         out["packrat"][name]["over_better_static"] = spread(over)
         if twin:
             out[TWIN][name]["vs_static"] = speedups(runs["static"][name], runs[TWIN][name])
-        if narrow:
-            narrow_runs = runs[NARROW][name]
-            out[NARROW][name].update(controlled_summary(narrow_runs))
-            out[NARROW][name]["over_better_static"] = spread([h["mean_ms"] / b for h, b in zip(narrow_runs, better,
-                                                                                             strict=True)])  # fmt: skip
-            out[NARROW][name]["vs_packrat"] = speedups(narrow_runs, packrat_runs)  # narrowed drains' mean / held ones'
-        for delay in scheduled:
-            system, runs_ = scheduled_system(delay), runs[scheduled_system(delay)][name]
-            out[system][name].update(controlled_summary(runs_))
-            out[system][name]["over_better_static"] = spread([h["mean_ms"] / b for h, b in zip(runs_, better,
-                                                                                             strict=True)])  # fmt: skip
-            out[system][name]["vs_packrat"] = speedups(runs_, packrat_runs)  # its mean / Packrat's
+        # The controller run another way (narrowed drains, scheduled moves): read as Packrat's runs are, and
+        # each run's mean against the better static setting's and against Packrat's run beside it.
+        for system in (s for s in systems if s != "packrat" and controlled(s)):
+            other_runs = runs[system][name]
+            out[system][name].update(controlled_summary(other_runs))
+            other_over = [h["mean_ms"] / b for h, b in zip(other_runs, better, strict=True)]
+            out[system][name]["over_better_static"] = spread(other_over)
+            out[system][name]["vs_packrat"] = speedups(other_runs, packrat_runs)  # its mean / Packrat's
         out["packrat"][name].update(controlled_summary(packrat_runs))
     return out
 
