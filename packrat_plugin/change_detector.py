@@ -72,6 +72,12 @@ class DetectorConfig:
     learn_arrivals: int = 20
     learn_seconds: float = 3.0
     refine_arrivals: int = 160
+    # A rate learned from ``n`` arrivals is tested against its bound ``uncertainty_z`` standard errors toward the
+    # side each test watches (above for a rise, below for a fall), so that an estimate from few arrivals does not
+    # alarm more often than designed.  0 (the default): against the estimate itself, for the faster reaction; the
+    # trade is measured in ``bench/detector_delays.py`` (z = 1: a quarter second later on a 7× step, and the
+    # false alarms of the first 30 s down to the design's rate).
+    uncertainty_z: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.ratio > 1.0:
@@ -82,6 +88,8 @@ class DetectorConfig:
             raise ValueError("false_alarm_seconds and min_rate must be positive")
         if self.learn_arrivals < 0 or self.learn_seconds < 0:
             raise ValueError("learn_arrivals and learn_seconds must be ≥ 0")
+        if not self.uncertainty_z >= 0:
+            raise ValueError(f"uncertainty_z must be ≥ 0, got {self.uncertainty_z!r}")
 
 
 @dataclass(frozen=True)
@@ -91,6 +99,14 @@ class RateChange:
     new_rate: float  # arrivals/s since the estimated change point
     since_s: float  # seconds from the estimated change point to the alarm
     arrivals: int  # arrivals in that time
+
+
+def reference_rate(count: int, seconds: float, z: float, direction: str) -> float:
+    """The rate a test watching ``direction`` compares against, from ``count`` arrivals in ``seconds``: the
+    estimate moved ``z`` standard errors toward that side, on the square-root scale where a Poisson count's
+    spread is ½ whatever its mean (``(√n ± z/2)² / t``)."""
+    root = math.sqrt(count) + (z / 2.0 if direction == "up" else -z / 2.0)
+    return max(root, 0.0) ** 2 / max(seconds, 1e-9)
 
 
 def threshold(rate: float, r: float, false_alarm_seconds: float) -> float:
@@ -185,13 +201,18 @@ class RateChangeDetector:
         """Test from the rate of ``count`` arrivals in ``seconds`` and refine that rate as arrivals double: after
         an alarm, and for the caller's starting rate (read from one short window, it is as uncertain)."""
         self.restart(count / max(seconds, 1e-9))
-        self._schedule_refinement(count, seconds)
+        self._aim(count, seconds)
 
     def _refine(self, count: int, seconds: float) -> None:
         """Test against the refined rate from now on, keeping the evidence gathered so far."""
         self.rate = max(count / max(seconds, 1e-9), self.config.min_rate)
-        for _, side in self._tests:
-            side.retarget(self.rate, self._each_s)
+        self._aim(count, seconds)
+
+    def _aim(self, count: int, seconds: float) -> None:
+        """Each test against the learned rate's bound on its own side; refined again once the arrivals double."""
+        for direction, side in self._tests:
+            bound = reference_rate(count, seconds, self.config.uncertainty_z, direction)
+            side.retarget(max(bound, self.config.min_rate), self._each_s)
         self._schedule_refinement(count, seconds)
 
     def _schedule_refinement(self, count: int, seconds: float) -> None:

@@ -115,7 +115,15 @@ def add_policy_arguments(p: argparse.ArgumentParser) -> None:
         "--false-alarm-hours",
         type=float,
         default=mon.change_false_alarm_s / 3600,
-        help="the change detector's mean time between false alarms under a constant load, per direction",
+        help="the change detector's design mean time between false alarms at a known constant load, per "
+        "direction (the rate measured with learned rates: docs/benchmarks/detector_delays.md)",
+    )
+    g.add_argument(
+        "--rate-uncertainty-z",
+        type=float,
+        default=mon.change_uncertainty_z,
+        help="the change detector tests a learned rate at its bound this many standard errors toward each "
+        "test's side (0: at the estimate itself)",
     )
     g.add_argument(
         "--regime-window",
@@ -195,7 +203,8 @@ def config_from(args: argparse.Namespace) -> ControllerConfig:
         ),
         monitor=MonitorConfig(
             period_s=args.sample_ms / 1000, short_window_s=args.short_window, long_window_s=args.long_window,
-            change_false_alarm_s=args.false_alarm_hours * 3600, regime_window_s=args.regime_window,
+            change_false_alarm_s=args.false_alarm_hours * 3600, change_uncertainty_z=args.rate_uncertainty_z,
+            regime_window_s=args.regime_window,
         ),
         swapper=SwapperConfig(max_batch_delay_ms=args.max_batch_delay, narrow_drains=args.narrow_drains),
         standby_workers=args.standby_workers,

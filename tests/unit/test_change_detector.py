@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from packrat_plugin.change_detector import DetectorConfig, RateChangeDetector, threshold
+from packrat_plugin.change_detector import DetectorConfig, RateChangeDetector, reference_rate, threshold
 
 DT = 0.05
 
@@ -136,3 +136,52 @@ def test_after_an_alarm_the_new_rate_is_learned_before_testing_again():
     assert second_alarms <= 12, second_alarms
     assert statistics.median(learned) == pytest.approx(14.0, rel=0.1)
     assert sum(7.0 <= r <= 21.0 for r in learned) >= 190, sorted(learned)[:5]
+
+
+def test_a_learned_rate_is_tested_at_its_bound_on_each_tests_side_and_the_bound_tightens_with_arrivals():
+    assert reference_rate(20, 10.0, 0.0, "up") == reference_rate(20, 10.0, 0.0, "down") == pytest.approx(2.0)
+    widths = []
+    for n in (20, 80, 320):
+        up, down = reference_rate(n, n / 2.0, 1.0, "up"), reference_rate(n, n / 2.0, 1.0, "down")
+        assert down < 2.0 < up
+        widths.append((up - down) / 2.0)
+    assert widths[0] > widths[1] > widths[2]  # ±1σ of a rate from n arrivals: 2/√n
+    assert widths[0] == pytest.approx(2.0 / np.sqrt(20), rel=1e-9)
+    assert reference_rate(0, 1.0, 1.0, "down") == 0.0  # no arrivals: nothing to fall from
+    with pytest.raises(ValueError, match="uncertainty_z"):
+        DetectorConfig(uncertainty_z=-1.0)
+
+
+def _alarms_per_hour(config: DetectorConfig, rate: float, streams: int, seconds: float, dt: float = 0.25) -> float:
+    """A constant rate, the detector started from a 6 s window's count (as the load monitor starts it) and left
+    to learn again after each alarm, as it does live."""
+    alarms = 0
+    for seed in range(streams):
+        rng = np.random.default_rng(seed)
+        learned = int(rng.poisson(rate * 6.0))
+        detector = RateChangeDetector(learned / 6.0, config)
+        detector.refine_from(learned, 6.0)
+        alarms += sum(detector.observe(int(n), dt) is not None for n in rng.poisson(rate * dt, int(seconds / dt)))
+    return alarms / (streams * seconds / 3600.0)
+
+
+def test_tested_at_its_bound_a_learned_rate_keeps_false_alarms_within_the_design():
+    """At 1.2 req/s, 60 streams of 10 minutes: against the learned estimate itself, a 2× test designed for one
+    false alarm per 1800 s per direction (4 an hour in all) alarmed 6.4 times an hour; against the estimate's
+    1σ bound, 1.3.  A 7× rise 30 s after such a start is still flagged within 2 s in most streams."""
+    plain = DetectorConfig(large_ratio=None, false_alarm_seconds=1800.0)
+    bounded = DetectorConfig(large_ratio=None, false_alarm_seconds=1800.0, uncertainty_z=1.0)
+    rate_plain, rate_bounded = _alarms_per_hour(plain, 1.2, 60, 600.0), _alarms_per_hour(bounded, 1.2, 60, 600.0)
+    assert rate_bounded <= 4.0 < rate_plain and rate_bounded <= rate_plain / 2, (rate_bounded, rate_plain)
+    delays = []
+    for seed in range(100):
+        rng = np.random.default_rng(seed)
+        learned = int(rng.poisson(1.2 * 6.0))
+        detector = RateChangeDetector(learned / 6.0, bounded)
+        detector.refine_from(learned, 6.0)
+        for i in range(240):  # 30 s at 1.2 req/s, then 30 s at 8.4
+            change = detector.observe(int(rng.poisson((1.2 if i < 120 else 8.4) * 0.25)), 0.25)
+            if change is not None and i >= 120 and change.direction == "up":
+                delays.append((i + 1 - 120) * 0.25)
+                break
+    assert len(delays) >= 95 and statistics.median(delays) <= 2.0, (len(delays), statistics.median(delays))

@@ -38,7 +38,8 @@ def simulate(policy, rates, start_batch=1, seed=0, warm=None, depth=None, detect
     change detector (the rate windows alone).
     """
     rng = random.Random(seed)
-    monitor = LoadMonitor(MonitorConfig(period_s=PERIOD, change_false_alarm_s=3600.0 if detector else None))
+    config = MonitorConfig(period_s=PERIOD) if detector else MonitorConfig(period_s=PERIOD, change_false_alarm_s=None)
+    monitor = LoadMonitor(config)
     current, total, now, moves, queue = start_batch, 0, 0.0, [], 0.0
     for seconds, rate in rates:
         for _ in range(int(seconds / PERIOD)):
@@ -162,13 +163,21 @@ def test_constant_poisson_load_gives_no_move_over_a_minute(rate, seed):
     assert moves == []
 
 
-def test_load_falling_is_followed_after_the_longer_confirmation():
-    policy = ReconfigurationPolicy(levels())
-    moves = simulate(policy, [(30, 17.0), (40, 1.0)], start_batch=policy.best(17.0).batch, warm={1, 2, 4, 8, 16})
-    assert len(moves) == 1, moves
-    when, _, after, reason = moves[0]
-    assert after == 1 and reason == "load fell"
-    assert when >= 30 + PolicyConfig().down_confirm_s
+def test_load_falling_is_followed_after_the_longer_confirmation_or_at_once_on_a_flagged_step():
+    """17 → 1 req/s.  With the detector's steps not acted on, the windows wait ``down_confirm_s`` for a fall;
+    acted on (the default), the step moves at once.  (Before learned rates were tested against a bound, a
+    reference 16 % off set the change point before the fall, the step read as 0.6×, and the windows moved
+    11 s late.)"""
+    for act_on_changes in (False, True):
+        policy = ReconfigurationPolicy(levels(), PolicyConfig(act_on_changes=act_on_changes))
+        moves = simulate(policy, [(30, 17.0), (40, 1.0)], start_batch=policy.best(17.0).batch, warm={1, 2, 4, 8, 16})
+        assert len(moves) == 1, moves
+        when, _, after, reason = moves[0]
+        assert after == 1 and reason == "load fell"
+        if act_on_changes:
+            assert 30 < when <= 32, when
+        else:
+            assert when >= 30 + PolicyConfig().down_confirm_s
 
 
 def test_a_shrinking_backlog_after_a_swap_is_not_read_as_load():
@@ -243,13 +252,18 @@ def test_the_monitors_detector_runs_the_tests_and_false_alarm_rate_it_is_configu
     positional argument after a field was added): serving ran a 2× test at twice the time asked for beside
     a 3600× one (whose fall test fires only on silence, ~13 arrivals' worth of it), and
     ``packrat serve --false-alarm-hours`` changed nothing."""
-    for seconds, large in ((600.0, 5.0), (7200.0, None)):
-        monitor = LoadMonitor(MonitorConfig(period_s=0.5, change_false_alarm_s=seconds, change_large_ratio=large))
+    for seconds, large, z in ((600.0, 5.0, 0.0), (7200.0, None, 1.5)):
+        monitor = LoadMonitor(MonitorConfig(period_s=0.5, change_false_alarm_s=seconds, change_large_ratio=large,
+                                            change_uncertainty_z=z))  # fmt: skip
         for i in range(20):
             monitor.record(i * 0.5, {"a": 5.0 * i}, 0)  # 10 requests/s
         config = monitor.detector.config
-        assert (config.ratio, config.large_ratio, config.false_alarm_seconds) == (2.0, large, seconds)
+        assert (config.ratio, config.large_ratio, config.false_alarm_seconds, config.uncertainty_z) == (
+            2.0, large, seconds, z,
+        )  # fmt: skip
     assert MonitorConfig().change_large_ratio is None  # what serving has run on since the bank came in
+    with pytest.raises(ValueError, match="change_uncertainty_z"):
+        MonitorConfig(change_uncertainty_z=-0.5)
 
 
 def test_monitor_reports_growth_only_when_the_queue_grows():
@@ -345,19 +359,22 @@ def test_a_slow_rise_the_detector_calls_a_step_moves_early_and_at_worst_back_onc
     # The same ramp with the detector's steps acted on (the default).  The detector is tuned for 2×, so the
     # ramp trips it; where the change's size, read at the alarm and again in the second after it, looks like a
     # step of 3× or more at the lower confidence bound of its arrivals, Packrat moves on it, below the 8 req/s
-    # crossover.  Measured on these 12 seeds: 3 move at 19.25-25 s instead of 39.75-57.75 s, one of them moves
-    # again.  (Sized as measured, not at the bound: 6 moved early, and a constant load's start was taken for a
-    # step: load_monitor.last_change_ratio.)  The cost of acting on steps within seconds.
+    # crossover (at 34 s).  Measured on these 12 seeds with the serving defaults (learned rates tested at their
+    # 1σ bound, 1800 s): 6 move at 23.75-32.5 s (5.4-7.6 req/s), none moves twice, and the first moves lie
+    # 11.4 s from the crossover on average.  Tested against the estimate itself at 7200 s: 3 moved at
+    # 19.25-25 s, one moved back and again, and the first moves lay 13.1 s from it; the windows alone move at
+    # 34-60 s.  (Sized as measured, not at the bound: a constant load's start was taken for a step:
+    # load_monitor.last_change_ratio.)  The cost of acting on steps within seconds.
     ramp = [(1.0, 2.0 + 15.0 * (t + 0.5) / 60) for t in range(60)]
     early, more_than_once = 0, 0
     for seed in range(12):
         policy = ReconfigurationPolicy(levels())
         moves = simulate(policy, [(10, 2.0), *ramp], seed=seed, warm={1, 2, 4, 8, 16, 32})
         assert 1 <= len(moves) <= 3 and moves[-1][2] > 1, moves  # ends on a split of the cores
-        assert moves[0][0] < 10 + 50, moves  # before the ramp's top, as with the windows alone
+        assert 10 + 12 < moves[0][0] < 10 + 50, moves  # not below 5 req/s; before the ramp's top
         early += moves[0][0] < 10 + 24
         more_than_once += len(moves) > 1
-    assert early <= 3 and more_than_once <= 1, (early, more_than_once)
+    assert early <= 7 and more_than_once <= 1, (early, more_than_once)
 
 
 def test_the_expected_rule_moves_sooner_on_a_slow_rise_and_before_the_fat_worker_saturates():

@@ -172,7 +172,8 @@ def test_the_constant_benchs_half_load_start_is_rarely_taken_for_a_step():
     these rounds), 24 seeds.  A 2.5× rise, but the detector's alarm comes on the arrivals that ran ahead, so
     its new rate reads high (up to 9× the old one at the alarm): sized as measured, 15 seeds moved to the
     split and 6 moved again after the start's 30 s (the bench's 50 % run: back at 176 s).  Sized at the lower
-    confidence bound of its arrivals: 9 and 1."""
+    confidence bound of its arrivals: 9 and 1; with the learned rates tested at their 1σ bound at 1800 s (the
+    serving defaults since 2026-11-28; a 2.5× rise is now flagged more often), 11 and 2."""
     import bench.packrat_policy_sim as sim
     from packrat_plugin.policy import PolicyConfig, ReconfigurationPolicy
     from serving_harness.loadgen import arrival_times
@@ -188,4 +189,4 @@ def test_the_constant_benchs_half_load_start_is_rarely_taken_for_a_step():
                                 levels=levels)  # fmt: skip
         at_start += sum(60.0 <= at < 90.0 for at, _, _ in swaps)
         after += sum(at >= 90.0 for at, _, _ in swaps)
-    assert at_start <= 10 and after <= 2, (at_start, after)
+    assert at_start <= 12 and after <= 2, (at_start, after)
