@@ -227,7 +227,7 @@ def run_all(spec, archive, profile, shapes, payloads, repeats: int, workdir: Pat
                         runs[system][name].append(play(system, urls[system], phases, payloads, model))
                         bar.update()
     out: dict[str, Any] = {system: {} for system in systems}
-    out["packrat_levels"], out["uncredited"] = levels, uncredited
+    out["packrat_levels"], out["uncredited"], out["systems"] = levels, uncredited, list(systems)
     for name in shapes:
         for system in systems:
             out[system][name] = median_run(runs[system][name])
@@ -600,8 +600,7 @@ def main(argv: list[str] | None = None) -> int:
         "profile_path": str(profile_path), "stem": stem, "provenance": prov,
     }  # fmt: skip
     print(publish(stem, data, render, plot, args.out_dir, args.json))
-    systems = (*SYSTEMS, NARROW, TWIN, *map(scheduled_system, args.scheduled))
-    failed = sum(data[s][name]["failed"] for s in systems if s in data for name in shapes)
+    failed = sum(data[system][name]["failed"] for system in data["systems"] for name in shapes)
     return 0 if failed == 0 else 1
 
 

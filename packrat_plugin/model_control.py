@@ -334,9 +334,8 @@ class ModelController:
 
     def step(self, now: float) -> SwapReport | None:
         self.sample(now)
-        if self.config.fixed_batch or not self.config.reconfigure or self.level is None or not self.monitor.ready:
-            return None
-        if not self.deciding:
+        cfg = self.config
+        if cfg.fixed_batch or not cfg.reconfigure or not self.deciding or self.level is None or not self.monitor.ready:
             return None
         with self.swap_lock:
             return self._decide(now)
