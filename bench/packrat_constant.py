@@ -111,6 +111,7 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict:
         "model": spec.name, "mode": spec.mode, "threads": threads, "capacity": capacity,
         "start_s": args.start_s, "loads": loads, "profile_path": str(profile_path),
         "false_alarm_s_setting": config.monitor.change_false_alarm_s, "change_ratio": config.monitor.change_ratio,
+        "uncertainty_z": config.monitor.change_uncertainty_z,
         "watched_s": late_s, "false_alarms": false_alarms,
         "false_alarm_upper_per_hour": {d: poisson_upper(n) / late_s * 3600 for d, n in false_alarms.items()},
     }  # fmt: skip
@@ -161,6 +162,8 @@ def render(data: dict) -> str:
          "swaps at start / after", "alarms up / down (at start + after)", "plan at the end"], rows,
     )  # fmt: skip
     setting_h = data["false_alarm_s_setting"] / 3600
+    z = data.get("uncertainty_z", 0.0)  # absent from runs before 2026-11-28: the estimate itself
+    bound = f", each learned rate tested at its {z:g}σ bound (detector_delays.md measures the rate)" if z else ""
     fa = data["false_alarms"]
     upper = data["false_alarm_upper_per_hour"]
     watched_h = data["watched_s"] / 3600
@@ -179,8 +182,8 @@ def render(data: dict) -> str:
         f"The first {data['start_s']:.0f} s of each load are its start, where one move is expected (the previous "
         f"load ran at another rate); after it every detector alarm is a false alarm and every swap one too many.\n\n"
         f"{table}\n\n"
-        f"False alarms of the change detector after the starts (set to one per {setting_h:.1f} h per direction, "
-        f"tuned for a {data['change_ratio']:.0f}× change): {rate_line}.\n\n"
+        f"False alarms of the change detector after the starts (designed for one per {setting_h:.1f} h per "
+        f"direction against a known rate, tuned for a {data['change_ratio']:.0f}× change{bound}): {rate_line}.\n\n"
         f"Decisions:\n\n" + ("\n".join(decisions) or "- none") + "\n\n"
         f"![latency over time with swaps and detector alarms]({data['stem']}.png)\n\n"
         f"Profile: `{data['profile_path']}`.\n\n{provenance_block(data['provenance'])}"
