@@ -152,15 +152,21 @@ def test_a_learned_rate_is_tested_at_its_bound_on_each_tests_side_and_the_bound_
         DetectorConfig(uncertainty_z=-1.0)
 
 
+def _started(rate: float, config: DetectorConfig, rng: np.random.Generator) -> RateChangeDetector:
+    """The detector started from a 6 s window's count, as the load monitor starts it."""
+    learned = int(rng.poisson(rate * 6.0))
+    detector = RateChangeDetector(learned / 6.0, config)
+    detector.refine_from(learned, 6.0)
+    return detector
+
+
 def _alarms_per_hour(config: DetectorConfig, rate: float, streams: int, seconds: float, dt: float = 0.25) -> float:
-    """A constant rate, the detector started from a 6 s window's count (as the load monitor starts it) and left
-    to learn again after each alarm, as it does live."""
+    """A constant rate, the detector started as the load monitor starts it and left to learn again after each
+    alarm, as it does live."""
     alarms = 0
     for seed in range(streams):
         rng = np.random.default_rng(seed)
-        learned = int(rng.poisson(rate * 6.0))
-        detector = RateChangeDetector(learned / 6.0, config)
-        detector.refine_from(learned, 6.0)
+        detector = _started(rate, config, rng)
         alarms += sum(detector.observe(int(n), dt) is not None for n in rng.poisson(rate * dt, int(seconds / dt)))
     return alarms / (streams * seconds / 3600.0)
 
@@ -176,9 +182,7 @@ def test_tested_at_its_bound_a_learned_rate_keeps_false_alarms_within_the_design
     delays = []
     for seed in range(100):
         rng = np.random.default_rng(seed)
-        learned = int(rng.poisson(1.2 * 6.0))
-        detector = RateChangeDetector(learned / 6.0, bounded)
-        detector.refine_from(learned, 6.0)
+        detector = _started(1.2, bounded, rng)
         for i in range(240):  # 30 s at 1.2 req/s, then 30 s at 8.4
             change = detector.observe(int(rng.poisson((1.2 if i < 120 else 8.4) * 0.25)), 0.25)
             if change is not None and i >= 120 and change.direction == "up":
