@@ -74,9 +74,9 @@ class DetectorConfig:
     refine_arrivals: int = 160
     # A rate learned from ``n`` arrivals is tested against its bound ``uncertainty_z`` standard errors toward the
     # side each test watches (above for a rise, below for a fall), so that an estimate from few arrivals does not
-    # alarm more often than designed.  0 (the default): against the estimate itself, for the faster reaction; the
-    # trade is measured in ``bench/detector_delays.py`` (z = 1: a quarter second later on a 7× step, and the
-    # false alarms of the first 30 s down to the design's rate).
+    # alarm more often than designed.  0 (the default): against the estimate itself.  At one threshold, z = 1
+    # flags a 7× step about a quarter second later with far fewer false alarms; the load monitor pairs it with a
+    # lower threshold (``MonitorConfig.change_uncertainty_z``; measured in ``bench/detector_delays.py``).
     uncertainty_z: float = 0.0
 
     def __post_init__(self) -> None:
