@@ -68,8 +68,9 @@ class MonitorConfig:
     # all at 1.2-8.4 req/s, 1.8-11.4 in a stream's first 30 s (``bench/detector_delays.py``; design: once).  The
     # bound puts the margin where the rate is unsure and lets the threshold fall where it is not: at z = 1 and
     # 1800 s the measured rate is 1.0-1.4 an hour (1.2-2.4 in the first 30 s), a 7× rise is flagged a quarter
-    # second sooner (median 1.50 s), a 7× fall as soon, a 2× step later.  In the queue model's checks it moves on a 17 → 1 req/s fall 1.25 s after it, not 11 s (a reference 16 % off had
-    # set the change point before the fall, and the step was sized below ``step_ratio``).
+    # second sooner (median 1.50 s), a 7× fall as soon, a 2× step later.  In the queue model's checks it moves
+    # on a 17 → 1 req/s fall 1.25 s after it, not 11 s (a reference 16 % off had set the change point before the
+    # fall, and the step was sized below ``step_ratio``).
     change_uncertainty_z: float = 1.0
     regime_window_s: float = 60.0  # the regime's rate reaches back at most this far
     # A flagged change is "the current change" (``change_direction``) this long after its change point: until
