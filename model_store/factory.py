@@ -47,6 +47,15 @@ class NextTokenLogits(nn.Module):
         return logits[rows, last]
 
 
+# BERT sizes by the catalog's ``arch``: the published base model and one of the
+# small ones published beside it (same vocabulary and sequence length, a
+# twentieth of the compute), which the test suite serves on two cores.
+BERT_SIZES: dict[str, dict[str, int]] = {
+    "bert-base": {},  # BertConfig() defaults: 12 layers, hidden 768, 12 heads
+    "bert-mini": {"num_hidden_layers": 4, "hidden_size": 256, "num_attention_heads": 4, "intermediate_size": 1024},
+}
+
+
 def _build_architecture(spec: ModelSpec) -> nn.Module:
     if spec.family == "torchvision":
         import torchvision
@@ -67,7 +76,9 @@ def _build_architecture(spec: ModelSpec) -> nn.Module:
     import transformers
 
     if spec.family == "bert":
-        config = transformers.BertConfig(num_labels=spec.num_labels or 2)
+        if spec.arch not in BERT_SIZES:
+            raise ValueError(f"unknown BERT size {spec.arch!r}; known: {', '.join(BERT_SIZES)}")
+        config = transformers.BertConfig(num_labels=spec.num_labels or 2, **BERT_SIZES[spec.arch])
         return LogitsOnly(transformers.BertForSequenceClassification(config))
     if spec.family == "distilbert":
         config = transformers.DistilBertConfig(num_labels=spec.num_labels or 2)

@@ -67,8 +67,8 @@ def test_bad_input_gets_its_4xx_alone_while_its_batch_mates_succeed(served, torc
 
 def test_bert_with_mixed_lengths_and_bad_inputs_in_one_burst(served, torchserve):
     """BERT (sliced through torch.export) in stages: every length right, every bad input its own 400."""
-    spec = get_spec("bert-base", "eager")
-    model = served("bert-base", "eager", "dvabatch")
+    spec = get_spec("bert-mini", "eager")
+    model = served("bert-mini", "eager", "dvabatch")
     rows = [{"body": token_ids_json(spec, n, seed=n)} for n in (3, 17, 64, 128, 40, 9)]
     bad = [
         {"input_ids": [1.5, 2.0, 3.0]},  # wrong dtype
@@ -113,12 +113,12 @@ def test_all_stages_on_one_lane_inside_torchserve(torchserve, model_store_dir, t
 
 def test_bert_in_length_classes_answers_every_length_as_the_model_does(torchserve, model_store_dir, tmp_path):
     """``token_lengths`` (the input-diversity policy): requests padded to their length class, one engine per class."""
-    spec = get_spec("bert-base", "eager")
+    spec = get_spec("bert-mini", "eager")
     options = ServingOptions(
         handler="dvabatch", handler_settings=tuple(DVABATCH_TEST_SETTINGS.items()), token_lengths=(16, 64)
     )
     built = build_archive(spec, tmp_path, options)
-    target = model_store_dir / "bert-base_eager-dvabatch-lengths.mar"  # apart from the session's DVABatch archive
+    target = model_store_dir / "bert-mini_eager-dvabatch-lengths.mar"  # apart from the session's DVABatch archive
     shutil.copy(built, target)
     model = "dvabatch-lengths"
     torchserve.management().register(target.name, model_name=model, initial_workers=1)

@@ -57,7 +57,7 @@ def test_a_nimble_archive_carries_its_buckets_and_refuses_what_it_cannot_serve(n
     with pytest.raises(ValueError, match="eager"):
         build_archive(get_spec("resnet50", "script"), tmp_path, options())
     with pytest.raises(ValueError, match="image models"):
-        build_archive(get_spec("bert-base"), tmp_path, options())
+        build_archive(get_spec("bert-mini"), tmp_path, options())
     with pytest.raises(ValueError, match="increasing"):
         ServingOptions(handler="nimble", handler_settings=(("buckets", [2, 1]),))
 

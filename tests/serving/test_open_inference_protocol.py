@@ -115,8 +115,8 @@ def test_a_jpeg_as_bytes_is_decoded_as_the_handler_decodes_any_jpeg(served, http
 
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
 def test_bert_answers_equal_the_model_with_and_without_a_mask(served, http, grpc, protocol):
-    spec = get_spec("bert-base", "eager")
-    model = served("bert-base", "eager")
+    spec = get_spec("bert-mini", "eager")
+    model = served("bert-mini", "eager")
     ids = torch.randint(0, 1000, (1, 12), generator=torch.Generator().manual_seed(3)).numpy().astype(np.int64)
     expected = reference_logits(spec, [{"body": {"input_ids": ids[0].tolist()}}]).numpy()
     client, module = (grpc, grpcclient) if protocol == "grpc" else (http, httpclient)
@@ -134,9 +134,9 @@ BAD_TENSORS = [
     ("resnet50", [("image", np.zeros((1, 3, 224, 225), np.float32), "FP32")], "input 'image': shape [1, 3, 224, 225]"),
     ("resnet50", [("image", np.zeros((2, 3, 224, 224), np.float32), "FP32")], "input 'image': a batch of 2"),
     ("resnet50", [("pixels", np.zeros((1, 3, 224, 224), np.float32), "FP32")], "unknown input 'pixels'"),
-    ("bert-base", [("attention_mask", np.ones((1, 4), np.int64), "INT64")], "missing input 'input_ids'"),
-    ("bert-base", [("input_ids", np.zeros((1, 4), np.float32), "FP32")], "input 'input_ids': datatype FP32"),
-    ("bert-base", [("input_ids", np.full((1, 4), 10**6, np.int64), "INT64")], "input 'input_ids': token id 1000000"),
+    ("bert-mini", [("attention_mask", np.ones((1, 4), np.int64), "INT64")], "missing input 'input_ids'"),
+    ("bert-mini", [("input_ids", np.zeros((1, 4), np.float32), "FP32")], "input 'input_ids': datatype FP32"),
+    ("bert-mini", [("input_ids", np.full((1, 4), 10**6, np.int64), "INT64")], "input 'input_ids': token id 1000000"),
 ]
 
 

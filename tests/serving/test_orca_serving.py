@@ -116,7 +116,7 @@ def test_the_builder_refuses_what_orca_cannot_serve(tmp_path):
 
     options = ServingOptions(handler="orca")
     with pytest.raises(ValueError, match="GPT-2 in eager mode"):
-        build_archive(get_spec("bert-base"), tmp_path, options)
+        build_archive(get_spec("bert-mini"), tmp_path, options)
     with pytest.raises(ValueError, match="GPT-2 in eager mode"):
         build_archive(get_spec("gpt2", "script"), tmp_path, options)
     with pytest.raises(ValueError, match="decode_threads"):

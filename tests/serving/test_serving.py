@@ -84,8 +84,8 @@ def test_resnet50_served_result_equals_direct_output(served, torchserve, mode):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_bert_served_result_equals_direct_output(served, torchserve, mode):
-    spec = get_spec("bert-base", mode)
-    model = served("bert-base", mode)
+    spec = get_spec("bert-mini", mode)
+    model = served("bert-mini", mode)
     client = torchserve.inference()
     rows = [{"body": token_ids_json(spec, n, seed=n)} for n in (5, 64, 128)]
     answers = [client.predict(model, row["body"]) for row in rows]
@@ -95,9 +95,9 @@ def test_bert_served_result_equals_direct_output(served, torchserve, mode):
 
 def test_bad_request_in_a_batch_fails_only_itself(served, torchserve):
     """Four requests batched together; the malformed one gets 400, the rest their logits."""
-    spec = get_spec("bert-base", "script")
+    spec = get_spec("bert-mini", "script")
     # A long batch window gathers the four concurrent requests into one batch.
-    model = served("bert-base", "script", batch_size=4, max_batch_delay_ms=2000)
+    model = served("bert-mini", "script", batch_size=4, max_batch_delay_ms=2000)
     client = torchserve.inference()
     good = [token_ids_json(spec, n, seed=n) for n in (7, 20, 33)]
     payloads = [good[0], b'{"input_ids": [1, 2,', good[1], good[2]]
@@ -134,7 +134,7 @@ def test_bad_input_gets_a_4xx_and_the_server_keeps_serving(served, torchserve, p
 
 
 def test_bad_token_input_gets_a_4xx(served, torchserve):
-    model = served("bert-base", "script")
+    model = served("bert-mini", "script")
     client = torchserve.inference()
     too_long = client.predict(model, {"input_ids": [1] * 129})
     assert too_long.status == 400 and "sequence length 128" in too_long.body["message"]

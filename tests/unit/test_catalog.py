@@ -26,7 +26,7 @@ def test_catalog_has_the_required_models_with_input_specs():
     assert catalog["inception_v3"].image_shape == (3, 299, 299)
     assert catalog["resnet50"].image_shape == (3, 224, 224)
     assert catalog["bert-base"].seq_len and catalog["gpt2"].seq_len
-    assert {n for n, s in catalog.items() if s.ci} == {"resnet50", "bert-base"}
+    assert {n for n, s in catalog.items() if s.ci} == {"resnet50", "bert-mini"}
     for spec in catalog.values():
         assert set(spec.modes) == set(EXECUTION_MODES)
 
@@ -101,3 +101,15 @@ def test_archive_names_map_back_to_catalog_names():
 def test_bad_serving_options_are_refused_before_anything_is_built(options, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         ServingOptions(**options)
+
+
+def test_bert_sizes_are_built_as_named_and_an_unknown_size_is_refused():
+    import dataclasses
+
+    from model_store.factory import build_model
+
+    mini = build_model(get_spec("bert-mini")).model.config
+    assert (mini.num_hidden_layers, mini.hidden_size, mini.num_attention_heads) == (4, 256, 4)
+    assert mini.vocab_size == 30522  # the base model's vocabulary: the same token ids are valid for both
+    with pytest.raises(ValueError, match="unknown BERT size 'bert-huge'; known: bert-base, bert-mini"):
+        build_model(dataclasses.replace(get_spec("bert-mini"), arch="bert-huge"))
