@@ -317,14 +317,18 @@ def test_batch_sizes_within_their_passes_spread_are_left_out_of_planning_warming
     assert controller.server.inference().predict("resnet50", payload).status == 200
 
 
-def test_constant_poisson_load_gives_no_swap_over_a_minute(controller_factory, measured_profile):
-    """A fifth of the fat worker's capacity on this machine's profile, where it is the best plan by far."""
+def test_constant_poisson_load_gives_no_swap_after_the_start(controller_factory, measured_profile):
+    """A fifth of the fat worker's capacity on this machine's profile, where it is the best plan by far.
+
+    30 s after the first 15: a controller that moves on noise (a mis-set threshold, a calibration that
+    swings) does so within seconds at this rate; the false-alarm rate itself, about one an hour, is
+    measured by ``bench.detector_delays`` and ``bench.packrat_constant``, not here."""
     controller = controller_factory(measured_profile, standby_workers=8)
     url = f"{controller.server.inference_url}/predictions/resnet50"
     payload = client_payload(SPEC, seed=6)
     settle_until = time.time() + 15  # the first seconds may move once, before serving has calibrated the profile
     rate = 0.2 * fat_capacity_per_s(measured_profile)
-    result = run(open_loop(url, lambda i: payload, [(75, rate)], seed=11))
+    result = run(open_loop(url, lambda i: payload, [(45, rate)], seed=11))
     assert result.failed == 0
     late = swaps_after(controller, settle_until)
     status = controller.status()["models"]["resnet50"]

@@ -62,7 +62,9 @@ def test_archive_carries_the_spec_and_the_handler(archive):
     assert manifest["model"]["handler"] == "plain_handler.py"
 
 
-@pytest.mark.parametrize("mode", MODES)
+# torch.compile through TorchServe is checked on the text model (its load path is the same for every
+# model, and compiling ResNet-50 cold cost CI 38-48 s against 28-30 s for bert-mini).
+@pytest.mark.parametrize("mode", ("eager", "script"))
 def test_resnet50_served_result_equals_direct_output(served, torchserve, mode):
     spec = get_spec("resnet50", mode)
     model = served("resnet50", mode)
