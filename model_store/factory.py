@@ -47,9 +47,9 @@ class NextTokenLogits(nn.Module):
         return logits[rows, last]
 
 
-# BERT sizes by the catalog's ``arch``: the published base model and one of the
-# small ones published beside it (same vocabulary and sequence length, a
-# twentieth of the compute), which the test suite serves on two cores.
+# BERT sizes by the catalog's ``arch``: the base model, and a small one with the
+# same vocabulary and sequence length at a tenth of the parameters, which the
+# serving tests use on two cores.
 BERT_SIZES: dict[str, dict[str, int]] = {
     "bert-base": {},  # BertConfig() defaults: 12 layers, hidden 768, 12 heads
     "bert-mini": {"num_hidden_layers": 4, "hidden_size": 256, "num_attention_heads": 4, "intermediate_size": 1024},
