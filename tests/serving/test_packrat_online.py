@@ -323,7 +323,9 @@ def test_constant_poisson_load_gives_no_swap_after_the_start(controller_factory,
     30 s after the first 15: a controller that moves on noise (a mis-set threshold, a calibration that
     swings) does so within seconds at this rate; the false-alarm rate itself, about one an hour, is
     measured by ``bench.detector_delays`` and ``bench.packrat_constant``, not here."""
-    controller = controller_factory(measured_profile, standby_workers=8)
+    # No standby workers: whether a swap would be warm does not matter to a test that wants none, and seven
+    # workers starting cost it ~20 s.
+    controller = controller_factory(measured_profile, standby_workers=0)
     url = f"{controller.server.inference_url}/predictions/resnet50"
     payload = client_payload(SPEC, seed=6)
     settle_until = time.time() + 15  # the first seconds may move once, before serving has calibrated the profile
