@@ -149,12 +149,6 @@ def pinned_to_their_slots(controller: PackratController, model: str) -> list[tup
     return sorted(slots)
 
 
-PAYLOADS = {
-    "tiny": lambda root: jpeg(root / "load.jpg", seed=21).read_bytes(),  # the stock image_classifier eats JPEGs
-    "tinycustom": lambda root: json.dumps([0.25] * (3 * 8 * 8)).encode(),  # the user's handler eats JSON lists
-}
-
-
 def test_a_load_rise_on_a_users_archive_swaps_to_a_plan_pinned_per_slot_without_failures(archives, tmp_path):
     # The stock handler's archive: a swap moves between versioned copies of the archive whatever its handler,
     # and the user's own handler is served pinned per slot above (a second load run here cost CI 36 s).
@@ -172,7 +166,7 @@ def test_a_load_rise_on_a_users_archive_swaps_to_a_plan_pinned_per_slot_without_
         first = controller.status()["models"][model]
         assert first["plan"]["instances"] == [{"count": 1, "threads": 2, "batch": 1}]
         assert pinned_to_their_slots(controller, model) == [tuple(sorted(os.sched_getaffinity(0)))[:2]]
-        payload = PAYLOADS[model](tmp_path)
+        payload = jpeg(tmp_path / "load.jpg", seed=21).read_bytes()  # the stock image_classifier eats JPEGs
         url = f"{controller.server.inference_url}/predictions/{model}"
         result = run(open_loop(url, lambda i: payload, [(6, 3.0), (12, 16.0)], seed=3))
         time.sleep(2.0)  # a swap still in progress finishes before the state is read
