@@ -58,7 +58,7 @@ class Calibration:
     overhead_ms: float = 0.0
     updates: int = 0  # windows measured so far (0: the bare profile)
 
-    def round_ms(self, k: int, profiled_ms: float) -> float:
+    def round_ms(self, k: float, profiled_ms: float) -> float:
         """Predicted time of one round of ``k`` requests profiled at ``profiled_ms``."""
         return profiled_ms * self.slowdown + k * self.overhead_ms
 

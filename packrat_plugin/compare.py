@@ -180,6 +180,71 @@ def compare_fat_and_plan(
     }
 
 
+@dataclass(frozen=True)
+class PairedRatio:
+    """``a``'s mean latency over ``b``'s, one ratio per interleaved repeat (above 1: ``b`` is faster)."""
+
+    ratios: tuple[float, ...]
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.ratios)
+
+    @property
+    def low(self) -> float:
+        return min(self.ratios)
+
+    @property
+    def high(self) -> float:
+        return max(self.ratios)
+
+    def describe(self) -> str:
+        return f"{self.median:.2f}× ({self.low:.2f}-{self.high:.2f})"
+
+
+def paired_ratio(a: list[LoadResult], b: list[LoadResult]) -> PairedRatio:
+    return PairedRatio(tuple(x.mean_latency_ms() / y.mean_latency_ms() for x, y in zip(a, b, strict=True)))
+
+
+def compare_plans(
+    archive: Path,
+    plans: dict[str, Plan],
+    payload: Callable[[int], Any],
+    workdir: Path,
+    in_flight: int,
+    config: ComparisonConfig = ComparisonConfig(),
+    topology: CpuTopology | None = None,
+    ports: Ports | None = None,
+) -> dict[str, list[LoadResult]]:
+    """Serve each named plan as its own model in one TorchServe (pinned, deployed by the controller's
+    swapper) and measure them in turn under a closed loop of ``in_flight`` requests: a warm-up window each,
+    then ``config.repeats`` rounds, the order reversed every other round.  Name the same plan twice to get
+    the A/A band the ratios are to be read against.  Returns each name's windows, in repeat order.
+    """
+    topology = topology or CpuTopology.from_system()
+    store_dir, plan_store = workdir / "model_store", PlanStore(workdir / "plans")
+    names = list(plans)
+    results: dict[str, list[LoadResult]] = {name: [] for name in names}
+    with TorchServeProcess(workdir / "ts", store_dir, ports=ports, env={PLAN_DIR_ENV: str(plan_store.root)}) as server:
+        management = server.management()
+        swapper_config = SwapperConfig(max_batch_delay_ms=config.max_batch_delay_ms)
+        for name, plan in plans.items():
+            ActivePassiveSwapper(management, plan_store, name, archive, store_dir, topology, swapper_config).apply(plan)
+
+        def load(name: str, seconds: float) -> LoadResult:
+            return run(closed_loop(f"{server.inference_url}/predictions/{name}", payload, in_flight, seconds))
+
+        with tqdm(total=len(names) * (1 + config.repeats), desc=f"{in_flight} in flight", unit="window") as bar:
+            for name in names:  # first batches pay allocator and cache misses
+                load(name, config.warmup_seconds)
+                bar.update()
+            for r in range(config.repeats):
+                for name in names if r % 2 == 0 else list(reversed(names)):
+                    results[name].append(load(name, config.seconds))
+                    bar.update()
+    return results
+
+
 def compare_mixed_plans(
     archive: Path,
     profile: Profile,

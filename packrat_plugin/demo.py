@@ -4,8 +4,10 @@ Default (the README's ``make demo``): build the model's archive, take its
 committed profile if it was measured on this hardware (else profile it
 briefly), start TorchServe under the Packrat controller, drive a load step
 (1 → 8 requests in flight), and print the plan before and after, the swap,
-every request's outcome, and the measured speedup of Packrat's plan over the
-fat instance ⟨1, T, B⟩ at the high load.
+every request's outcome, and the measured speedup of the plan it ended on over the
+plan it started on at the high load, measured side by side with an A/A
+twin; it exits 0 when the controller ended on the plan that served the high
+load better, or the two are within the A/A band.
 
 ``--catalog``: build one archive per catalog model, serve them all with the
 repo's ``config.properties`` and send each a few real requests.
@@ -16,8 +18,10 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from tqdm import tqdm
 
@@ -25,6 +29,7 @@ from archiver.build import build_many, catalog_name, select
 from model_store import ARCHIVE_DIR
 from model_store.catalog import get_spec
 from model_store.samples import client_payload
+from packrat_plugin.plan_types import Plan
 from serving_harness.torchserve import Ports, TorchServeProcess
 
 DEMO_DIR = Path("logs/demo")
@@ -66,7 +71,6 @@ def run_demo(models: list[str] | None, mode: str, requests: int, ports: Ports) -
 
 
 def packrat_demo(args: argparse.Namespace) -> int:
-    from packrat_plugin.compare import ComparisonConfig, compare_fat_and_plan
     from packrat_plugin.controller import PackratController
     from packrat_plugin.model_control import ControllerConfig, ModelTarget
     from packrat_plugin.plan_types import format_instances
@@ -83,6 +87,8 @@ def packrat_demo(args: argparse.Namespace) -> int:
     controller = PackratController(DEMO_DIR / "packrat", [ModelTarget(spec.name, archive, profile)], ControllerConfig(),
                                    ports=ports, status_port=None)  # fmt: skip
     with controller:
+        model = controller.models[spec.name]
+        start_level = model.level
         url = f"{controller.server.inference_url}/predictions/{spec.name}"
         print(f"\nPackrat is serving {spec.name} at {url}\n" + format_status(controller.status()))
         print(f"\nload step: 1 request in flight for {args.low_seconds:g} s, "
@@ -90,31 +96,66 @@ def packrat_demo(args: argparse.Namespace) -> int:
         low = run(closed_loop(url, lambda n: payloads[n % 16], 1, args.low_seconds))
         high = run(closed_loop(url, lambda n: payloads[n % 16], args.high, args.high_seconds))
         print(format_status(controller.status()))
-        swaps = [s for s in controller.models[spec.name].swaps if s.kind != "initial"]
-        decisions = list(controller.models[spec.name].decisions)
+        swaps = [s for s in model.swaps if s.kind != "initial"]
+        decisions = list(model.decisions)
+        end_level = model.level
+        # Had it not moved: the level the controller's own model calls best for this many in flight.
+        alternative = min(model.policy.levels, key=lambda lv: (lv.closed_loop_latency_s(args.high), lv.batch))
+    assert start_level is not None and end_level is not None
     requests = len(low.samples) + len(high.samples)
     failed = low.failed + high.failed
     print(f"\nrequests: {requests}, failed: {failed}; mean latency {low.mean_latency_ms():.0f} ms at 1 in flight, "
           f"{high.mean_latency_ms():.0f} ms at {args.high}")  # fmt: skip
     for s in swaps:
         print(
-            f"reconfiguration: {s.kind} {format_instances(s.before)} → {format_instances(s.after)}: "
-            f"new plan serving after {s.serving_after_s:.2f} s, old version retired after {s.seconds:.2f} s"
+            f"reconfiguration: {s.kind} {format_instances(s.before)} → {format_instances(s.after)}"
+            f"{' (warm)' if s.warm else ''}: new plan serving after {s.serving_after_s:.2f} s, "
+            f"old version retired after {s.seconds:.2f} s"
         )
     for d in decisions:  # why each move was made, in the policy's words
         print(f"  decided: {d['reason']} → B={d['target_batch']} at {d['rate']:.1f} req/s measured")
-    print(f"\nmeasuring Packrat's plan against the fat instance at B={args.high} (interleaved, real TorchServe)")
-    config = ComparisonConfig(batches=(args.high,), seconds=6.0, warmup_seconds=3.0, repeats=2)
+    moved = end_level.plan.instances != start_level.plan.instances
+    other = end_level if moved else alternative
+    if other.plan.instances == start_level.plan.instances:
+        print(f"\nPackrat's model calls its starting plan the best at {args.high} in flight too: nothing to measure")
+        return 0 if failed == 0 else 1
+    verdict = measure_the_move(archive, start_level.plan, other.plan, lambda n: payloads[n % 16], args.high, moved)
+    return 0 if failed == 0 and verdict else 1
+
+
+def measure_the_move(archive: Path, start: Plan, end: Plan, payload: Callable[[int], Any], in_flight: int,
+                     moved: bool) -> bool:  # fmt: skip
+    """Measure the starting plan against ``end`` (where Packrat moved, or where its model says it would
+    have) at ``in_flight``, interleaved in one TorchServe, with the starting plan served twice for the A/A
+    band; say which served the load better and whether Packrat ended on it.  True when it did, or when the
+    difference is inside the A/A band."""
+    from packrat_plugin.compare import ComparisonConfig, compare_plans, paired_ratio
+    from packrat_plugin.plan_types import format_instances
+
+    a, b = (format_instances([i.to_dict() for i in plan.instances]) for plan in (start, end))
+    print(f"\nmeasuring {a} against {b} at {in_flight} in flight (interleaved, one TorchServe, {a} twice for A/A)")
+    config = ComparisonConfig(batches=(in_flight,), seconds=5.0, warmup_seconds=2.0, repeats=3)
     with tempfile.TemporaryDirectory(prefix="packrat-demo-") as tmp:
-        row = compare_fat_and_plan(archive, profile, lambda n: payloads[n % 16], Path(tmp), config)["rows"][0]
-    plan = format_instances(row["plan"], labels=True)
-    fat = f"⟨1,{len(controller.topology.cores)},{args.high}⟩"
-    predicted = "-" if row["expected_speedup"] is None else f"{row['expected_speedup']:.2f}×"
-    print(f"B={args.high}: fat {fat} {row['fat_latency_ms']:.0f} ms vs Packrat {plan} "
-          f"{row['packrat_latency_ms']:.0f} ms: latency speedup {row['latency_speedup']:.2f}× "
-          f"(predicted {predicted} from the profile and the handler's measured cost), "
-          f"throughput {row['throughput_speedup']:.2f}×")  # fmt: skip
-    return 0 if failed == 0 and swaps else 1
+        results = compare_plans(archive, {"start": start, "end": end, "start_twin": start}, payload, Path(tmp),
+                                in_flight, config)  # fmt: skip
+    ratio, twin = paired_ratio(results["start"], results["end"]), paired_ratio(results["start"], results["start_twin"])
+    failed = sum(r.failed for rs in results.values() for r in rs)
+    start_ms = statistics.median(r.mean_latency_ms() for r in results["start"])
+    end_ms = statistics.median(r.mean_latency_ms() for r in results["end"])
+    print(f"{a}: {start_ms:.0f} ms, {b}: {end_ms:.0f} ms mean latency; {a} ÷ {b} = {ratio.describe()}, "
+          f"A/A {a} ÷ {a} = {twin.describe()}; {failed} failed")  # fmt: skip
+    within = twin.low <= ratio.median <= twin.high
+    better = b if ratio.median > 1.0 else a
+    if within:
+        print("the two are within this run's A/A band: either plan is as good here")
+    elif moved:
+        print(f"Packrat moved to {b}; {better} served {in_flight} in flight better "
+              f"({'as it predicted' if better == b else 'it moved to the worse one'})")  # fmt: skip
+    else:
+        print(f"Packrat stayed on {a}; {better} served {in_flight} in flight better "
+              f"({'as it judged' if better == a else 'it should have moved'})")  # fmt: skip
+    ended_on_better = (better == b) == moved
+    return failed == 0 and (within or ended_on_better)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from packrat_plugin.calibration import Calibration
+from packrat_plugin.calibration import Calibration, profiled_round_ms
 from packrat_plugin.optimizer import InfeasibleError, KnapsackOptimizer
 from packrat_plugin.plan_types import Plan
 from packrat_plugin.profile import Profile
@@ -75,6 +75,27 @@ class Level:
                 wait = erlang_c(i, i * rho) / (2.0 * i * (1.0 - rho))
                 best = min(best, round_s * (1.0 + wait))
         return best
+
+    def closed_loop_latency_s(self, in_flight: float) -> float:
+        """Mean latency with ``in_flight`` requests always in the system (a closed loop), calibrated.
+
+        Each of the ``i`` workers takes up to ``b`` of the queued requests, so
+        a round holds ``k = min(b, N/i)`` (at least one) and takes
+        ``L[t][k]``; with more requests than the workers hold, a request
+        waits ``N/(i·k)`` rounds on average (Little's law at the level's
+        throughput ``i·k/L[t][k]``).  This is the paper's view of the load
+        (B requests in the system) and the optimizer's objective for B: the
+        plan it returns for B minimises exactly this at ``N = B``.
+        """
+        n = max(1.0, in_flight)
+        b = self.plan.instances[0].batch
+        k = min(float(b), max(1.0, n / self.instances))
+        if self.rounds_ms:
+            round_s = self.calibration.round_ms(k, profiled_round_ms(self.rounds_ms, k)) / 1000.0
+        else:  # a mixed plan's level: the optimizer's own prediction for its B
+            round_s = self.round_s
+            k = float(b)
+        return round_s * max(1.0, n / (self.instances * k))
 
     def latency_within_s(self, rate: float, horizon_s: float) -> float:
         """Mean latency at ``rate`` over ``horizon_s`` seconds: the steady state,

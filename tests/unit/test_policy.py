@@ -404,13 +404,35 @@ def test_the_expected_rule_moves_at_most_once_under_a_constant_load(rate, seed):
         assert moves == []
 
 
-def test_a_queue_that_outlives_a_peak_does_not_move_an_open_loop_for_nothing():
-    # Poisson arrivals at 11/s on 2×⟨1,1⟩ (B=2), with 4 requests still in the system:
-    # B=4 (2×⟨1,2⟩) is predicted only ~5 % better at 11/s, so no swap (the diurnal bench's spurious moves).
+def test_requests_the_workers_hold_without_a_queue_leave_the_decision_to_the_rate():
+    # Poisson arrivals at 11/s on 2×⟨1,1⟩ (B=2), with 2 requests in the system: no queue held beyond what the
+    # workers take, so the rate model decides, and B=4 (2×⟨1,2⟩) is predicted only ~5 % better at 11/s.
     policy = ReconfigurationPolicy(levels(), PolicyConfig(up_confirm_s=0.0))
-    obs = dict(rate_short=11.0, rate_long=11.0, short_span_s=2.0, long_span_s=6.0, concurrency=4.0)
+    obs = dict(rate_short=11.0, rate_long=11.0, short_span_s=2.0, long_span_s=6.0, concurrency=2.0)
     assert policy.observe(Observation(0.0, **obs), current=2) is None
     assert policy.observe(Observation(0.5, **obs), current=2) is None
+
+
+def test_a_closed_loop_moves_on_its_requests_in_flight_even_where_the_profile_overrates_the_current_level():
+    # The EPYC case: the fat worker's profile credits it with more than it serves, so at the rate the
+    # clients manage (9/s, all the fat worker carries) the rate model sees it keeping up.  A queue of 8 held
+    # through the long window moves all the same, to the level that serves 8 in flight fastest.
+    policy = ReconfigurationPolicy(levels(), PolicyConfig(up_confirm_s=0.0))
+    assert math.isfinite(policy.level(1).predicted_latency_s(9.0))
+    obs = dict(rate_short=9.0, rate_long=9.0, short_span_s=2.0, long_span_s=6.0, concurrency=8.0)
+    policy.observe(Observation(0.0, **obs), current=1)
+    decision = policy.observe(Observation(0.5, **obs), current=1)
+    assert decision is not None and decision.reason == "requests in flight rose"
+    assert decision.target.batch == 8  # 2×⟨1,4⟩: 371 ms against 8 rounds of 88 ms
+    assert decision.predicted_new_s < decision.predicted_now_s
+
+
+def test_closed_loop_latency_is_rounds_of_what_the_workers_take():
+    lv = {level.batch: level for level in levels()}
+    assert lv[1].closed_loop_latency_s(8) == pytest.approx(8 * 0.0881)  # one worker, b=1: eight rounds
+    assert lv[8].closed_loop_latency_s(8) == pytest.approx(0.3715)  # two workers of b=4: one round
+    assert lv[16].closed_loop_latency_s(8) == pytest.approx(0.3715)  # b=8 caps take 4 each: the same round
+    assert lv[2].closed_loop_latency_s(1) == pytest.approx(0.147)  # one request: one round of one
 
 
 def test_requests_in_flight_never_move_to_a_level_with_less_capacity():
