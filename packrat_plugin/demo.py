@@ -29,7 +29,8 @@ from archiver.build import build_many, catalog_name, select
 from model_store import ARCHIVE_DIR
 from model_store.catalog import get_spec
 from model_store.samples import client_payload
-from packrat_plugin.plan_types import Plan
+from packrat_plugin.compare import PairedRatio
+from packrat_plugin.plan_types import Plan, format_instances
 from serving_harness.torchserve import Ports, TorchServeProcess
 
 DEMO_DIR = Path("logs/demo")
@@ -73,7 +74,6 @@ def run_demo(models: list[str] | None, mode: str, requests: int, ports: Ports) -
 def packrat_demo(args: argparse.Namespace) -> int:
     from packrat_plugin.controller import PackratController
     from packrat_plugin.model_control import ControllerConfig, ModelTarget
-    from packrat_plugin.plan_types import format_instances
     from packrat_plugin.profiler import profile_for_this_machine
     from packrat_plugin.serve import format_status
     from serving_harness.loadgen import closed_loop, run
@@ -119,43 +119,73 @@ def packrat_demo(args: argparse.Namespace) -> int:
     if other.plan.instances == start_level.plan.instances:
         print(f"\nPackrat's model calls its starting plan the best at {args.high} in flight too: nothing to measure")
         return 0 if failed == 0 else 1
-    verdict = measure_the_move(archive, start_level.plan, other.plan, lambda n: payloads[n % 16], args.high, moved)
-    return 0 if failed == 0 and verdict else 1
+    a, b = (format_instances([i.to_dict() for i in lv.plan.instances]) for lv in (start_level, other))
+    print(f"\nmeasuring {a} against {b} at {args.high} in flight (interleaved, one TorchServe, {a} twice for A/A)")
+    with tempfile.TemporaryDirectory(prefix="packrat-demo-") as tmp:
+        verdict = measure_the_move(archive, start_level.plan, other.plan, lambda n: payloads[n % 16], args.high,
+                                   moved, Path(tmp))  # fmt: skip
+    print(verdict.describe(args.high))
+    return 0 if failed == 0 and verdict.ok else 1
+
+
+@dataclass(frozen=True)
+class MoveVerdict:
+    """The starting plan against the one Packrat ended on (or would have moved to), measured side by side."""
+
+    start: str
+    end: str
+    moved: bool
+    ratio: PairedRatio  # start ÷ end mean latency per repeat: above 1, ``end`` served the load better
+    twin: PairedRatio  # start ÷ start: the A/A band
+    start_ms: float
+    end_ms: float
+    failed: int
+
+    @property
+    def within_band(self) -> bool:
+        return self.twin.low <= self.ratio.median <= self.twin.high
+
+    @property
+    def better(self) -> str:
+        return self.end if self.ratio.median > 1.0 else self.start
+
+    @property
+    def ok(self) -> bool:
+        """Nothing failed, and Packrat ended on the plan that served the load better (or the two are level)."""
+        return self.failed == 0 and (self.within_band or (self.ratio.median > 1.0) == self.moved)
+
+    def describe(self, in_flight: int) -> str:
+        a, b = self.start, self.end
+        lines = [f"{a}: {self.start_ms:.0f} ms, {b}: {self.end_ms:.0f} ms mean latency; {a} ÷ {b} = "
+                 f"{self.ratio.describe()}, A/A {a} ÷ {a} = {self.twin.describe()}; {self.failed} failed"]  # fmt: skip
+        if self.within_band:
+            lines.append("the two are within this run's A/A band: either plan is as good here")
+        elif self.moved:
+            lines.append(f"Packrat moved to {b}; {self.better} served {in_flight} in flight better "
+                         f"({'as it predicted' if self.better == b else 'it moved to the worse one'})")  # fmt: skip
+        else:
+            lines.append(f"Packrat stayed on {a}; {self.better} served {in_flight} in flight better "
+                         f"({'as it judged' if self.better == a else 'it should have moved'})")  # fmt: skip
+        return "\n".join(lines)
 
 
 def measure_the_move(archive: Path, start: Plan, end: Plan, payload: Callable[[int], Any], in_flight: int,
-                     moved: bool) -> bool:  # fmt: skip
+                     moved: bool, workdir: Path, seconds: float = 5.0) -> MoveVerdict:  # fmt: skip
     """Measure the starting plan against ``end`` (where Packrat moved, or where its model says it would
-    have) at ``in_flight``, interleaved in one TorchServe, with the starting plan served twice for the A/A
-    band; say which served the load better and whether Packrat ended on it.  True when it did, or when the
-    difference is inside the A/A band."""
+    have) at ``in_flight``: interleaved in one TorchServe, the starting plan served twice for the A/A band."""
     from packrat_plugin.compare import ComparisonConfig, compare_plans, paired_ratio
-    from packrat_plugin.plan_types import format_instances
 
     a, b = (format_instances([i.to_dict() for i in plan.instances]) for plan in (start, end))
-    print(f"\nmeasuring {a} against {b} at {in_flight} in flight (interleaved, one TorchServe, {a} twice for A/A)")
-    config = ComparisonConfig(batches=(in_flight,), seconds=5.0, warmup_seconds=2.0, repeats=3)
-    with tempfile.TemporaryDirectory(prefix="packrat-demo-") as tmp:
-        results = compare_plans(archive, {"start": start, "end": end, "start_twin": start}, payload, Path(tmp),
-                                in_flight, config)  # fmt: skip
-    ratio, twin = paired_ratio(results["start"], results["end"]), paired_ratio(results["start"], results["start_twin"])
-    failed = sum(r.failed for rs in results.values() for r in rs)
-    start_ms = statistics.median(r.mean_latency_ms() for r in results["start"])
-    end_ms = statistics.median(r.mean_latency_ms() for r in results["end"])
-    print(f"{a}: {start_ms:.0f} ms, {b}: {end_ms:.0f} ms mean latency; {a} ÷ {b} = {ratio.describe()}, "
-          f"A/A {a} ÷ {a} = {twin.describe()}; {failed} failed")  # fmt: skip
-    within = twin.low <= ratio.median <= twin.high
-    better = b if ratio.median > 1.0 else a
-    if within:
-        print("the two are within this run's A/A band: either plan is as good here")
-    elif moved:
-        print(f"Packrat moved to {b}; {better} served {in_flight} in flight better "
-              f"({'as it predicted' if better == b else 'it moved to the worse one'})")  # fmt: skip
-    else:
-        print(f"Packrat stayed on {a}; {better} served {in_flight} in flight better "
-              f"({'as it judged' if better == a else 'it should have moved'})")  # fmt: skip
-    ended_on_better = (better == b) == moved
-    return failed == 0 and (within or ended_on_better)
+    config = ComparisonConfig(batches=(in_flight,), seconds=seconds, warmup_seconds=2.0, repeats=3)
+    results = compare_plans(archive, {"start": start, "end": end, "start_twin": start}, payload, workdir, in_flight,
+                            config)  # fmt: skip
+    return MoveVerdict(
+        a, b, moved,
+        paired_ratio(results["start"], results["end"]), paired_ratio(results["start"], results["start_twin"]),
+        statistics.median(r.mean_latency_ms() for r in results["start"]),
+        statistics.median(r.mean_latency_ms() for r in results["end"]),
+        sum(r.failed for rs in results.values() for r in rs),
+    )  # fmt: skip
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -30,7 +30,7 @@ from packrat_plugin.model_control import ControllerConfig, ModelTarget
 from packrat_plugin.profile import Profile, ProfilePoint
 from packrat_plugin.profiler import prepare_model
 from packrat_plugin.swapper import SwapperConfig
-from serving_harness.loadgen import open_loop, run
+from serving_harness.loadgen import closed_loop, open_loop, run
 from serving_harness.topology import CpuTopology, parse_cpu_list
 
 pytestmark = [
@@ -280,6 +280,34 @@ def test_one_step_of_open_loop_load_swaps_warm_within_seconds_with_zero_failures
     assert 'packrat_swaps_total{model="resnet50",kind="swap"} 1.0' in last
     serving_after = re.search(r'packrat_last_swap_serving_after_seconds\{model="resnet50"\} (\S+)', last)
     assert serving_after and float(serving_after.group(1)) == pytest.approx(swap.serving_after_s, abs=1e-6)
+
+
+def test_a_closed_loop_step_ends_on_the_plan_that_served_its_requests_in_flight_better(
+    controller_factory, measured_profile, archive, tmp_path
+):
+    """The README's demo as a test: 1 then 8 clients, each waiting for its answer.  Whatever the controller
+    does, the plan it started on and the one it ended on (or, had it stayed, the one its model calls best at 8
+    in flight) are then measured side by side at 8 in flight with an A/A twin, and it must have ended on the
+    better one, or the two must be level within the twin's band: a check that holds on any CPU."""
+    from packrat_plugin.demo import measure_the_move
+
+    controller = controller_factory(measured_profile)
+    model = controller.models["resnet50"]
+    start = model.level
+    payloads = [client_payload(SPEC, seed=i) for i in range(8)]
+    url = f"{controller.server.inference_url}/predictions/resnet50"
+    results = [run(closed_loop(url, lambda n: payloads[n % 8], k, seconds)) for k, seconds in ((1, 4.0), (8, 16.0))]
+    time.sleep(1.0)  # a swap in progress finishes
+    assert sum(r.failed for r in results) == 0
+    end = model.level
+    moved = end.plan.instances != start.plan.instances
+    swaps = [s for s in model.swaps if s.kind != "initial"]
+    assert len(swaps) == (1 if moved else 0), [(s.kind, s.before, s.after) for s in swaps]
+    other = end if moved else min(model.policy.levels, key=lambda lv: (lv.closed_loop_latency_s(8), lv.batch))
+    controller.stop()  # the measurement has the cores to itself
+    verdict = measure_the_move(archive("resnet50", "script"), start.plan, other.plan, lambda n: payloads[n % 8], 8,
+                               moved, tmp_path / "measure", seconds=4.0)  # fmt: skip
+    assert verdict.ok, verdict.describe(8)
 
 
 def test_batch_sizes_within_their_passes_spread_are_left_out_of_planning_warming_and_status(controller_factory):
