@@ -24,11 +24,12 @@ test: $(STAMP)
 	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q --durations=25
 
-# The unit tests only: no TorchServe, no Java, no GPU; for a developer's edit-test loop.
+# The unit tests a developer reruns dozens of times an hour: no TorchServe, no Java, no GPU, and none
+# marked slow (those compile, train or start processes; `make test` runs them). Budget: 3 min on 2 cores.
 test-fast: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
-	$(BIN)/python -m pytest -q tests/unit
+	$(BIN)/python -m pytest -q tests/unit -m "not slow"
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -115,8 +115,38 @@ def served(torchserve: TorchServeProcess, archive) -> ServedModels:
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     report = yield
+    report.test_kind = kind_of_test(item)
     if report.failed and "torchserve" in getattr(item, "fixturenames", ()):
         server = item.funcargs.get("torchserve") if hasattr(item, "funcargs") else None
         if server is not None:
             report.sections.append(("TorchServe logs", server.log_tail(60)))
     return report
+
+
+def kind_of_test(item: pytest.Item) -> str:
+    """``unit``, ``unit-slow``, ``serving`` or ``gpu``: the folder, and for a unit test whether it is marked
+    ``slow`` (it compiles, trains or starts processes; ``make test-fast`` leaves it out)."""
+    folder = Path(str(item.path)).parent.name
+    if folder == "unit" and item.get_closest_marker("slow") is not None:
+        return "unit-slow"
+    return folder if folder in ("unit", "serving", "gpu") else "other"
+
+
+_TIME_BY_KIND: dict[str, list[float]] = {}  # kind → [seconds, tests]
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    kind = getattr(report, "test_kind", None)
+    if kind is not None:
+        totals = _TIME_BY_KIND.setdefault(kind, [0.0, 0])
+        totals[0] += report.duration
+        totals[1] += report.when == "call"
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    """Seconds per kind of test, setup and teardown included: the budgets in docs/testing.md are per kind."""
+    if not _TIME_BY_KIND:
+        return
+    terminalreporter.write_sep("-", "time per kind of test")
+    for kind, (seconds, tests) in sorted(_TIME_BY_KIND.items()):
+        terminalreporter.write_line(f"{kind:<10} {seconds:8.1f} s over {tests} tests")

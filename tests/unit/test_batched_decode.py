@@ -57,6 +57,7 @@ def test_batched_is_a_placement_an_archive_can_name():
         parse_decode_threads("nvjpeg")
 
 
+@pytest.mark.slow
 def test_jpegs_that_arrive_together_are_decoded_in_one_call_and_match_the_pil_path(decoder):
     raws = [jpeg_bytes(seed=i) for i in range(24)]
     got = decode_all(decoder, [{"body": raw} for raw in raws])
@@ -181,6 +182,7 @@ def test_a_closed_decoder_refuses_new_work_and_its_thread_ends(decoder):
         raise decode_all(decoder, [{"body": jpeg_bytes(seed=0)}])[0]
 
 
+@pytest.mark.slow
 def test_ebird_with_batched_decoding_answers_the_model_on_its_decoded_inputs(make_handler):  # noqa: F811
     handler, ctx = make_handler(decode_threads="batched", worker_batches=[1, 1, 2, 4], pool_slots=8)
     assert isinstance(handler.decoder, BatchedJpegDecoder) and "in batches" in handler.decoder.where

@@ -81,6 +81,7 @@ def serve_all(handler, ctx, rows):
     return asyncio.run(main())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES)
 def test_every_answer_equals_the_models_direct_output(make_handler, device):
     handler, ctx = make_handler(device, worker_batches=[1, 1, 2, 4], max_inflight=8, pool_slots=8)
@@ -121,6 +122,7 @@ def test_bad_requests_fail_alone_with_their_4xx(make_handler):
     assert "wrong tensor shape [3, 8, 8]" in json.loads(answers[2][1])["message"]
 
 
+@pytest.mark.slow
 def test_decoding_on_a_pool_answers_as_inline_and_keeps_each_4xx(make_handler):
     handler, ctx = make_handler(decode_threads=2, worker_batches=[1, 1, 2, 4], pool_slots=8)
     assert handler.decoder.threads == 2
@@ -178,6 +180,7 @@ def assert_none_overlaps(calls, batches, what: str) -> None:
         assert all(c1 <= b0 or b1 <= c0 for _, b0, b1 in batches), f"{what} overlapped a batch"
 
 
+@pytest.mark.slow
 def test_on_cpu_requests_are_decoded_on_the_lane_between_batches(make_handler):
     """The CPU default: a decode never overlaps a batch on the same cores (it would stall the batch's team)."""
     handler, ctx = make_handler(worker_batches=[1, 1, 2, 4], pool_slots=8)
@@ -190,6 +193,7 @@ def test_on_cpu_requests_are_decoded_on_the_lane_between_batches(make_handler):
     assert_none_overlaps(decodes, batches, "a decode")
 
 
+@pytest.mark.slow
 def test_on_cpu_answers_are_encoded_on_the_lane_after_their_batch_before_the_next(make_handler):
     """The CPU default: a batch's answers are encoded on its lane before the lane takes its next job,
     so the JSON never runs beside a batch (as the sync worker encodes before reading more)."""
@@ -205,6 +209,7 @@ def test_on_cpu_answers_are_encoded_on_the_lane_after_their_batch_before_the_nex
     assert stages["encode"] >= 1000 * min(e1 - e0 for _, e0, e1 in encodes) > 0
 
 
+@pytest.mark.slow
 def test_encoding_answers_on_the_event_loop_is_a_choice_and_answers_the_same(make_handler):
     handler, ctx = make_handler(encode_answers="loop", worker_batches=[1, 2], pool_slots=4)
     assert not handler.encode_on_engine
@@ -218,6 +223,7 @@ def test_encoding_answers_on_the_event_loop_is_a_choice_and_answers_the_same(mak
     assert {name for name, _, _ in encodes} == {threading.current_thread().name}
 
 
+@pytest.mark.slow
 def test_an_answer_that_cannot_be_encoded_fails_alone_with_a_503(make_handler):
     handler, ctx = make_handler(worker_batches=[1, 1, 2], pool_slots=4)
     postprocess = handler.postprocess
@@ -255,6 +261,7 @@ def test_encode_answers_is_a_scheduling_async_handlers_setting():
         ServingOptions(handler="ebird", encode_answers="lane")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("quiet", [True, False])
 def test_on_cpu_the_worker_reads_no_request_while_the_lane_runs_a_batch_unless_told_to(make_handler, quiet):
     """``cpu_quiet_batches`` (default true): the message reader's gate is shut during every batch and open
@@ -293,6 +300,7 @@ def record_batch_sizes(engine, log, sizes):
         ({"cpu_rule": "plan"}, [4, 2]),
     ],
 )
+@pytest.mark.slow
 def test_on_cpu_a_burst_is_batched_after_its_decodes_not_one_by_one(make_handler, rule, expected):
     """Late binding: a batch handed to the lane while the burst's decodes are queued there would run after
     them anyway, so the engine waits for them and the burst shares its batches (else: a batch of 1 first)."""
@@ -309,6 +317,7 @@ def test_on_cpu_a_burst_is_batched_after_its_decodes_not_one_by_one(make_handler
     assert min(b0 for _, b0, _ in batches) >= max(d1 for _, _, d1 in decodes)
 
 
+@pytest.mark.slow
 def test_on_cpu_the_lane_rule_caps_batches_by_their_measured_cost(make_handler, caplog):
     """``cpu_batch_cap: auto``: every worker size is timed on the lane at warm-up, served batches then
     refine their size's cost, and the cap is always the policy's pick from the costs as they stand."""
@@ -344,6 +353,7 @@ def test_a_request_refused_while_arriving_releases_the_batch_waiting_for_it(make
     assert len(handler.arrivals) == 0
 
 
+@pytest.mark.slow
 def test_decoding_defaults_to_a_pool_on_cuda_and_inline_is_a_choice(make_handler):
     assert default_decode_placement(is_cuda=True) == min(4, os.cpu_count() or 1)
     assert default_decode_placement(is_cuda=False) == "lane"
@@ -373,6 +383,7 @@ def test_decode_threads_are_an_async_handlers_setting():
         ServingOptions(handler="ebird", decode_threads=-2)
 
 
+@pytest.mark.slow
 def test_declared_extra_shape_gets_its_own_pool(make_handler):
     handler, ctx = make_handler(worker_batches=[1, 1, 2], pool_slots=4, input_shapes=[[3, 160, 160]])
     assert set(handler.engines) == {((3, 224, 224),), ((3, 160, 160),)}
@@ -399,6 +410,7 @@ class _FailsOnce(torch.nn.Module):
         return self.model(*inputs)
 
 
+@pytest.mark.slow
 def test_a_failed_batch_answers_its_requests_503_and_the_engine_serves_on(make_handler):
     handler, ctx = make_handler(worker_batches=[1, 1, 2], pool_slots=4)
     engine = handler.engines[((3, 224, 224),)]
@@ -412,6 +424,7 @@ def test_a_failed_batch_answers_its_requests_503_and_the_engine_serves_on(make_h
     assert not [t for t in threading.enumerate() if t.name.startswith("ebird-worker")]
 
 
+@pytest.mark.slow
 def test_full_pool_makes_requests_wait_not_disappear(make_handler):
     handler, ctx = make_handler(worker_batches=[1, 2], max_inflight=3, pool_slots=2)
     rows = [{"body": jpeg_bytes(seed=i)} for i in range(9)]
@@ -461,6 +474,7 @@ def test_bad_ebird_config_is_refused_at_build_time(settings, message):
         EbirdConfig.from_dict(settings)
 
 
+@pytest.mark.slow
 def test_a_request_is_unanswered_from_the_moment_it_is_read_not_only_once_admitted(make_handler):
     """Packrat's drain reads this count: a request still decoding is in the worker, though no engine holds it."""
     handler, ctx = make_handler()

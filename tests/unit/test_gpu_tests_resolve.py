@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 COLLECT = """
@@ -44,5 +46,6 @@ def unresolved_fixtures(*paths: str) -> dict[str, list[str]]:
     return json.loads(line.removeprefix("UNRESOLVED "))
 
 
+@pytest.mark.slow
 def test_every_cuda_only_test_reaches_its_fixtures():
     assert unresolved_fixtures("tests/gpu") == {}

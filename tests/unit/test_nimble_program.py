@@ -64,6 +64,7 @@ def inception():
     return spec, build_model(spec)
 
 
+@pytest.mark.slow
 def test_a_branchy_model_runs_multi_stream_within_its_buckets_and_eager_above(inception):
     spec, model = inception
     program = prepare(model, example_inputs(spec, 1), NimbleConfig(buckets=(1, 2), streams="multi", timing_runs=1))
@@ -119,6 +120,7 @@ class SmallBranchy(nn.Module):
         return self.head((self.left(x) + self.right(x)).mean(dim=(2, 3)))
 
 
+@pytest.mark.slow
 def test_on_cpu_the_compiled_frozen_graph_is_a_candidate_too():
     model = SmallBranchy().eval()
     example = (torch.randn(1, 3, 16, 16),)

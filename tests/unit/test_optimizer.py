@@ -128,6 +128,7 @@ def test_large_instance_is_solved_within_two_seconds():
     assert elapsed < 2.0, f"took {elapsed:.2f} s of CPU"
 
 
+@pytest.mark.slow
 def test_cli_prints_exactly_one_json_object(tmp_path):
     profile = make_profile({(t, b): b * 10.0 / t**0.5 for t in (1, 2) for b in (1, 2, 4)})
     path = tmp_path / "p.json"

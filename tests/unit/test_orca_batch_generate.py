@@ -24,6 +24,7 @@ def test_prompts_are_padded_on_the_left_and_masked():
     assert mask.tolist() == [[1, 1, 1], [0, 0, 1]]
 
 
+@pytest.mark.slow
 def test_waiting_requests_share_one_padded_batch_and_each_gets_its_own_greedy_tokens(hf):
     engine = BatchGenerateEngine(hf, max_batch=4, max_new_tokens=8, max_tokens=32)
     gate = threading.Event()

@@ -33,6 +33,7 @@ def prompt(seed: int, length: int) -> list[int]:
     return torch.randint(0, 50257, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+@pytest.mark.slow
 def test_requests_batched_together_generate_what_each_would_alone(gpt2):
     hf, model = gpt2
     engine = OrcaEngine(model, slots=4, max_tokens=48, max_batch=4, max_new_tokens=16)
@@ -67,6 +68,7 @@ def test_a_late_short_request_is_answered_before_an_earlier_long_one(gpt2):
         engine.close(timeout_s=30)
 
 
+@pytest.mark.slow
 def test_more_requests_than_kv_slots_wait_and_all_finish(gpt2):
     hf, model = gpt2
     engine = OrcaEngine(model, slots=2, max_tokens=16, max_batch=4, max_new_tokens=4)
@@ -115,6 +117,7 @@ def test_requests_it_cannot_serve_are_refused_with_the_reason(gpt2):
         engine.submit([1, 2], 1)
 
 
+@pytest.mark.slow
 def test_request_level_batching_answers_a_batch_together_and_the_same_tokens(gpt2):
     hf, model = gpt2
     engine = OrcaEngine(model, slots=4, max_tokens=32, max_batch=4, max_new_tokens=16, iteration_level=False)

@@ -26,6 +26,7 @@ DEVICES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_batch_runs_on_the_workers_device_and_a_bad_request_fails_alone(tmp_path, device):
     model_dir = model_dir_for(SPEC, tmp_path / "model")
@@ -58,6 +59,7 @@ def test_cuda_graphs_are_for_the_plain_handler_only_and_ignored_on_a_cpu(tmp_pat
         PlainModelHandler().initialize(ctx)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES)
 def test_decode_threads_batched_decodes_a_batchs_jpegs_in_one_call_and_refuses_a_bad_one_alone(tmp_path, device):
     """The plain handler with ``decode_threads: batched``: the JPEGs of one frontend batch go to one decoder

@@ -511,6 +511,7 @@ def reaction_and_moves(act_on_changes: bool, rates, seeds=range(40)) -> tuple[li
     return delays, counts
 
 
+@pytest.mark.slow
 def test_a_detected_sevenfold_rise_is_acted_on_within_two_seconds_once():
     """2 → 14 req/s, past the fat worker's 11.3/s: the detector's alarm plus the expected-latency rule on the new
     regime's rate move within 2 s in 90 % of 40 seeds, once each; the windows' bounds alone wait longer."""

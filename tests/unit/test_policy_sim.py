@@ -167,6 +167,7 @@ def test_a_spike_played_right_after_another_is_acted_on_within_two_seconds():
         assert 15.0 < moves[0][0] <= 17.0 and 25.0 < moves[1][0] <= 27.0, moves
 
 
+@pytest.mark.slow
 def test_the_constant_benchs_half_load_start_is_rarely_taken_for_a_step():
     """The constant bench's 20 % → 50 % start (3.99 → 9.97 req/s; the fat worker serves 10 req/s better on
     these rounds), 24 seeds.  A 2.5× rise, but the detector's alarm comes on the arrivals that ran ahead, so

@@ -169,6 +169,7 @@ def test_a_model_with_a_batch_free_output_is_refused():
         slice_model(Constant(), (torch.randn(2, 3),), 1)
 
 
+@pytest.mark.slow
 def test_resnet50_in_four_time_balanced_segments():
     spec = get_spec("resnet50")
     model = build_model(spec)
@@ -193,6 +194,7 @@ def test_the_catalog_unet_cut_mid_encoder_hands_its_skips_to_the_next_segment():
         assert outputs_close(out, model(*x), 1e-4)
 
 
+@pytest.mark.slow
 def test_bert_sliced_through_export_runs_other_batch_sizes_and_lengths():
     spec = get_spec("bert-base")
     model = build_model(spec)
@@ -252,6 +254,7 @@ def test_packrat_segments_refuses_bad_arguments_clearly(capsys):
     assert "no-such-model" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_packrat_segments_writes_a_profile_of_a_catalog_model(tmp_path, capsys):
     from handlers.runtime.segment_profile import load_segment_profile
     from packrat_plugin.cli import main

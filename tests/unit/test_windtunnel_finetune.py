@@ -97,6 +97,7 @@ def test_cold_start_keeps_the_structure_and_redraws_the_numbers(setup):
     assert not torch.equal(model.trees()[0].values, cold.trees()[0].values)
 
 
+@pytest.mark.slow
 def test_the_finetune_command_reads_a_csv_and_writes_weights_the_archive_can_serve(tmp_path):
     import csv
     import re
@@ -163,6 +164,7 @@ def test_a_regressor_fine_tunes_on_squared_error_and_is_scored_by_r2(kind):
         assert result.valid_auc > result.history[0] + 0.01, result.history
 
 
+@pytest.mark.slow
 def test_the_finetune_command_takes_a_regressors_numeric_target(tmp_path):
     import csv
     import re

@@ -45,6 +45,7 @@ def register(torchserve, tmp_path, pipeline, name: str, **options) -> str:
     return name
 
 
+@pytest.mark.slow
 def test_a_pipeline_archive_answers_the_pipelines_own_probabilities(torchserve, tmp_path, table, pipeline):
     name = register(torchserve, tmp_path, pipeline, "wt_gbdt", columns=table.columns)
     client = torchserve.inference()
@@ -57,6 +58,7 @@ def test_a_pipeline_archive_answers_the_pipelines_own_probabilities(torchserve, 
     np.testing.assert_allclose(many.body["probabilities"], pipeline.predict_proba(table.X[500:560]), atol=1e-9)
 
 
+@pytest.mark.slow
 def test_bad_rows_get_a_4xx_naming_the_problem_and_only_their_request_fails(torchserve, tmp_path, table, pipeline):
     name = register(torchserve, tmp_path, pipeline, "wt_bad", columns=table.columns)
     client = torchserve.inference()
@@ -81,6 +83,7 @@ def test_bad_rows_get_a_4xx_naming_the_problem_and_only_their_request_fails(torc
     assert client.predict(name, good[5]).status == 200  # and the server keeps serving
 
 
+@pytest.mark.slow
 def test_a_fine_tuned_archive_serves_its_fine_tuned_weights(torchserve, tmp_path, table, pipeline):
     model = translate(pipeline, table.columns)
     split = Split(*model.encode_array(table.X[:500]), table.y[:500])
@@ -97,6 +100,7 @@ def test_a_fine_tuned_archive_serves_its_fine_tuned_weights(torchserve, tmp_path
     assert not np.allclose(expected, pipeline.predict_proba(table.X[500:510]), atol=1e-6)  # really other weights
 
 
+@pytest.mark.slow
 def test_a_regressor_archive_answers_its_own_predictions(torchserve, tmp_path, table):
     """A regression pipeline (forest of unlimited depth) served: one number per row, equal to ``predict``."""
     from sklearn.ensemble import RandomForestRegressor

@@ -291,6 +291,7 @@ def test_the_node_order_walk_drops_finished_walks_and_still_reaches_every_leaf_a
     np.testing.assert_allclose(probabilities, estimator.predict_proba(rows), rtol=0, atol=1e-12)
 
 
+@pytest.mark.slow
 def test_the_archive_command_refuses_an_untranslatable_pipeline_and_archives_a_good_one(cancer, tmp_path):
     import subprocess
     import sys
@@ -358,6 +359,7 @@ def test_a_top_level_imputer_and_imputer_settings_it_cannot_express():
             translate(fitted)
 
 
+@pytest.mark.slow
 def test_a_depth_unlimited_forest_translates_exactly_in_memory_of_its_own_size():
     """scikit-learn's default forest (no max_depth): the dense path matrices would take gigabytes; the
     translation holds a few numbers per node, answers exactly, and refuses only the soft form, by size."""
