@@ -172,8 +172,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--archive", type=Path,
                         help="an archive instead of a catalog model: yours, from torch-model-archiver, or one that "
                              "`packrat archive` built (then --model and --mode do not apply)")  # fmt: skip
-    parser.add_argument("--sample", action="append", default=[], metavar="FILE",
-                        help="with --archive: a request body the archive's handler accepts (repeatable, or a folder)")
+    parser.add_argument(
+        "--sample",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="with --archive: a request body the archive's handler accepts (repeatable, or a folder)",
+    )
     parser.add_argument("--mode", default="script", choices=("eager", "script", "compile"))
     parser.add_argument("--profile", type=Path, help="default: profiles/<model>.json")
     parser.add_argument("--batches", default="2,4,8,16")
