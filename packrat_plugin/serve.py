@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import signal
 import threading
@@ -12,13 +13,14 @@ from pathlib import Path
 
 from archiver.build import catalog_name
 from packrat_plugin.archives import is_users_archive
+from packrat_plugin.calibration import CalibrationConfig
 from packrat_plugin.controller import PackratController
 from packrat_plugin.division import OBJECTIVES, DivisionConfig
 from packrat_plugin.foreign import read_archive
 from packrat_plugin.load_monitor import MonitorConfig
 from packrat_plugin.model_control import ControllerConfig, ModelTarget
 from packrat_plugin.plan_types import format_instances
-from packrat_plugin.policy import UP_RULES, PolicyConfig
+from packrat_plugin.policy import PolicyConfig
 from packrat_plugin.profiler import profile_for_this_machine
 from packrat_plugin.swapper import SwapperConfig
 from serving_harness.oip_grpc import OipGrpcFront
@@ -78,73 +80,24 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_policy_arguments(p: argparse.ArgumentParser) -> None:
-    """The controller's knobs (defaults: PolicyConfig, MonitorConfig, ControllerConfig)."""
-    pol, mon, ctl = PolicyConfig(), MonitorConfig(), ControllerConfig()
-    g = p.add_argument_group("reconfiguration policy (see packrat_plugin/policy.py)")
-    g.add_argument("--sample-ms", type=float, default=mon.period_s * 1000, help="load sampling period")
-    g.add_argument("--short-window", type=float, default=mon.short_window_s, help="arrival-rate window for growing (s)")
-    g.add_argument("--long-window", type=float, default=mon.long_window_s, help="... that must agree to shrink (s)")
+    """The controller's settings a user may want to change; the rest are ``--tune`` values (``TUNABLE``)."""
+    pol, ctl = PolicyConfig(), ControllerConfig()
+    g = p.add_argument_group("reconfiguration policy (see docs/packrat.md)")
     g.add_argument("--up-confirm", type=float, default=pol.up_confirm_s, help="a rise must last this long (s)")
     g.add_argument("--down-confirm", type=float, default=pol.down_confirm_s, help="a fall must last this long (s)")
-    g.add_argument("--noise-z", type=float, default=pol.noise_z, help="Poisson confidence bound that gates a move")
-    g.add_argument("--up-z", type=float, default=pol.up_z, help="... and that gates growing (narrower)")
-    g.add_argument(
-        "--up-rule", choices=UP_RULES, default=pol.up_rule,
-        help="expected: a new split of the cores may also grow on expected latency over the rate's noise",
-    )  # fmt: skip
-    g.add_argument("--min-gain", type=float, default=pol.min_gain, help="least relative latency gain worth a swap")
-    g.add_argument("--horizon", type=float, default=pol.horizon_s, help="expected seconds at a load, until measured")
-    g.add_argument(
-        "--step-ratio",
-        type=float,
-        default=pol.step_ratio,
-        help="a change the detector flags counts as a step (judged on the new rate alone) from this ratio",
-    )
-    g.add_argument(
-        "--change-confirm",
-        type=float,
-        default=pol.change_confirm_s,
-        help="a move on a detected step must hold this long (s)",
-    )
-    g.add_argument(
-        "--no-act-on-changes",
-        action="store_true",
-        help="decide on the rate windows' bounds and timers alone, not on the change detector's steps",
-    )
-    g.add_argument(
-        "--false-alarm-hours",
-        type=float,
-        default=mon.change_false_alarm_s / 3600,
-        help="the change detector's design mean time between false alarms at a known constant load, per "
-        "direction (the rate measured with learned rates: docs/benchmarks/detector_delays.md)",
-    )
-    g.add_argument(
-        "--rate-uncertainty-z",
-        type=float,
-        default=mon.change_uncertainty_z,
-        help="the change detector tests a learned rate at its bound this many standard errors toward each "
-        "test's side (0: at the estimate itself)",
-    )
-    g.add_argument(
-        "--regime-window",
-        type=float,
-        default=mon.regime_window_s,
-        help="the regime's rate (arrivals since the last alarm) reaches back this far at most (s)",
-    )
-    g.add_argument("--regime-min", type=float, default=pol.regime_min_s,
-                   help="the regime's rate is read once it spans this long (s; 0: never)")  # fmt: skip
+    g.add_argument("--min-gain", type=float, default=pol.min_gain,
+                   help="least relative latency gain worth a swap (hysteresis between two plans)")  # fmt: skip
     g.add_argument("--standby-workers", type=int, default=ctl.standby_workers,
                    help="idle workers kept warm for fast swaps (each holds a copy of the model; 0: none)")  # fmt: skip
-    g.add_argument("--no-calibrate", action="store_true",
-                   help="plan on the bare profile (the model alone), not on serving costs: the handler's per-request "
-                        "cost the profile measured, then what serving measures (calibration.py)")  # fmt: skip
-    g.add_argument("--credit-every-batch", action="store_true",
-                   help="plan on every profiled batch size, even one whose gain is within the spread of the "
-                        "profile's passes (batch_credit.py)")  # fmt: skip
-    g.add_argument("--narrow-drains", action="store_true",
-                   help="after a swap, drain the old multi-thread workers on one core each and let the new workers "
-                        "on the freed cores serve at once, instead of holding every new worker on the old set's "
-                        "cores until the drain ends (measured worse on 2 cores; see docs/packrat.md)")  # fmt: skip
+    g.add_argument(
+        "--no-calibrate",
+        action="store_true",
+        help="plan on the bare profile (the model alone), not on what serving measures (calibration.py)",
+    )
+    g.add_argument("--tune", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                   help="set any other field of the controller's settings, for experiments: "
+                        f"sections {', '.join(TUNABLE)} (their fields and defaults: docs/packrat.md), "
+                        "e.g. --tune monitor.period_s=0.5 --tune policy.up_rule=expected")  # fmt: skip
     div = DivisionConfig()
     m = p.add_argument_group("several models on one server (see packrat_plugin/division.py)")
     m.add_argument(
@@ -193,23 +146,63 @@ def targets_from(args: argparse.Namespace) -> list[ModelTarget]:
     return targets
 
 
+TUNABLE: dict[str, type] = {
+    "policy": PolicyConfig,
+    "monitor": MonitorConfig,
+    "swapper": SwapperConfig,
+    "calibration": CalibrationConfig,
+    "controller": ControllerConfig,  # its plain fields (credit_batches, standby_wait_s)
+}
+
+
+def _value(text: str, default: object) -> object:
+    """``text`` as the type of the field's default (None-able fields take ``none``)."""
+    if text.lower() == "none":
+        return None
+    if isinstance(default, bool):
+        if text.lower() not in ("true", "false", "1", "0"):
+            raise ValueError(f"expected true or false, got {text!r}")
+        return text.lower() in ("true", "1")
+    if isinstance(default, int):
+        return int(text)
+    if isinstance(default, float) or default is None:
+        return float(text)
+    return text
+
+
+def tuned(values: list[str]) -> dict[str, dict[str, object]]:
+    """``--tune SECTION.FIELD=VALUE`` settings, by section; a ValueError naming what is wrong otherwise."""
+    out: dict[str, dict[str, object]] = {section: {} for section in TUNABLE}
+    for item in values:
+        key, sep, text = item.partition("=")
+        section, dot, name = key.partition(".")
+        if not sep or not dot or section not in TUNABLE:
+            raise ValueError(f"--tune takes SECTION.FIELD=VALUE with SECTION one of {', '.join(TUNABLE)}, got {item!r}")
+        defaults = TUNABLE[section]()
+        fields = [
+            f.name for f in dataclasses.fields(defaults) if not dataclasses.is_dataclass(getattr(defaults, f.name))
+        ]
+        if name not in fields:
+            raise ValueError(f"--tune: {section} has no field {name!r}; it has {', '.join(fields)}")
+        default = getattr(defaults, name)
+        try:
+            out[section][name] = _value(text, default)
+        except ValueError as exc:
+            raise ValueError(f"--tune {key}: {exc}") from None
+    return out
+
+
 def config_from(args: argparse.Namespace) -> ControllerConfig:
+    tune = tuned(args.tune)
+    policy = {"up_confirm_s": args.up_confirm, "down_confirm_s": args.down_confirm, "min_gain": args.min_gain}
     return ControllerConfig(
-        policy=PolicyConfig(
-            up_confirm_s=args.up_confirm, down_confirm_s=args.down_confirm, noise_z=args.noise_z, up_z=args.up_z,
-            up_rule=args.up_rule, min_gain=args.min_gain, horizon_s=args.horizon, step_ratio=args.step_ratio,
-            change_confirm_s=args.change_confirm, act_on_changes=not args.no_act_on_changes,
-            regime_min_s=args.regime_min,
-        ),
-        monitor=MonitorConfig(
-            period_s=args.sample_ms / 1000, short_window_s=args.short_window, long_window_s=args.long_window,
-            change_false_alarm_s=args.false_alarm_hours * 3600, change_uncertainty_z=args.rate_uncertainty_z,
-            regime_window_s=args.regime_window,
-        ),
-        swapper=SwapperConfig(max_batch_delay_ms=args.max_batch_delay, narrow_drains=args.narrow_drains),
+        **tune["controller"],
+        policy=PolicyConfig(**{**policy, **tune["policy"]}),
+        monitor=MonitorConfig(**tune["monitor"]),
+        swapper=SwapperConfig(**{"max_batch_delay_ms": args.max_batch_delay, **tune["swapper"]}),
+        calibration=CalibrationConfig(**tune["calibration"]),
         standby_workers=args.standby_workers,
         calibrate=not args.no_calibrate,
-        credit_batches=not args.credit_every_batch,
         fixed_batch=args.fixed_batch,
         reconfigure=not args.no_reconfigure,
         share_cores=not args.no_share_cores,
