@@ -51,6 +51,7 @@ from handlers.pinning.slots import PLAN_DIR_ENV, PlanStore
 from model_store import ARCHIVE_DIR
 from model_store.catalog import get_spec
 from model_store.samples import client_payload
+from packrat_plugin.batch_credit import credit_batches
 from packrat_plugin.controller import PackratController
 from packrat_plugin.levels import levels_for
 from packrat_plugin.model_control import ControllerConfig, ModelTarget
@@ -120,8 +121,12 @@ def static_plans(threads: int, twin: bool = False) -> dict[str, Plan]:
 
 
 def largest_capacity(profile, threads: int) -> float:
-    """The largest throughput (req/s) any plan on ``threads`` cores reaches by the profile: loads are set as
-    fractions of it, so they mean the same on any machine."""
+    """The largest throughput (req/s) any level the controller chooses among reaches on ``threads`` cores by
+    the profile: loads are set as fractions of it, so they mean the same on any machine.  The levels are the
+    controller's (the batch sizes that earn their place, ``batch_credit.py``): a capacity that only a batch
+    size the controller never plans for reaches put the high load past every level it could serve (a 2-vCPU
+    EPYC's brief profile: 70 % of it was more than the static split carried)."""
+    profile, _ = credit_batches(profile)
     optimizer = KnapsackOptimizer(profile, serving_costs(profile))
     return max(lv.capacity for lv in levels_for(optimizer, threads, threads * max(profile.batches)))
 
