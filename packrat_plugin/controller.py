@@ -19,9 +19,7 @@ from handlers.pinning.slots import PLAN_DIR_ENV, PlanStore
 from packrat_plugin.division import DivisionPolicy, ModelDemand, split_topology
 from packrat_plugin.model_control import ControllerConfig, ModelController, ModelTarget
 from packrat_plugin.status_server import StatusServer
-from packrat_plugin.swapper import (
-    SwapError,
-)
+from packrat_plugin.swapper import SwapError, parse_version_name
 from serving_harness.clients import TorchServeAPIError
 from serving_harness.topology import CpuTopology
 from serving_harness.torchserve import Ports, TorchServeProcess
@@ -72,7 +70,9 @@ class PackratController:
     def start(self) -> PackratController:
         self.model_store.mkdir(parents=True, exist_ok=True)
         self.store.root.mkdir(parents=True, exist_ok=True)
-        self.server.start()
+        served = self._attach()
+        if served is None:
+            self.server.start()
         try:
             management, metrics = self.server.management(), self.server.metrics()
             for target in self.targets:
@@ -82,7 +82,10 @@ class PackratController:
             if self.sharing:
                 self._divide_initially()
             for mc in self.models.values():
-                mc.start()
+                if served is not None and mc.target.name in served:
+                    mc.adopt()
+                else:
+                    mc.start()
             loops = [(mc.run, f"packrat-{name}") for name, mc in self.models.items()]
             if self.sharing and self.config.reconfigure and not self.config.fixed_batch:
                 loops.append((self._division_loop, "packrat-division"))
@@ -96,6 +99,43 @@ class PackratController:
             self.stop()
             raise
         return self
+
+    def _attach(self) -> set[str] | None:
+        """The models of a TorchServe this workdir's earlier controller left serving, now this one's to
+        manage; None where there is no such server (then one is started).
+
+        What makes a restart converge rather than fail: the frontend runs in a session of its own, so a
+        controller killed with ``kill -9`` (or restarted by a supervisor) leaves it serving the last plan,
+        and a new ``start`` would find its ports taken and every version already registered (409).  A
+        server that serves anything Packrat did not make here (another model, a version not named by
+        ``version_name``) is left alone, untouched, with a one-line reason.
+        """
+        if not self.server.attach():
+            return None
+        try:
+            management = self.server.management()
+            models = {m["modelName"] for m in management.list_models()}
+            foreign = sorted(models - {t.name for t in self.targets})
+            if foreign:
+                raise SwapError(f"it serves models this command does not name: {', '.join(foreign)}")
+            if models and self.sharing:
+                raise SwapError("taking over several models that divide the cores is not supported")
+            for model in models:
+                for version in management.describe(model, "all"):
+                    name = str(version["modelVersion"])
+                    parsed = parse_version_name(name)
+                    if parsed is None or parsed[2] != "":
+                        raise SwapError(f"{model} version {name} is not one Packrat names")
+        except (SwapError, TorchServeAPIError) as exc:
+            url = self.server.management_url
+            self.server.detach()
+            raise SwapError(
+                f"a TorchServe is running at {url} from {self.server.workdir} that this controller "
+                f"will not manage: {exc}; stop it (`packrat stop`) or use another --workdir"
+            ) from None
+        logger.info("attached to the running TorchServe at %s (models: %s)", self.server.management_url,
+                    ", ".join(sorted(models)) or "none")  # fmt: skip
+        return models
 
     @property
     def sharing(self) -> bool:

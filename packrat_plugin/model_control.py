@@ -161,6 +161,7 @@ class ModelController:
         self.decisions: list[dict[str, Any]] = []
         self.last_error: str | None = None
         self.swap_errors = 0  # reconfigurations that failed (the old set kept serving)
+        self.adopted: dict[str, Any] | None = None  # set when this controller took over a running worker set
         self.lock = threading.Lock()
         # False: the loop samples but the policy does not move (moves come from ``move_to``: an operator's
         # hold, or a benchmark's moves at known load changes, which measure the swap apart from the detector).
@@ -267,6 +268,26 @@ class ModelController:
         with self.lock:
             self.ready = ready
         return report
+
+    def adopt(self) -> None:
+        """Serve on from the worker sets an earlier controller left in TorchServe (``PackratController`` found
+        the server still running): the default version is the current plan, with no swap and no request
+        failed; the standby set is then brought back to what the current level wants."""
+        default = str(self.management.describe(self.target.name)[0]["modelVersion"])
+        plan = self.swapper.adopt(self.management.describe(self.target.name, "all"), default)
+        level = next((lv for lv in self.levels if lv.plan.instances == plan.instances), None)
+        if level is None:  # a plan this controller would not choose (other settings): served until it moves
+            level = level_of(self.profile, plan.batch, plan)
+        self.calibrator.restart(self.store.service_totals(self.target.name, default))
+        ready = self.swapper.ready_workers()
+        with self.lock:
+            self.level, self.plan, self.ready = level, plan, ready
+            self.adopted = {"at": time.time(), "version": default, "standby": sorted(self.swapper.standby)}
+        logger.info("%s: adopted version %s serving %s", self.target.name, default, plan.describe())
+        if self.config.reconfigure and not self.config.fixed_batch and level in self.levels:
+            prepared = self.prepared(level.batch)
+            self._keep_warm(standby_items(self.levels, level.batch, self.config.standby_workers,
+                                          list(prepared.values())))  # fmt: skip
 
     def _keep_warm(self, items: list[PlanItem]) -> None:
         try:
@@ -428,4 +449,6 @@ class ModelController:
                 "last_swap": last.to_dict() if last else None,
                 "last_decision": self.decisions[-1] if self.decisions else None,
                 "last_error": self.last_error,
+                # Where this controller took over an earlier one's TorchServe: when, and the version it found.
+                "adopted": self.adopted,
             }

@@ -24,9 +24,10 @@ from packrat_plugin.policy import PolicyConfig
 from packrat_plugin.profiler import profile_for_this_machine
 from packrat_plugin.swapper import SwapperConfig
 from serving_harness.oip_grpc import OipGrpcFront
-from serving_harness.torchserve import REPO_CONFIG, Ports, read_properties
+from serving_harness.torchserve import REPO_CONFIG, Ports, TorchServeProcess, read_properties
 
 DEFAULT_STATUS_PORT = 8083
+DEFAULT_WORKDIR = Path("logs/packrat")
 
 
 def _pairs(values: list[str], what: str) -> dict[str, str]:
@@ -63,7 +64,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--status-port", type=int, default=DEFAULT_STATUS_PORT)
     p.add_argument("--status-host", default="127.0.0.1",
                    help="address the status and /metrics server binds (0.0.0.0 in a scraped pod)")  # fmt: skip
-    p.add_argument("--workdir", type=Path, default=Path("logs/packrat"))
+    p.add_argument("--workdir", type=Path, default=DEFAULT_WORKDIR,
+                   help="where TorchServe's logs, the plan files and the archives' copies go; a TorchServe "
+                        "started from here and still running is taken over")  # fmt: skip
     p.add_argument(
         "--fixed-batch", type=int, help="serve the plan for this B (rounded down to a power of two), never change it"
     )
@@ -295,6 +298,24 @@ def format_status(status: dict) -> str:
 def add_status_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", default=f"http://127.0.0.1:{DEFAULT_STATUS_PORT}/status")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--workdir", type=Path, default=DEFAULT_WORKDIR, help="`packrat serve`'s --workdir")
+
+
+def add_stop_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workdir", type=Path, default=DEFAULT_WORKDIR, help="`packrat serve`'s --workdir")
+
+
+def run_stop(args: argparse.Namespace) -> int:
+    """Stop the TorchServe ``packrat serve`` started from this workdir (and its workers), with or without a
+    controller still attached to it."""
+    server = TorchServeProcess(args.workdir / "torchserve", args.workdir / "model_store")
+    if not server.attach():
+        print(f"packrat stop: no TorchServe started from {args.workdir} is running")
+        return 1
+    url = server.inference_url
+    server.stop()
+    print(f"packrat stop: stopped the TorchServe at {url} started from {args.workdir}, and its workers")
+    return 0
 
 
 def run_status(args: argparse.Namespace) -> int:
@@ -302,6 +323,10 @@ def run_status(args: argparse.Namespace) -> int:
         with urllib.request.urlopen(args.url, timeout=5) as resp:
             status = json.load(resp)
     except OSError as exc:
-        raise RuntimeError(f"no Packrat controller answers at {args.url}: {exc}") from None
+        server = TorchServeProcess(args.workdir / "torchserve", args.workdir / "model_store")
+        orphan = (f"; the TorchServe it started is still serving at {server.inference_url} with no controller "
+                  f"attached: `packrat serve` with the same arguments takes it over, `packrat stop` stops it"
+                  if server.attach() else "")  # fmt: skip
+        raise RuntimeError(f"no Packrat controller answers at {args.url}: {exc}{orphan}") from None
     print(json.dumps(status, indent=2) if args.json else format_status(status))
     return 0

@@ -31,6 +31,8 @@ old version never loses its workers before the new one serves.
 from __future__ import annotations
 
 import logging
+import math
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,6 +65,16 @@ def version_name(item: PlanItem, core_tag: str = "") -> str:
 def mixed_version_name(plan: Plan, core_tag: str = "") -> str:
     """The TorchServe version of a mixed plan: ``mix-1x1t4b-1x1t2b`` (count × threads t, batch b)."""
     return "mix-" + "-".join(f"{i.count}x{i.threads}t{i.batch}b" for i in plan.instances) + core_tag
+
+
+_VERSION = re.compile(r"t(\d+)b(\d+)(-c[\d-]+)?")
+
+
+def parse_version_name(version: str) -> tuple[int, int, str] | None:
+    """``(threads, batch, core_tag)`` of a uniform version Packrat names (``version_name``); None for any
+    other name (a user's own version, or a mixed plan's, which is not adopted)."""
+    match = _VERSION.fullmatch(version)
+    return None if match is None else (int(match.group(1)), int(match.group(2)), match.group(3) or "")
 
 
 def cores_tag(topology: CpuTopology) -> str:
@@ -170,6 +182,32 @@ class ActivePassiveSwapper:
                 self._scale(version, 0)
         self.standby = {}
         self.topology, self.core_tag = topology, tag
+
+    def adopt(self, versions: list[dict[str, Any]], default: str) -> Plan:
+        """Take over the worker sets an earlier controller left serving, from a describe-all answer and the
+        default version's name: the default version becomes the active one, and every other version with
+        workers joins the standby set once it has drained (a swap interrupted between set-default and
+        retire ends here).  Returns the plan the active version serves.  A version that is not one of
+        Packrat's uniform versions on these cores is refused with SwapError before anything is touched."""
+        classes: dict[str, PlanItem] = {}
+        for v in versions:
+            name = str(v["modelVersion"])
+            parsed = parse_version_name(name)
+            if parsed is None or parsed[2] != self.core_tag:
+                raise SwapError(f"{self.model} version {name} is not one Packrat serves on these cores "
+                                f"(t<threads>b<batch>{self.core_tag})")  # fmt: skip
+            classes[name] = PlanItem(len(v.get("workers", [])), parsed[0], parsed[1])
+        item = classes.get(default)
+        if item is None or item.count == 0:
+            raise SwapError(f"{self.model}'s default version {default} has no workers to adopt")
+        for name, other in classes.items():
+            if name != default and other.count > 0:
+                self._drain(name)
+                self.standby[name] = other
+        self.registered = set(classes)
+        plan = Plan(item.count * item.threads, item.count * item.batch, math.nan, (item,))
+        self._set_active(default, plan)
+        return plan
 
     def archive_name(self, version: str) -> str:
         return f"{self.model}.packrat-{version}.mar"

@@ -11,6 +11,8 @@ group, so stopping it also stops the worker processes the frontend spawned.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
 import os
 import shutil
 import signal
@@ -24,6 +26,7 @@ from pathlib import Path
 import requests
 
 from serving_harness.clients import InferenceClient, ManagementClient, MetricsClient
+from serving_harness.jsonfile import write_json_atomic
 
 REPO_CONFIG = Path(__file__).resolve().parent.parent / "config.properties"
 
@@ -101,6 +104,7 @@ class TorchServeProcess:
         self.config_path = self.workdir / "config.properties"
         self.proc: subprocess.Popen | None = None
         self._stdout = None
+        self.attached_pid: int | None = None  # a server an earlier process of this workdir left running
 
     # -- URLs and clients ----------------------------------------------------
 
@@ -151,6 +155,12 @@ class TorchServeProcess:
             raise TorchServeError("torchserve not found; run `make setup`")
         if shutil.which("java") is None:
             raise TorchServeError("java not found; TorchServe needs a Java 17 runtime on PATH")
+        taken = [port for port in (self.ports.inference, self.ports.management) if _listening(port)]
+        if taken:
+            # A frontend that cannot bind exits, while /ping answers from whatever holds the port: the
+            # registrations then land on that server (409 for a version it already has).  Say so instead.
+            raise TorchServeError(f"port {taken[0]} is already in use on 127.0.0.1 (another TorchServe?): stop it "
+                                  f"or choose other ports")  # fmt: skip
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.model_store.mkdir(parents=True, exist_ok=True)
         self.log_dir.mkdir(exist_ok=True)
@@ -187,7 +197,38 @@ class TorchServeProcess:
         except BaseException:
             self.stop()
             raise
+        # Where a later process finds this server to attach to (``attach``): the frontend outlives a killed
+        # controller, which started it in a session of its own.
+        write_json_atomic(self.pid_file, {"pid": self.proc.pid, **dataclasses.asdict(self.ports)})
         return self
+
+    @property
+    def pid_file(self) -> Path:
+        return self.workdir / "torchserve.pid.json"
+
+    def attach(self) -> bool:
+        """Take over the TorchServe an earlier process of this workdir started and left running (it was
+        killed, or restarted by a supervisor): its pid file names a live process whose management API
+        answers on the ports it recorded.  False where there is none; ``start`` then launches one."""
+        try:
+            record = json.loads(self.pid_file.read_text())
+            pid, ports = int(record["pid"]), Ports(**{k: int(v) for k, v in record.items() if k != "pid"})
+        except (FileNotFoundError, ValueError, KeyError, TypeError):
+            return False
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:  # alive, but not ours to manage
+            return False
+        previous, self.ports = self.ports, ports
+        try:
+            requests.get(f"{self.management_url}/models", timeout=5).raise_for_status()
+        except requests.RequestException:
+            self.ports = previous
+            return False
+        self.attached_pid = pid
+        return True
 
     def wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -205,6 +246,9 @@ class TorchServeProcess:
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """SIGTERM the whole process group (frontend and workers), then SIGKILL."""
+        if self.attached_pid is not None:
+            self._stop_attached(self.attached_pid, timeout_s)
+            return
         if self.proc is None:
             return
         with contextlib.suppress(ProcessLookupError):
@@ -216,9 +260,25 @@ class TorchServeProcess:
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
         self.proc = None
+        self.pid_file.unlink(missing_ok=True)
         if self._stdout is not None:
             self._stdout.close()
             self._stdout = None
+
+    def detach(self) -> None:
+        """Forget an attached server without stopping it (it was found not to be ours to manage)."""
+        self.attached_pid = None
+
+    def _stop_attached(self, pid: int, timeout_s: float) -> None:
+        """``stop`` for an attached server: not our child, so its group is signalled and polled until gone."""
+        for sig, wait_s in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 10.0)):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, sig)
+            deadline = time.monotonic() + wait_s
+            while time.monotonic() < deadline and _alive(pid):
+                time.sleep(0.1)
+        self.attached_pid = None
+        self.pid_file.unlink(missing_ok=True)
 
     def __enter__(self) -> TorchServeProcess:
         return self.start()
@@ -261,3 +321,20 @@ class TorchServeProcess:
             if found or time.monotonic() >= deadline:
                 return found
             time.sleep(0.1)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _listening(port: int) -> bool:
+    """Whether something accepts connections on ``port`` on loopback."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.settimeout(0.5)
+        return sock.connect_ex(("127.0.0.1", port)) == 0

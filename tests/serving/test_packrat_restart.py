@@ -1,0 +1,112 @@
+"""A controller killed with ``kill -9`` and started again with the same command takes over the TorchServe it
+left serving: the plan it finds is its current one, no request fails across the kill and the restart, and a
+later load change swaps as usual.  Real processes throughout: ``packrat serve`` as a user runs it, the
+frontend and workers it started, HTTP load from a fixed number of clients."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from model_store.catalog import get_spec
+from model_store.samples import client_payload
+from serving_harness.loadgen import LoadResult, closed_loop, run
+from serving_harness.torchserve import Ports
+from tests.serving.test_packrat_online import two_core_profile, wait_for
+
+pytestmark = [
+    pytest.mark.torchserve,
+    pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="Packrat slots need two usable cores"),
+]
+
+SPEC = get_spec("resnet50", "script")
+
+
+def write_profile(path: Path) -> Path:
+    profile = two_core_profile()
+    points = [{"threads": p.threads, "batch": p.batch, "latency_ms": p.latency_ms} for p in profile.points]
+    path.write_text(json.dumps({"model": "resnet50", "points": points}))
+    return path
+
+
+def status(port: int) -> dict | None:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/status", timeout=2) as resp:
+            return json.load(resp)
+    except OSError:
+        return None
+
+
+def test_a_killed_controller_restarted_takes_over_its_torchserve_without_a_failed_request(archive, tmp_path):
+    status_port = Ports.free().inference
+    command = [
+        sys.executable, "-m", "packrat_plugin.cli", "serve",
+        "--models", f"resnet50={archive('resnet50', 'script')}",
+        "--profile", f"resnet50={write_profile(tmp_path / 'resnet50.json')}", "--force-profile",
+        "--free-ports", "--status-port", str(status_port), "--workdir", str(tmp_path / "w"),
+        "--standby-workers", "0", "--tune", "monitor.period_s=0.1",
+    ]  # fmt: skip
+
+    def serve() -> subprocess.Popen:
+        log = open(tmp_path / "serve.log", "ab")  # noqa: SIM115 (the process writes it)
+        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    first = serve()
+    second = None
+    try:
+        started = wait_for(lambda: status(status_port), 240, "the first controller's /status")
+        url = f"{started['inference_url']}/predictions/resnet50"
+        plan = started["models"]["resnet50"]["plan"]
+        assert plan["instances"] == [{"count": 1, "threads": 2, "batch": 1}]
+        payloads = [client_payload(SPEC, seed=i) for i in range(8)]
+        results: list[LoadResult] = []
+
+        def load(clients: int, seconds: float) -> None:
+            results.append(run(closed_loop(url, lambda n: payloads[n % 8], clients, seconds)))
+
+        one_client = threading.Thread(target=load, args=(1, 20.0))
+        one_client.start()
+        time.sleep(4.0)
+        os.kill(first.pid, signal.SIGKILL)  # the controller alone: TorchServe runs in a session of its own
+        first.wait()
+        assert status(status_port) is None
+        time.sleep(3.0)
+        second = serve()
+        restarted = time.monotonic()
+        adopted = wait_for(lambda: status(status_port), 60, "the restarted controller's /status")
+        attached_s = time.monotonic() - restarted
+        model = adopted["models"]["resnet50"]
+        assert model["adopted"] is not None and model["adopted"]["version"] == "t2b1", model["adopted"]
+        assert model["plan"]["instances"] == plan["instances"] and model["swaps"] == 0
+        assert adopted["inference_url"] == started["inference_url"]  # the same server, not a new one
+        assert attached_s < 10.0, attached_s  # the issue's bound: a supervisor's restart serves on at once
+        one_client.join()
+        load(8, 16.0)  # a later load change: the restarted controller moves as usual
+        time.sleep(1.0)
+        after = status(status_port)["models"]["resnet50"]
+        assert after["swaps"] >= 1 and after["plan"]["instances"][0]["threads"] == 1, after["plan"]
+        assert sum(r.failed for r in results) == 0, [r.failed for r in results]
+        assert sum(len(r.samples) for r in results) > 20
+        record = json.loads((tmp_path / "w" / "torchserve" / "torchserve.pid.json").read_text())
+    finally:
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+    # SIGTERM to `packrat serve` stops TorchServe and its workers, the taken-over ones included.
+    assert second.returncode == 0
+    with pytest.raises(ProcessLookupError):
+        os.kill(record["pid"], 0)
+    assert not (tmp_path / "w" / "torchserve" / "torchserve.pid.json").exists()
