@@ -244,7 +244,14 @@ class LoadMonitor:
         rate_regime, span_regime = self.regime_rate()
         return Observation(now, rate_short, rate_long, span_short, span_long, growing, self.concurrency(round_batch),
                            self.change_direction(now), self.last_change_ratio(), rate_regime,
-                           span_regime)  # fmt: skip
+                           span_regime, self.peak_depth(self.config.short_window_s))  # fmt: skip
+
+    def peak_depth(self, window_s: float) -> float:
+        """The most requests in the system at any sample over the last ``window_s`` seconds."""
+        if not self._samples:
+            return 0.0
+        since = self._samples[-1][0] - window_s
+        return max(d for t, _, d in self._samples if t >= since)
 
     def last_change_ratio(self) -> float:
         """The last flagged change's new rate over its old one (1 before any): arrivals since the estimated

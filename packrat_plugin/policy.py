@@ -17,6 +17,12 @@ predicted to serve at a rate) is modelled in ``levels.py``.
 
 A move happens only when all of these hold:
 
+- **someone waited.** Growing on the rate needs a request that queued within
+  the short window (more requests in the system at some sample than the
+  current level's workers take): one client sending back to back reads as
+  the fat worker's whole capacity, yet for one request at a time the fat
+  worker is the fastest plan there is;
+
 - **direction, beyond noise.** Arrivals are Poisson-noisy: 16 requests in
   a 2 s window say 8 ± 4 per second, enough to cross the boundary between
   two levels all the time.  So the *direction* of a move is decided on
@@ -202,6 +208,8 @@ class Observation:
     # under a load that holds, the tightest reading of its rate (load_monitor.py).  0 s: none.
     rate_regime: float = 0.0
     regime_span_s: float = 0.0
+    # The most requests in the system at any sample of the short window (inf: not measured).
+    peak_depth: float = math.inf
 
     def bounds(self, rate: float, span_s: float, z: float) -> tuple[float, float]:
         """Poisson confidence bounds of a rate measured as ``rate·span`` arrivals."""
@@ -471,7 +479,11 @@ class ReconfigurationPolicy:
             obs = dataclasses.replace(obs, backlog_growing=False, concurrency=0.0)
         floor = self.floor_level(obs.concurrency)
         up = self.growing_target(rate, obs.short_span_s, short_high)
-        evidence_span_s = self._wants_up(up, cur, obs, rate_low) if up.batch > cur.batch else None
+        # Growing on the rate needs a request that waited: with no more requests in the system than the current
+        # level's workers take, nobody queued, whatever the rate says.  One client sending back to back reads
+        # as the fat worker's whole capacity (16/s at 58 ms a request), and moved it to two slower workers.
+        waited = obs.peak_depth > cur.batch
+        evidence_span_s = self._wants_up(up, cur, obs, rate_low) if up.batch > cur.batch and waited else None
         if evidence_span_s is not None:
             # The larger of the two, unless the rate model calls the floor worse.
             target = floor if floor.batch > up.batch and self._no_worse(floor, up, short_high) else up

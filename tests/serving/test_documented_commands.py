@@ -46,11 +46,12 @@ def excuse(command: DocumentedCommand) -> str | None:
     return None
 
 
-def start(argv: list[str]) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, *argv[1:]], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )  # fmt: skip
+def start(argv: list[str], log: Path) -> subprocess.Popen:
+    # Output to a file, not a pipe: a pipe nobody reads until the end fills (a first run builds archives and
+    # draws progress bars), the command blocks on its next write and ignores the interrupt (CI: 66 s each).
+    with log.open("wb") as out:
+        return subprocess.Popen([sys.executable, *argv[1:]], cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
 
 
 def run_briefly(command: DocumentedCommand, out_dir: Path, seconds: float = RUN_S) -> tuple[int | None, str]:
@@ -59,7 +60,8 @@ def run_briefly(command: DocumentedCommand, out_dir: Path, seconds: float = RUN_
     argv = command.argv
     if "out_dir" in vars(parse(command)) and "--out-dir" not in argv:
         argv = [*argv, "--out-dir", str(out_dir)]
-    proc = start(argv)
+    log = out_dir / "output.log"
+    proc = start(argv, log)
     deadline = time.monotonic() + seconds
     while proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -71,8 +73,7 @@ def run_briefly(command: DocumentedCommand, out_dir: Path, seconds: float = RUN_
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    output = proc.stdout.read().decode(errors="replace") if proc.stdout else ""
-    return code, output
+    return code, log.read_text(errors="replace")
 
 
 def test_the_docs_name_benchmarks_to_run_and_few_are_excused():

@@ -613,3 +613,15 @@ def test_the_regimes_rate_counts_from_the_last_alarm_and_reaches_back_at_most_it
     rate_after, span_after = monitor.regime_rate()
     assert span_after == pytest.approx(now - alarm_at) and 10.0 <= rate_after <= 14.0  # the new regime alone
     assert monitor.observation(now, 1).rate_regime == rate_after
+
+
+def test_one_client_back_to_back_does_not_read_as_a_load_the_fat_worker_cannot_carry():
+    # One client that sends its next request as soon as its answer comes: the rate is the fat worker's whole
+    # capacity, but nobody ever waits (never more requests in the system than the worker takes), and for one
+    # request at a time the fat worker is the fastest plan.  A request that waited lets the rate rule move.
+    obs = dict(rate_short=14.0, rate_long=14.0, short_span_s=2.0, long_span_s=6.0, concurrency=1.0)
+    alone = ReconfigurationPolicy(levels(), PolicyConfig(up_confirm_s=0.0))
+    assert all(alone.observe(Observation(t, **obs, peak_depth=1.0), current=1) is None for t in (0.0, 0.5, 1.0))
+    queued = ReconfigurationPolicy(levels(), PolicyConfig(up_confirm_s=0.0))
+    decisions = [queued.observe(Observation(t, **obs, peak_depth=3.0), current=1) for t in (0.0, 0.5, 1.0)]
+    assert any(d is not None and d.reason == "load rose" and d.target.batch > 1 for d in decisions), decisions
