@@ -15,11 +15,13 @@ the reader's own files (``mymodel.mar``) and are parsed by
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -46,12 +48,40 @@ def excuse(command: DocumentedCommand) -> str | None:
     return None
 
 
-def start(argv: list[str], log: Path) -> subprocess.Popen:
-    # Output to a file, not a pipe: a pipe nobody reads until the end fills (a first run builds archives and
-    # draws progress bars), the command blocks on its next write and ignores the interrupt (CI: 66 s each).
+def _interruptible() -> None:
+    """In the child before exec: SIGINT back to its default.  A shell without job control starts background
+    jobs with SIGINT ignored, every child inherits that, and Python then installs no KeyboardInterrupt: the
+    interrupt did nothing and each command ran to the SIGKILL, its TorchServe left behind (CI, 2026-11-28)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def start(argv: list[str], log: Path, tmp: Path) -> subprocess.Popen:
+    # Output to a file, not a pipe that nobody reads until the end: a full pipe blocks the command.
+    # TMPDIR under the test's folder: whatever the command starts there can be found and stopped after it.
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": str(tmp)}
     with log.open("wb") as out:
         return subprocess.Popen([sys.executable, *argv[1:]], cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+                                start_new_session=True, env=env, preexec_fn=_interruptible)  # fmt: skip
+
+
+def stop_leftovers(tmp: Path) -> list[int]:
+    """SIGKILL the process groups of anything still running whose command line names ``tmp`` (a TorchServe a
+    command started in a session of its own, with its java.io.tmpdir there); their pids."""
+    killed = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if str(tmp) in cmdline and int(entry.name) != os.getpid():
+            try:
+                os.killpg(os.getpgid(int(entry.name)), signal.SIGKILL)
+                killed.append(int(entry.name))
+            except (ProcessLookupError, PermissionError):
+                pass
+    return killed
 
 
 def run_briefly(command: DocumentedCommand, out_dir: Path, seconds: float = RUN_S) -> tuple[int | None, str]:
@@ -61,7 +91,9 @@ def run_briefly(command: DocumentedCommand, out_dir: Path, seconds: float = RUN_
     if "out_dir" in vars(parse(command)) and "--out-dir" not in argv:
         argv = [*argv, "--out-dir", str(out_dir)]
     log = out_dir / "output.log"
-    proc = start(argv, log)
+    tmp = out_dir / "tmp"
+    tmp.mkdir(exist_ok=True)
+    proc = start(argv, log, tmp)
     deadline = time.monotonic() + seconds
     while proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -69,10 +101,15 @@ def run_briefly(command: DocumentedCommand, out_dir: Path, seconds: float = RUN_
     if code is None:
         os.killpg(proc.pid, signal.SIGINT)
         try:
-            proc.wait(timeout=60)
+            proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+    with contextlib.suppress(ProcessLookupError):  # anything of its own session still running
+        os.killpg(proc.pid, signal.SIGKILL)
+    left = stop_leftovers(tmp)
+    if left:
+        warnings.warn(f"{command} left processes running after it ended (killed): {left}", stacklevel=2)
     return code, log.read_text(errors="replace")
 
 
