@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -91,8 +93,8 @@ def run_briefly(command: DocumentedCommand, out_dir: Path, seconds: float = RUN_
     if "out_dir" in vars(parse(command)) and "--out-dir" not in argv:
         argv = [*argv, "--out-dir", str(out_dir)]
     log = out_dir / "output.log"
-    tmp = out_dir / "tmp"
-    tmp.mkdir(exist_ok=True)
+    # Short: TorchServe's workers put their unix sockets under it, and a socket path has 107 bytes at most.
+    tmp = Path(tempfile.mkdtemp(prefix="doc-", dir="/tmp"))
     proc = start(argv, log, tmp)
     deadline = time.monotonic() + seconds
     while proc.poll() is None and time.monotonic() < deadline:
@@ -108,6 +110,7 @@ def run_briefly(command: DocumentedCommand, out_dir: Path, seconds: float = RUN_
     with contextlib.suppress(ProcessLookupError):  # anything of its own session still running
         os.killpg(proc.pid, signal.SIGKILL)
     left = stop_leftovers(tmp)
+    shutil.rmtree(tmp, ignore_errors=True)
     if left:
         warnings.warn(f"{command} left processes running after it ended (killed): {left}", stacklevel=2)
     return code, log.read_text(errors="replace")
