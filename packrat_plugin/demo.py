@@ -100,7 +100,7 @@ def packrat_demo(args: argparse.Namespace) -> int:
         decisions = list(model.decisions)
         end_level = model.level
         # Had it not moved: the level the controller's own model calls best for this many in flight.
-        alternative = min(model.policy.levels, key=lambda lv: (lv.closed_loop_latency_s(args.high), lv.batch))
+        alternative = model.policy.best_closed_loop(args.high)
     assert start_level is not None and end_level is not None
     requests = len(low.samples) + len(high.samples)
     failed = low.failed + high.failed

@@ -432,6 +432,10 @@ class ReconfigurationPolicy:
             return new.capacity >= ref.capacity
         return w_new <= w_ref
 
+    def best_closed_loop(self, in_flight: float) -> Level:
+        """The level that serves ``in_flight`` requests always in the system fastest (the smaller B on a tie)."""
+        return min(self.levels, key=lambda lv: (lv.closed_loop_latency_s(in_flight), lv.batch))
+
     def closed_loop_target(self, in_flight: float, cur: Level) -> Level | None:
         """The level that serves ``in_flight`` requests fastest (:meth:`Level.closed_loop_latency_s`), when
         a queue was held beyond what the current level's workers take (``in_flight > B``) and that level is
@@ -446,7 +450,7 @@ class ReconfigurationPolicy:
         """
         if in_flight <= cur.batch:
             return None
-        best = min(self.levels, key=lambda lv: (lv.closed_loop_latency_s(in_flight), lv.batch))
+        best = self.best_closed_loop(in_flight)
         if best.batch <= cur.batch:
             return None
         gain = best.closed_loop_latency_s(in_flight) < cur.closed_loop_latency_s(in_flight) * (1 - self.config.min_gain)

@@ -27,6 +27,7 @@ import requests
 
 from serving_harness.clients import InferenceClient, ManagementClient, MetricsClient
 from serving_harness.jsonfile import write_json_atomic
+from serving_harness.processes import pid_alive
 
 REPO_CONFIG = Path(__file__).resolve().parent.parent / "config.properties"
 
@@ -275,7 +276,7 @@ class TorchServeProcess:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pid, sig)
             deadline = time.monotonic() + wait_s
-            while time.monotonic() < deadline and _alive(pid):
+            while time.monotonic() < deadline and pid_alive(pid):
                 time.sleep(0.1)
         self.attached_pid = None
         self.pid_file.unlink(missing_ok=True)
@@ -321,16 +322,6 @@ class TorchServeProcess:
             if found or time.monotonic() >= deadline:
                 return found
             time.sleep(0.1)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _listening(port: int) -> bool:

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from serving_harness.jsonfile import write_json_atomic
+from serving_harness.processes import pid_alive
 
 
 class AllocationError(ValueError):
@@ -101,18 +102,6 @@ class VersionPlan:
         )
 
 
-def _pid_alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 class PlanStore:
     """Reads and writes plan and slot files under one directory."""
 
@@ -169,7 +158,7 @@ class PlanStore:
                 data = json.loads(Path(entry.path).read_text())
             except (FileNotFoundError, ValueError):
                 continue
-            if isinstance(data, dict) and _pid_alive(int(data.get("pid", 0))):
+            if isinstance(data, dict) and pid_alive(int(data.get("pid", 0))):
                 cores = frozenset(int(c) for c in data.get("cores", ()))
                 markers[entry.name.removesuffix(".draining")] = DrainMarker(cores, bool(data.get("narrow", False)))
         return markers
@@ -186,7 +175,7 @@ class PlanStore:
                 data = json.loads(self.startup_path(model, version, index).read_text())
             except (FileNotFoundError, ValueError):
                 continue
-            if _pid_alive(int(data.get("pid", 0))):
+            if pid_alive(int(data.get("pid", 0))):
                 out.append(data)
         return out
 
@@ -207,7 +196,7 @@ class PlanStore:
         in_service, totals = 0, ServiceTotals()
         for index in range(len(plan.slots) if plan else 0):
             record = read_counters(self.counters_path(model, version, index))
-            if record is None or not _pid_alive(record.pid):
+            if record is None or not pid_alive(record.pid):
                 continue
             in_service += max(0, record.in_service)
             totals = totals + ServiceTotals(

@@ -303,7 +303,7 @@ def test_a_closed_loop_step_ends_on_the_plan_that_served_its_requests_in_flight_
     moved = end.plan.instances != start.plan.instances
     swaps = [s for s in model.swaps if s.kind != "initial"]
     assert len(swaps) == (1 if moved else 0), [(s.kind, s.before, s.after) for s in swaps]
-    other = end if moved else min(model.policy.levels, key=lambda lv: (lv.closed_loop_latency_s(8), lv.batch))
+    other = end if moved else model.policy.best_closed_loop(8)
     controller.stop()  # the measurement has the cores to itself
     verdict = measure_the_move(archive("resnet50", "script"), start.plan, other.plan, lambda n: payloads[n % 8], 8,
                                moved, tmp_path / "measure", seconds=4.0)  # fmt: skip
