@@ -5,8 +5,11 @@
 
 Uses the model's profile if it was measured on this machine, else profiles
 briefly first (``profile_for_this_machine``).  Loads are open-loop Poisson,
-set as fractions of the largest capacity the profile predicts (so they mean
-the same on any machine):
+set as fractions of the largest throughput a static setting carries through
+TorchServe on this machine, measured closed-loop before the loads (so they
+mean the same on any machine, and a "70 %" load is 70 % of what the machine
+serves, not of what the profile's forward passes alone would allow;
+``--capacity-from profile`` keeps the profile's figure):
 
 - step: low, then high;
 - spike: low, a 10 s burst at high, low again;
@@ -60,7 +63,7 @@ from packrat_plugin.plan_types import Plan, PlanItem, format_instances
 from packrat_plugin.policy import UP_RULES, PolicyConfig
 from packrat_plugin.profiler import profile_for_this_machine
 from packrat_plugin.swapper import ActivePassiveSwapper, SwapperConfig
-from serving_harness.loadgen import LoadResult, Sample, open_loop, run
+from serving_harness.loadgen import LoadResult, Sample, closed_loop, open_loop, run
 from serving_harness.topology import CpuTopology
 from serving_harness.torchserve import TorchServeProcess
 
@@ -194,9 +197,20 @@ def speedups(baseline: list[dict], packrat: list[dict]) -> dict:
     return spread([b["mean_ms"] / p["mean_ms"] for b, p in zip(baseline, packrat, strict=True)])
 
 
-def run_all(spec, archive, profile, shapes, payloads, repeats: int, workdir: Path, policy: PolicyConfig,
-            twin: bool = False, narrow: bool = False, scheduled: tuple[float, ...] = ()) -> dict:  # fmt: skip
+def served_capacity(url: str, payloads, clients: int, seconds: float = 6.0) -> float:
+    """Answers per second a system gives ``clients`` closed-loop clients, after 2 s of the same to warm it."""
+    payload = lambda i: payloads[i % len(payloads)]  # noqa: E731
+    run(closed_loop(url, payload, clients, 2.0))
+    return run(closed_loop(url, payload, clients, seconds)).throughput
+
+
+def run_all(spec, archive, profile, make_shapes, payloads, repeats: int, workdir: Path, policy: PolicyConfig,
+            twin: bool = False, narrow: bool = False, scheduled: tuple[float, ...] = (),
+            profile_capacity: float | None = None) -> dict:  # fmt: skip
     """Every load, ``repeats`` times, the three systems interleaved (P F S, then S F P, …).
+
+    ``make_shapes(capacity)`` gives the loads; ``capacity`` is ``profile_capacity`` when given, else the
+    larger of the two static settings' closed-loop throughput measured here first (``served_capacity``).
 
     All three stay up for the whole run (Packrat under its controller; fat and
     static as two models of a second TorchServe), so each load's runs of the
@@ -210,7 +224,6 @@ def run_all(spec, archive, profile, shapes, payloads, repeats: int, workdir: Pat
                                    status_port=None)  # fmt: skip
     static_server = TorchServeProcess(workdir / "ts", workdir / "store", env={PLAN_DIR_ENV: str(plans.root)})
     systems = (*SYSTEMS, *((NARROW,) if narrow else ()), *map(scheduled_system, scheduled), *((TWIN,) if twin else ()))
-    runs: dict[str, dict[str, list[dict]]] = {system: {name: [] for name in shapes} for system in systems}
     with controller, static_server:
         management = static_server.management()
         urls = {system: f"{controller.server.inference_url}/predictions/{spec.name}" for system in systems
@@ -219,6 +232,13 @@ def run_all(spec, archive, profile, shapes, payloads, repeats: int, workdir: Pat
             ActivePassiveSwapper(management, plans, system, archive, workdir / "store", topology,
                                  SwapperConfig()).apply(plan)  # fmt: skip
             urls[system] = f"{static_server.inference_url}/predictions/{system}"
+        clients = 2 * len(topology.cores)
+        served = {} if profile_capacity is not None else {
+            system: served_capacity(urls[system], payloads, clients) for system in ("fat", "static")
+        }  # fmt: skip
+        capacity = profile_capacity if profile_capacity is not None else max(served.values())
+        shapes = make_shapes(capacity)
+        runs: dict[str, dict[str, list[dict]]] = {system: {name: [] for name in shapes} for system in systems}
         model = controller.models[spec.name]
         levels = [{"batch": lv.batch, "plan": lv.plan.describe(), "capacity": lv.capacity} for lv in model.levels]
         uncredited = [u.describe() for u in model.uncredited]
@@ -233,6 +253,8 @@ def run_all(spec, archive, profile, shapes, payloads, repeats: int, workdir: Pat
                         bar.update()
     out: dict[str, Any] = {system: {} for system in systems}
     out["packrat_levels"], out["uncredited"], out["systems"] = levels, uncredited, list(systems)
+    out["capacity"], out["served_capacity"], out["capacity_clients"] = capacity, served, clients
+    out["loads"] = shapes
     for name in shapes:
         for system in systems:
             out[system][name] = median_run(runs[system][name])
@@ -459,8 +481,7 @@ def render(data: dict) -> str:
     return (
         f"# Packrat under changing load: {data['model']} ({data['mode']}), T={data['threads']}\n\n"
         f"Open-loop Poisson loads between {data['low']:.1f} and {data['high']:.1f} req/s "
-        f"({data['low_fraction']:.0%} and {data['high_fraction']:.0%} of the profile's largest capacity, "
-        f"{data['capacity']:.1f} req/s). {loads}.\n\n"
+        f"({data['low_fraction']:.0%} and {data['high_fraction']:.0%} of {capacity_text(data)}). {loads}.\n\n"
         f"Systems, all up for the whole run and loaded in turn, {data['repeats']} runs of each load per system "
         f"interleaved (P F S, S F P, …): Packrat (controller defaults{rule}, standby workers warm); "
         f"fat = TorchServe's default, one worker with all {data['threads']} cores ⟨1,{data['threads']},1⟩; "
@@ -476,6 +497,21 @@ def render(data: dict) -> str:
         f"Decisions:\n\n" + "\n".join(decisions) + f"\n\n![latency over time, Packrat's first run of each load]"
         f"({data['stem']}.png)\n\n"
         f"{provenance_block(data['provenance'])}"
+    )
+
+
+def capacity_text(data: dict) -> str:
+    """What the loads are fractions of, in words."""
+    served = data.get("served_capacity") or {}
+    if not served:
+        return f"the profile's largest level capacity, {data['capacity']:.1f} req/s"
+    each = ", ".join(f"{system} {value:.1f}" for system, value in served.items())
+    profile = data.get("profile_capacity")
+    return (
+        f"the larger closed-loop throughput of the two static settings served here through TorchServe, "
+        f"{data['capacity']:.1f} req/s ({each} req/s at {data['capacity_clients']} clients"
+        + (f"; the profile's largest level capacity: {profile:.1f} req/s" if profile else "")
+        + ")"
     )
 
 
@@ -561,6 +597,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_model_arguments(parser)
     parser.add_argument("--low", type=float, default=0.1, help="low load, as a fraction of the largest capacity")
+    parser.add_argument(
+        "--capacity-from",
+        choices=("served", "profile"),
+        default="served",
+        help="the capacity loads are fractions of: the better static setting's closed-loop throughput measured "
+        "here through TorchServe first (default), or the profile's largest level capacity",
+    )
     parser.add_argument("--high", type=float, default=0.7, help="high load, likewise")
     parser.add_argument("--diurnal-seconds", type=float, default=120.0)
     parser.add_argument("--loads", default="step,spike,diurnal")
@@ -588,24 +631,29 @@ def main(argv: list[str] | None = None) -> int:
     profile, profile_path = profile_for_this_machine(spec.name, args.profile, args.force, args.mode)
     archive = build_archive(spec, ARCHIVE_DIR)
     threads = len(CpuTopology.from_system().cores)
-    capacity = largest_capacity(profile, threads)
-    low, high = args.low * capacity, args.high * capacity
-    shapes = {k: v for k, v in load_shapes(low, high, args).items() if k in args.loads.split(",")}
+    profile_capacity = largest_capacity(profile, threads)
+
+    def make_shapes(capacity: float) -> dict[str, list[tuple[float, float]]]:
+        shapes = load_shapes(args.low * capacity, args.high * capacity, args)
+        return {k: v for k, v in shapes.items() if k in args.loads.split(",")}
+
     payloads = [client_payload(spec, seed=i) for i in range(32)]
     prov = provenance("bench.packrat_swap")
     with tempfile.TemporaryDirectory(prefix="packrat-swap-") as tmp:
         policy = PolicyConfig(up_rule=args.up_rule)
-        results = run_all(spec, archive, profile, shapes, payloads, args.repeats, Path(tmp), policy, args.twin,
-                          args.narrow_ab, args.scheduled)  # fmt: skip
+        results = run_all(spec, archive, profile, make_shapes, payloads, args.repeats, Path(tmp), policy, args.twin,
+                          args.narrow_ab, args.scheduled,
+                          profile_capacity if args.capacity_from == "profile" else None)  # fmt: skip
     stem = args.stem or f"packrat_swap_{spec.name}"
     data = {
-        "model": spec.name, "mode": spec.mode, "threads": threads, "capacity": capacity, "low": low, "high": high,
+        "model": spec.name, "mode": spec.mode, "threads": threads, "profile_capacity": profile_capacity,
+        "low": args.low * results["capacity"], "high": args.high * results["capacity"],
         "low_fraction": args.low, "high_fraction": args.high, "up_rule": args.up_rule,
-        "loads": shapes, "repeats": args.repeats, **results,
+        "capacity_from": args.capacity_from, "repeats": args.repeats, **results,
         "profile_path": str(profile_path), "stem": stem, "provenance": prov,
     }  # fmt: skip
     print(publish(stem, data, render, plot, args.out_dir, args.json))
-    failed = sum(data[system][name]["failed"] for system in data["systems"] for name in shapes)
+    failed = sum(data[system][name]["failed"] for system in data["systems"] for name in data["loads"])
     return 0 if failed == 0 else 1
 
 

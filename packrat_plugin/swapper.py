@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from handlers.pinning.slots import PlanStore, VersionPlan
+from packrat_plugin import failpoints
 from packrat_plugin.allocator import allocate
 from packrat_plugin.archives import versioned_copy
 from packrat_plugin.plan_types import Plan, PlanItem
@@ -315,6 +316,7 @@ class ActivePassiveSwapper:
             self._bring_up(new, plan)
             startup = self._startup_summary(new)
         phase("bring_up")
+        failpoints.reach("ready")
         try:
             self.management.set_default(self.model, new)
         except TorchServeAPIError as exc:
@@ -323,12 +325,15 @@ class ActivePassiveSwapper:
             raise SwapError(f"set-default to version {new} failed: {exc}") from exc
         self._set_active(new, plan)
         phase("switch")
+        failpoints.reach("switched")
         self.store.set_draining(self.model, old, True, narrow=self.config.narrow_drains)
         try:
+            failpoints.reach("draining")
             self._drain(old)
         finally:
             self.store.set_draining(self.model, old, False)
         phase("drain")
+        failpoints.reach("drained")
         kept = self.standby if standby is None else {self.version_for(i): i for i in standby}
         keep = kept.get(old)
         self._scale(old, keep.count if keep else 0)
@@ -385,6 +390,8 @@ class ActivePassiveSwapper:
         try:
             if version not in self.registered:
                 self._register(version, plan if grouped else item, workers=workers)
+                if self.active is not None:  # a swap's bring-up, not the first plan's
+                    failpoints.reach("registered")
             # An archive's own minWorkers/maxWorkers override initial_workers
             # at register time; the scale API sets the count we planned.
             self.management.scale(self.model, workers, version=version, synchronous=True)

@@ -110,3 +110,37 @@ def test_a_killed_controller_restarted_takes_over_its_torchserve_without_a_faile
     with pytest.raises(ProcessLookupError):
         os.kill(record["pid"], 0)
     assert not (tmp_path / "w" / "torchserve" / "torchserve.pid.json").exists()
+
+
+def test_serve_refuses_in_one_line_a_torchserve_it_cannot_adopt_and_leaves_it_serving(archive, tmp_path):
+    """A TorchServe running from the workdir that serves a version Packrat did not make (a user's own
+    registration of the archive): ``packrat serve`` says why in one line, exits 2, and touches nothing."""
+    import shutil
+
+    from serving_harness.torchserve import TorchServeProcess
+
+    workdir = tmp_path / "w"
+    mar = archive("resnet50", "script")
+    store = workdir / "model_store"
+    store.mkdir(parents=True)
+    shutil.copy(mar, store / mar.name)
+    with TorchServeProcess(workdir / "torchserve", store) as server:
+        management = server.management()
+        management.register(mar.name, model_name="resnet50", initial_workers=1)
+        before = management.describe("resnet50", "all")
+        command = [
+            sys.executable, "-m", "packrat_plugin.cli", "serve",
+            "--models", f"resnet50={mar}",
+            "--profile", f"resnet50={write_profile(tmp_path / 'resnet50.json')}", "--force-profile",
+            "--free-ports", "--status-port", str(Ports.free().inference), "--workdir", str(workdir),
+        ]  # fmt: skip
+        refused = subprocess.run(command, capture_output=True, text=True, timeout=120)
+        assert refused.returncode == 2, refused.stdout + refused.stderr
+        lines = [line for line in refused.stderr.splitlines() if line.startswith("packrat serve: error:")]
+        assert len(lines) == 1 and "will not manage" in lines[0] and "packrat stop" in lines[0], refused.stderr
+        print(lines[0])
+        after = management.describe("resnet50", "all")
+        assert [v["modelVersion"] for v in after] == [v["modelVersion"] for v in before]
+        assert [w["pid"] for v in after for w in v["workers"]] == [w["pid"] for v in before for w in v["workers"]]
+        answer = server.inference().predict("resnet50", client_payload(SPEC, seed=1))
+        assert answer.status == 200
