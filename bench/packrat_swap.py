@@ -201,7 +201,7 @@ def served_capacity(url: str, payloads, clients: int, seconds: float = 6.0) -> f
     """Answers per second a system gives ``clients`` closed-loop clients, after 2 s of the same to warm it."""
     payload = lambda i: payloads[i % len(payloads)]  # noqa: E731
     run(closed_loop(url, payload, clients, 2.0))
-    return run(closed_loop(url, payload, clients, seconds)).throughput
+    return run(closed_loop(url, payload, clients, seconds)).throughput()
 
 
 def run_all(spec, archive, profile, make_shapes, payloads, repeats: int, workdir: Path, policy: PolicyConfig,
