@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from collections.abc import Collection
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from handlers.settings import known_settings
@@ -41,6 +42,24 @@ class OrcaConfig:
                                   f"in max_tokens ({self.max_tokens})")  # fmt: skip
         if self.default_new_tokens > self.max_new_tokens:
             raise OrcaConfigError(f"default_new_tokens ({self.default_new_tokens}) exceeds max_new_tokens")
+
+    def fitted_to(self, positions: int, given: Collection[str]) -> OrcaConfig:
+        """These settings on a checkpoint whose context holds ``positions`` tokens: the ones the user did not
+        give (not in ``given``) shrink to fit it, so a small checkpoint serves with no setting added and its
+        context bounds the requests; one the user gave that cannot fit is refused by name."""
+        if "max_tokens" in given and self.max_tokens > positions:
+            raise OrcaConfigError(f"max_tokens ({self.max_tokens}) exceeds the checkpoint's context of "
+                                  f"{positions} positions (n_positions)")  # fmt: skip
+        max_tokens = self.max_tokens if "max_tokens" in given else min(self.max_tokens, positions)
+        max_new = self.max_new_tokens
+        if "max_new_tokens" not in given and max_new >= max_tokens:
+            max_new = max(1, max_tokens // 2)
+        default_new = self.default_new_tokens
+        if "default_new_tokens" not in given:
+            default_new = min(default_new, max_new)
+        if max_tokens < 2:
+            raise OrcaConfigError(f"the checkpoint's context of {positions} positions leaves no room to generate")
+        return replace(self, max_tokens=max_tokens, max_new_tokens=max_new, default_new_tokens=default_new)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | None) -> OrcaConfig:

@@ -79,12 +79,14 @@ class OrcaHandler:
         spec = ModelSpec.from_dict(handler_cfg["spec"])
         if spec.family != "gpt2" or spec.mode != "eager":
             raise RuntimeError(f"the orca handler serves GPT-2 in eager mode; got {spec.name} ({spec.mode})")
-        self.config = OrcaConfig.from_dict(handler_cfg.get("orca"))
+        given = handler_cfg.get("orca") or {}
+        settings = OrcaConfig.from_dict(given)
         self.max_payload_bytes = int(handler_cfg.get("max_payload_bytes", DEFAULT_MAX_PAYLOAD_BYTES))
         device = ExecutionDevice.from_context(context)
         artefact = os.path.join(context.system_properties["model_dir"], context.manifest["model"]["serializedFile"])
         wrapped = load_model(spec, artefact, device.device)  # NextTokenLogits(GPT2LMHeadModel)
-        c = self.config
+        # The checkpoint's context bounds the requests: defaults shrink to it, a setting past it is refused.
+        self.config = c = settings.fitted_to(int(wrapped.model.config.n_positions), given)
         self.engine = OrcaEngine(SelectiveGPT2(wrapped.model), c.kv_slots, c.max_tokens, c.max_batch,
                                  c.max_new_tokens, device=device.device,
                                  iteration_level=c.policy == "orca")  # fmt: skip

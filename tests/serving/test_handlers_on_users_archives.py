@@ -153,7 +153,8 @@ def greedy(hf: torch.nn.Module, prompt: list[int], new_tokens: int) -> list[int]
 
 
 def test_orca_serves_a_users_gpt2_checkpoint_token_for_token(files, torchserve, model_store_dir, tmp_path):
-    orca = {"max_batch": 4, "kv_slots": 4, "max_tokens": 48, "max_new_tokens": 16, "default_new_tokens": 4}
+    # No max_tokens given: the checkpoint's context (n_positions 64, shorter than the default 256) bounds them.
+    orca = {"max_batch": 4, "kv_slots": 4}
     folder = files["gpt_dir"]
     mar = user_archive(model_store_dir, tmp_path, "users-orca", "orca", {**ASYNC, "handler": {"orca": orca}},
                        folder / "model.safetensors", [folder / "config.json"])  # fmt: skip
@@ -167,6 +168,10 @@ def test_orca_serves_a_users_gpt2_checkpoint_token_for_token(files, torchserve, 
             assert answer.json()["output_ids"] == greedy(files["gpt"], prompt, 6)
         outside = requests.post(url, json={"input_ids": [1, 300]}, timeout=60)  # the checkpoint's vocabulary: 300
         assert outside.status_code == 400, outside.text
+        too_long = requests.post(url, json={"input_ids": [1] * 60, "max_new_tokens": 6}, timeout=60)
+        assert too_long.status_code == 400 and "64 tokens a request may hold" in too_long.text, too_long.text
+        fits = requests.post(url, json={"input_ids": [1] * 58, "max_new_tokens": 6}, timeout=60)
+        assert fits.status_code == 200, fits.text
     finally:
         torchserve.management().unregister("users-orca")
 

@@ -19,36 +19,17 @@ import pytest
 from handlers.pinning.slots import PlanStore
 from model_store.samples import client_payload
 from packrat_plugin import failpoints
+from packrat_plugin.pin_check import pinning_faults
 from serving_harness.clients import ManagementClient
 from serving_harness.loadgen import LoadResult, closed_loop, run
 from serving_harness.torchserve import Ports
-from tests.serving.test_packrat_online import affinity_of_tasks, wait_for
+from tests.serving.test_packrat_online import wait_for
 from tests.serving.test_packrat_restart import SPEC, status, write_profile
 
 pytestmark = [
     pytest.mark.torchserve,
     pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="Packrat slots need two usable cores"),
 ]
-
-
-def pinning_faults(management: ManagementClient, store: PlanStore) -> list[str]:
-    """Every way a worker's threads stray from the slots of its own version's plan (empty: none)."""
-    faults = []
-    for version in management.describe("resnet50", "all"):
-        name = str(version["modelVersion"])
-        plan = store.read("resnet50", name)
-        slots = {tuple(slot.cores) for slot in plan.slots} if plan else set()
-        seen = []
-        for worker in version.get("workers", []):
-            if worker.get("status") != "READY":
-                continue
-            tasks = affinity_of_tasks(int(worker["pid"]))
-            if len(tasks) != 1 or next(iter(tasks)) not in slots:
-                faults.append(f"{name} worker {worker['pid']}: threads on {sorted(tasks)}, slots {sorted(slots)}")
-            seen.extend(tasks)
-        if len(seen) != len(set(seen)):
-            faults.append(f"{name}: two workers on one slot: {seen}")
-    return faults
 
 
 @pytest.mark.parametrize("point", failpoints.SWAP_POINTS)
@@ -118,7 +99,7 @@ def test_a_controller_killed_between_a_swaps_steps_restarts_onto_one_pinned_plan
         loader.join()
         loader = None
         final = wait_for(settled, 60, "the settled plan after the load")
-        assert pinning_faults(management, store) == []
+        assert pinning_faults(management, store, "resnet50") == []
         assert sum(r.failed for r in results) == 0, [r.failed for r in results]
         assert sum(len(r.samples) for r in results) > 10
         print(f"{point}: adopted {adopted['models']['resnet50']['adopted']['version']}, "
