@@ -220,12 +220,12 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict:
         "--status-port", str(status_port), "--workdir", str(workdir / "w"),
     ]  # fmt: skip
     soak = Soak(command, status_port, workdir / "w", spec.name, workdir / "serve.log")
-    first_start_s = soak.start_controller()
-    url = f"{status(status_port)['inference_url']}/predictions/{spec.name}"
     payloads = [client_payload(spec, seed=i) for i in range(32)]
     stop = threading.Event()
     chaos = threading.Thread(target=soak.chaos, args=(seconds, args.worker_kill_s, args.controller_kills, stop))
-    try:
+    try:  # from the first start on: an interrupt anywhere still stops the controller and its TorchServe
+        first_start_s = soak.start_controller()
+        url = f"{status(status_port)['inference_url']}/predictions/{spec.name}"
         soak.t0 = time.perf_counter()
         chaos.start()
         result = run(open_loop(url, lambda i: payloads[i % len(payloads)], trimmed, seed=7))

@@ -3,7 +3,8 @@
 Mechanism only: before each iteration it asks the scheduler (policy,
 ``scheduler.py``) for a batch, runs that batch's new tokens through the
 model in one selective-batching pass (``gpt2.py``), appends each request's
-greedy next token, reports it (``on_token``, for streaming) and completes
+next token (greedy, or sampled by the request's own settings,
+``sampling.py``), reports it (``on_token``, for streaming) and completes
 the requests that are done, at once, while the others continue.  New
 requests are added to the pool under the lock at any time and are seen by
 the next selection; the model runs outside the lock, so arrivals never wait
@@ -23,6 +24,7 @@ import torch
 
 from handlers.orca.gpt2 import SelectiveGPT2, Step
 from handlers.orca.kv_cache import KVCache
+from handlers.orca.sampling import GREEDY, Sampling, TokenChooser, choose_tokens
 from handlers.orca.scheduler import GenerationRequest, IterationScheduler
 
 logger = logging.getLogger(__name__)
@@ -40,6 +42,20 @@ class _Entry:
     request: GenerationRequest
     future: Future
     on_token: TokenCallback | None
+
+
+MAX_STOP_IDS = 16
+
+
+def check_stop_ids(stop_ids: Sequence[int], vocab: int) -> None:
+    """Raise ``GenerationError`` unless ``stop_ids`` are at most ``MAX_STOP_IDS`` token ids of the vocabulary."""
+    if isinstance(stop_ids, str | bytes) or not isinstance(stop_ids, Sequence):
+        raise GenerationError(f"stop_token_ids must be a list of token ids, got {stop_ids!r}")
+    if len(stop_ids) > MAX_STOP_IDS:
+        raise GenerationError(f"stop_token_ids holds {len(stop_ids)} ids; at most {MAX_STOP_IDS}")
+    bad = [t for t in stop_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+    if bad:
+        raise GenerationError(f"stop token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
 
 
 def check_request(prompt: Sequence[int], max_new_tokens: int, vocab: int, most_new: int, max_tokens: int) -> None:
@@ -61,13 +77,14 @@ def check_request(prompt: Sequence[int], max_new_tokens: int, vocab: int, most_n
 
 
 class OrcaEngine:
-    """Greedy generation for many requests at once, iteration by iteration."""
+    """Generation for many requests at once, iteration by iteration."""
 
     def __init__(
         self, model: SelectiveGPT2, slots: int, max_tokens: int, max_batch: int, max_new_tokens: int,
         device: str | torch.device = "cpu", iteration_level: bool = True,
     ) -> None:  # fmt: skip
         self.model = model
+        self.device = device
         self.max_tokens = max_tokens
         self.max_new_tokens = max_new_tokens
         self.kv = KVCache(model.kv_shape(slots, max_tokens), dtype=model.transformer.wte.weight.dtype, device=device)
@@ -92,10 +109,16 @@ class OrcaEngine:
         """Raise ``GenerationError`` with the reason when a request cannot be served."""
         check_request(prompt, max_new_tokens, self.model.vocab, self.max_new_tokens, self.max_tokens)
 
-    def submit(self, prompt: Sequence[int], max_new_tokens: int, on_token: TokenCallback | None = None) -> Future:
-        """Queue a request; its future gets the generated ids (a list) when it is done."""
+    def submit(
+        self, prompt: Sequence[int], max_new_tokens: int, on_token: TokenCallback | None = None,
+        sampling: Sampling = GREEDY, stop_token_ids: Sequence[int] = (),
+    ) -> Future:  # fmt: skip
+        """Queue a request; its future gets the generated ids (a list) when it is done: ``max_new_tokens`` of
+        them, or fewer ending with the first of ``stop_token_ids`` it made."""
         self.check(prompt, max_new_tokens)
-        request = GenerationRequest(tuple(prompt), max_new_tokens)
+        check_stop_ids(stop_token_ids, self.model.vocab)
+        chooser = TokenChooser.for_request(sampling, self.device)
+        request = GenerationRequest(tuple(prompt), max_new_tokens, chooser=chooser, stop_ids=frozenset(stop_token_ids))
         future: Future = Future()
         with self._cond:
             if self._closed:
@@ -124,7 +147,7 @@ class OrcaEngine:
                     for request in batch:
                         self._complete(request, error=exc)
                 continue
-            next_ids = logits.argmax(dim=-1).tolist()
+            next_ids = choose_tokens(logits, [r.chooser for r in batch])
             with self._cond:
                 self.iterations += 1
                 self.batch_sizes.append(len(batch))

@@ -7,7 +7,11 @@ iteration, not the frontend's per request.
 
 A request is JSON: ``{"input_ids": [ids...], "max_new_tokens": n,
 "stream": false}`` (``max_new_tokens`` defaults to the archive's
-``default_new_tokens``).  Without ``stream`` the answer is one JSON object,
+``default_new_tokens``), with optional sampling settings ``temperature``
+(0, the default: greedy), ``top_k``, ``top_p`` and ``seed``
+(``sampling.py``), and ``stop_token_ids`` (up to 16: the request ends with
+the first of them it makes).  The answer's ``finish_reason`` says which
+ended it: ``"stop"`` or ``"length"``.  Without ``stream`` the answer is one JSON object,
 ``{"output_ids": [...]}``.  With ``"stream": true`` every generated token is
 sent as it is made, one JSON line per chunk (``{"index": i, "token": t}``)
 through TorchServe's streaming response (``send_intermediate_predict_response``,
@@ -23,24 +27,37 @@ import asyncio
 import json
 import logging
 import os
-from typing import Any
+from typing import Any, NamedTuple
 
 from handlers.codecs import DEFAULT_MAX_PAYLOAD_BYTES, check_payload_size, parse_json, request_payload
 from handlers.errors import ResponseError, ServiceUnavailable, bad_request
 from handlers.orca.config import OrcaConfig
 from handlers.orca.engine import GenerationError, OrcaEngine
 from handlers.orca.gpt2 import SelectiveGPT2
+from handlers.orca.sampling import Sampling, SamplingError
 from handlers.runtime.device import ExecutionDevice
 from handlers.runtime.model_loading import load_model
 from model_store.catalog import ModelSpec
 
 logger = logging.getLogger(__name__)
 
-FIELDS = ("input_ids", "max_new_tokens", "stream")
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed")
+FIELDS = ("input_ids", "max_new_tokens", "stream", "stop_token_ids", *SAMPLING_FIELDS)
 
 
-def parse_generation_request(row: dict[str, Any], config: OrcaConfig, max_payload_bytes: int) -> tuple[list, int, bool]:
-    """(input_ids, max_new_tokens, stream) from a request row, or a ``RequestError`` naming the problem."""
+class GenerationAsk(NamedTuple):
+    """What one request asks for, parsed (the engine checks it against the model when it is submitted)."""
+
+    input_ids: list
+    max_new_tokens: int
+    stream: bool
+    sampling: Sampling
+    stop_token_ids: list
+
+
+def parse_generation_request(row: dict[str, Any], config: OrcaConfig, max_payload_bytes: int) -> GenerationAsk:
+    """A request row's ask, or a ``RequestError`` naming the problem.  No sampling field: greedy decoding, as
+    before sampling existed; no stop ids: ``max_new_tokens`` tokens."""
     value = request_payload(row)
     if isinstance(value, bytes | bytearray):
         check_payload_size(value, max_payload_bytes)
@@ -59,7 +76,11 @@ def parse_generation_request(row: dict[str, Any], config: OrcaConfig, max_payloa
     stream = value.get("stream", False)
     if not isinstance(stream, bool):
         raise bad_request(f"stream must be true or false, got {stream!r}")
-    return ids, new_tokens, stream
+    try:
+        sampling = Sampling(**{k: value[k] for k in SAMPLING_FIELDS if k in value and value[k] is not None})
+    except SamplingError as err:
+        raise bad_request(str(err)) from None
+    return GenerationAsk(ids, new_tokens, stream, sampling, value.get("stop_token_ids", []))
 
 
 class OrcaHandler:
@@ -101,8 +122,8 @@ class OrcaHandler:
         try:
             if self.closing:
                 raise ServiceUnavailable("worker is shutting down")
-            ids, new_tokens, stream = parse_generation_request(row, self.config, self.max_payload_bytes)
-            return await self._generate(index, ids, new_tokens, stream, context)
+            ask = parse_generation_request(row, self.config, self.max_payload_bytes)
+            return await self._generate(ask, context)
         except GenerationError as err:
             answer: ResponseError = bad_request(str(err))
         except ResponseError as err:
@@ -113,14 +134,16 @@ class OrcaHandler:
         logger.info("request %d answered %d: %s", index, answer.status, answer.reason)
         return answer.answer(context, index)
 
-    async def _generate(self, index: int, ids: list, new_tokens: int, stream: bool, context: Any) -> str:
+    async def _generate(self, ask: GenerationAsk, context: Any) -> str:
+        stream = ask.stream
         loop = asyncio.get_running_loop()
         tokens: asyncio.Queue = asyncio.Queue()
 
         def on_token(token: int, i: int, last: bool) -> None:  # the engine's thread
             loop.call_soon_threadsafe(tokens.put_nowait, (token, i, last))
 
-        done = asyncio.wrap_future(self.engine.submit(ids, new_tokens, on_token if stream else None))
+        done = asyncio.wrap_future(self.engine.submit(ask.input_ids, ask.max_new_tokens, on_token if stream else None,
+                                                      ask.sampling, ask.stop_token_ids))  # fmt: skip
         if stream:
             from ts.handler_utils.utils import send_intermediate_predict_response
 
@@ -140,10 +163,11 @@ class OrcaHandler:
                 send_intermediate_predict_response([chunk], context.request_ids, "Intermediate response", 200,
                                                    context)  # fmt: skip
         output = await done
+        reason = "stop" if output and output[-1] in set(ask.stop_token_ids) else "length"
         if stream:
             return json.dumps({"index": len(output) - 1, "token": output[-1], "output_ids": output,
-                               "finished": True}) + "\n"  # fmt: skip
-        return json.dumps({"output_ids": output})
+                               "finished": True, "finish_reason": reason}) + "\n"  # fmt: skip
+        return json.dumps({"output_ids": output, "finish_reason": reason})
 
     def close(self, timeout_s: float = 30.0) -> None:
         self.closing = True

@@ -26,6 +26,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from handlers.orca.sampling import TokenChooser
+
 
 @dataclass(eq=False)
 class GenerationRequest:
@@ -37,6 +39,8 @@ class GenerationRequest:
     slot: int | None = None  # KV slot, once started
     generated: list[int] = field(default_factory=list)
     cached: int = 0  # positions already in the KV cache
+    chooser: TokenChooser = field(default_factory=TokenChooser)  # greedy unless the request samples
+    stop_ids: frozenset[int] = frozenset()  # a token that ends the request (kept as its last)
 
     @property
     def started(self) -> bool:
@@ -44,7 +48,12 @@ class GenerationRequest:
 
     @property
     def finished(self) -> bool:
-        return len(self.generated) >= self.max_new_tokens
+        return len(self.generated) >= self.max_new_tokens or self.stopped
+
+    @property
+    def stopped(self) -> bool:
+        """It made one of its stop tokens (rather than running out of ``max_new_tokens``)."""
+        return bool(self.generated) and self.generated[-1] in self.stop_ids
 
     def next_tokens(self) -> tuple[int, ...]:
         """What the next iteration feeds it: the prompt at initiation, else its last token."""

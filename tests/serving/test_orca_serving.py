@@ -77,7 +77,10 @@ def test_answers_equal_greedy_decoding_and_bad_requests_get_their_400(orca, refe
         ({"input_ids": [1, 50257]}, "outside the vocabulary"),
         ({"input_ids": ids(3, 40), "max_new_tokens": 30}, "exceeds the 64 tokens"),
         ({"input_ids": [1], "max_new_tokens": 0}, "1..32"),
-        ({"input_ids": [1], "temperature": 0.5}, "unknown fields"),
+        ({"input_ids": [1], "temperature": -0.5}, "temperature must be in"),
+        ({"input_ids": [1], "temperature": 1.0, "top_p": 2}, "top_p must be in"),
+        ({"input_ids": [1], "beam_width": 4}, "unknown fields"),
+        ({"input_ids": [1], "stop_token_ids": [50257]}, "outside the vocabulary"),
         ({"input_ids": []}, "empty"),
         ([1, 2, 3], "JSON object"),
     ]
@@ -87,6 +90,16 @@ def test_answers_equal_greedy_decoding_and_bad_requests_get_their_400(orca, refe
         assert reason in json.loads(answer["body"])["message"]
     expected = [reference(good[0]["input_ids"], 6), reference(good[1]["input_ids"], 4), reference([464], 4)]
     assert [json.loads(a["body"])["output_ids"] for a in answers[:3]] == expected
+
+
+def test_a_seeded_sampled_request_is_answered_the_same_twice_and_unseeded_ones_differ(orca):
+    seeded = {"input_ids": ids(4, 5), "max_new_tokens": 8, "temperature": 1.0, "top_k": 50, "seed": 123}
+    unseeded = {"input_ids": ids(4, 5), "max_new_tokens": 8, "temperature": 1.5}
+    answers = post(orca, [(0.0, seeded), (0.0, {"input_ids": ids(5, 9)}), (0.2, seeded)] + [(0.0, unseeded)] * 3)
+    assert [a["status"] for a in answers] == [200] * 6, [a["body"] for a in answers]
+    outputs = [json.loads(a["body"])["output_ids"] for a in answers]
+    assert outputs[0] == outputs[2] and len(outputs[0]) == 8
+    assert len({tuple(o) for o in outputs[3:]}) > 1
 
 
 def test_streamed_tokens_arrive_one_by_one_and_equal_greedy_decoding(orca, reference):
