@@ -53,6 +53,14 @@ class NextTokenLogits(nn.Module):
 BERT_SIZES: dict[str, dict[str, int]] = {
     "bert-base": {},  # BertConfig() defaults: 12 layers, hidden 768, 12 heads
     "bert-mini": {"num_hidden_layers": 4, "hidden_size": 256, "num_attention_heads": 4, "intermediate_size": 1024},
+    # Host-bound on purpose: compute per batch in the tens of microseconds on a CPU, the regime a fast GPU
+    # puts every model in, where a handler's per-request Python is what limits it.
+    "bert-tiny1": {"num_hidden_layers": 1, "hidden_size": 32, "num_attention_heads": 2, "intermediate_size": 64},
+}
+# GPT-2 sizes likewise: the small model, and a one-layer one for the host-bound regime.
+GPT2_SIZES: dict[str, dict[str, int]] = {
+    "gpt2-small": {},  # GPT2Config() defaults: 12 layers, hidden 768, 12 heads
+    "gpt2-tiny1": {"n_layer": 1, "n_embd": 32, "n_head": 2},
 }
 
 
@@ -86,7 +94,9 @@ def _build_architecture(spec: ModelSpec) -> nn.Module:
     if spec.family == "gpt2":
         # No KV cache: a served request is one full forward pass, and a cache
         # object in the outputs would be recorded into traces as dead state.
-        config = transformers.GPT2Config(use_cache=False)
+        if spec.arch not in GPT2_SIZES:
+            raise ValueError(f"unknown GPT-2 size {spec.arch!r}; known: {', '.join(GPT2_SIZES)}")
+        config = transformers.GPT2Config(use_cache=False, **GPT2_SIZES[spec.arch])
         return NextTokenLogits(transformers.GPT2LMHeadModel(config))
     raise ValueError(f"unsupported family {spec.family!r}")
 

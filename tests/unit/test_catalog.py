@@ -113,3 +113,21 @@ def test_bert_sizes_are_built_as_named_and_an_unknown_size_is_refused():
     assert mini.vocab_size == 30522  # the base model's vocabulary: the same token ids are valid for both
     with pytest.raises(ValueError, match="unknown BERT size 'bert-huge'; known: bert-base, bert-mini"):
         build_model(dataclasses.replace(get_spec("bert-mini"), arch="bert-huge"))
+
+
+def test_the_host_bound_models_are_one_layer_deep_and_answer_in_their_shapes():
+    import dataclasses
+
+    import torch
+
+    from model_store.factory import build_model, example_inputs
+
+    for name, logits in (("bert-tiny1", 2), ("gpt2-tiny1", 50257)):
+        spec = get_spec(name)
+        model = build_model(spec)
+        config = model.model.config
+        assert (config.num_hidden_layers, config.hidden_size, config.num_attention_heads) == (1, 32, 2), name
+        with torch.no_grad():
+            assert tuple(model(*example_inputs(spec, 3)).shape) == (3, logits)
+    with pytest.raises(ValueError, match="unknown GPT-2 size 'gpt2-xl'"):
+        build_model(dataclasses.replace(get_spec("gpt2"), arch="gpt2-xl"))
