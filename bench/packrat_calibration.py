@@ -49,12 +49,12 @@ from bench.report import (
     publish,
     save_figure,
 )
-from handlers.pinning.slots import PLAN_DIR_ENV, PlanStore, ServiceTotals
+from handlers.pinning.slots import PLAN_DIR_ENV, PlanStore
 from model_store import ARCHIVE_DIR
 from model_store.catalog import get_spec
 from model_store.samples import client_payload
 from packrat_plugin.batch_credit import credit_batches
-from packrat_plugin.calibration import Calibration, profiled_round_ms
+from packrat_plugin.calibration import Calibration, profiled_round_ms, window_calibration
 from packrat_plugin.levels import Level, levels_for
 from packrat_plugin.optimizer import KnapsackOptimizer, serving_costs
 from packrat_plugin.profiler import profile_for_this_machine
@@ -74,13 +74,6 @@ def parse_fractions(text: str) -> list[float]:
     if not values or not all(0.0 < v < 1.0 for v in values):
         raise argparse.ArgumentTypeError(f"expected fractions in (0, 1), comma-separated, got {text!r}")
     return values
-
-
-def learned(window: ServiceTotals, rounds_ms: tuple[tuple[int, float], ...]) -> Calibration:
-    """The calibration one window of a class's counters gives (``ServiceCalibrator.update``'s first window)."""
-    mean_batch = window.requests / window.batches
-    profiled_s = profiled_round_ms(rounds_ms, mean_batch) * window.batches / 1000.0
-    return Calibration(window.model_s / profiled_s, (window.handler_s - window.model_s) * 1e3 / window.requests, 1)
 
 
 def class_name(level: Level) -> str:
@@ -123,7 +116,7 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict:
                 raise SystemExit(f"{name} served no batch at {rate:.1f} req/s: the counters did not move")
             mean_batch = window.requests / window.batches
             if reference is None:  # the start class at the first load: what the controller carries to the others
-                reference = learned(window, level.rounds_ms)
+                reference = window_calibration(window, level.rounds_ms)
             profiled = profiled_round_ms(level.rounds_ms, mean_batch)
             runs.append({
                 "class": item.to_dict(), "name": name, "fraction": fraction, "rate": rate,
@@ -132,7 +125,7 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict:
                 "served_round_ms": window.handler_s * 1e3 / window.batches,
                 "profile_round_ms": prior.round_ms(mean_batch, profiled),
                 "calibrated_round_ms": reference.round_ms(mean_batch, profiled),
-                "own": learned(window, level.rounds_ms).to_dict(),
+                "own": window_calibration(window, level.rounds_ms).to_dict(),
                 "predicted_mean_ms": Level(level.batch, level.plan, level.rounds_ms, reference)
                 .predicted_latency_s(rate) * 1e3,
             })  # fmt: skip

@@ -98,6 +98,14 @@ def profiled_round_ms(rounds_ms: tuple[tuple[int, float], ...], k: float) -> flo
     raise AssertionError("unreachable")
 
 
+def window_calibration(window: ServiceTotals, rounds_ms: tuple[tuple[int, float], ...]) -> Calibration:
+    """What one window of a class's counters measured, unclamped: the model's time over the profiled time of
+    the rounds it served (at their mean batch), and the handler's time outside the model per request."""
+    mean_batch = window.requests / window.batches
+    profiled_s = profiled_round_ms(rounds_ms, mean_batch) * window.batches / 1000.0
+    return Calibration(window.model_s / profiled_s, (window.handler_s - window.model_s) * 1000.0 / window.requests, 1)
+
+
 class ServiceCalibrator:
     """Turns the active set's cumulative counters into a ``Calibration``."""
 
@@ -124,11 +132,10 @@ class ServiceCalibrator:
         if window.requests < self.config.min_requests or window.batches <= 0 or window.model_s <= 0:
             return False
         self._base = totals
-        mean_batch = window.requests / window.batches
-        profiled_s = profiled_round_ms(rounds_ms, mean_batch) * window.batches / 1000.0
+        measured = window_calibration(window, rounds_ms)
         cfg = self.config
-        slowdown = min(cfg.max_slowdown, max(cfg.min_slowdown, window.model_s / profiled_s))
-        overhead_ms = max(0.0, (window.handler_s - window.model_s) * 1000.0 / window.requests)
+        slowdown = min(cfg.max_slowdown, max(cfg.min_slowdown, measured.slowdown))
+        overhead_ms = max(0.0, measured.overhead_ms)
         old = self.current
         rate = 1.0 if old.updates == 0 else cfg.learning_rate
         self.current = Calibration(

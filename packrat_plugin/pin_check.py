@@ -16,13 +16,9 @@ from serving_harness.topology import parse_cpu_list
 
 
 def affinity_of_tasks(pid: int) -> set[tuple[int, ...]]:
-    """Cpus_allowed_list of every thread of a process, as core tuples (empty once the process is gone)."""
+    """Cpus_allowed_list of every thread of a process, as core tuples; FileNotFoundError if it is gone."""
     seen = set()
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except FileNotFoundError:
-        return seen
-    for tid in tids:
+    for tid in os.listdir(f"/proc/{pid}/task"):
         try:
             text = Path(f"/proc/{pid}/task/{tid}/status").read_text()
         except (FileNotFoundError, ProcessLookupError):
@@ -44,8 +40,9 @@ def pinning_faults(management: ManagementClient, store: PlanStore, model: str) -
         for worker in version.get("workers", []):
             if worker.get("status") != "READY":
                 continue
-            tasks = affinity_of_tasks(int(worker["pid"]))
-            if not tasks:
+            try:
+                tasks = affinity_of_tasks(int(worker["pid"]))
+            except FileNotFoundError:  # exited since the describe call
                 continue
             if len(tasks) != 1 or next(iter(tasks)) not in slots:
                 faults.append(f"{name} worker {worker['pid']}: threads on {sorted(tasks)}, slots {sorted(slots)}")

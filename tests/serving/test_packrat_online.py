@@ -27,11 +27,12 @@ from packrat_plugin.controller import PackratController
 from packrat_plugin.load_monitor import MonitorConfig
 from packrat_plugin.measure import InstanceJob, InstanceProcess
 from packrat_plugin.model_control import ControllerConfig, ModelTarget
+from packrat_plugin.pin_check import affinity_of_tasks
 from packrat_plugin.profile import Profile, ProfilePoint
 from packrat_plugin.profiler import prepare_model
 from packrat_plugin.swapper import SwapperConfig
 from serving_harness.loadgen import closed_loop, open_loop, run
-from serving_harness.topology import CpuTopology, parse_cpu_list
+from serving_harness.topology import CpuTopology
 
 pytestmark = [
     pytest.mark.torchserve,
@@ -117,19 +118,6 @@ def fat_capacity_per_s(profile: Profile, calibration: dict[str, float] | None = 
     if calibration is None:
         return 1000.0 / fat_ms
     return 1000.0 / Calibration(**calibration).round_ms(1, fat_ms)
-
-
-def affinity_of_tasks(pid: int) -> set[tuple[int, ...]]:
-    """Cpus_allowed_list of every thread of a process, as core tuples."""
-    seen = set()
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            text = Path(f"/proc/{pid}/task/{tid}/status").read_text()
-        except FileNotFoundError:
-            continue
-        line = next(x for x in text.splitlines() if x.startswith("Cpus_allowed_list"))
-        seen.add(tuple(parse_cpu_list(line.split(":", 1)[1].strip())))
-    return seen
 
 
 def workers(controller: PackratController, version: str) -> list[dict]:
