@@ -109,15 +109,28 @@ def label(system: str) -> str:
 
 
 class AsyncDriver:
-    """An async handler (Ebird, DVABatch): one ``handle`` call per request."""
+    """An async handler (Ebird, DVABatch): one ``handle`` call per request.
+
+    As the handlers' own message pump does inside TorchServe
+    (``handlers/runtime/worker_pump.py``), no request is handed over while
+    every CPU lane runs a quiet batch: requests that arrive then wait, like
+    messages left in the socket, for one wait on the lanes that they all
+    share, and are handed over together when it ends.
+    """
 
     def __init__(self, handler: Any, load_ctx: Any) -> None:
         self.handler, self.load_ctx = handler, load_ctx
+        self._gate: asyncio.Future | None = None  # the shared wait for a loud lane, while one runs
 
     async def start(self) -> None:
-        pass
+        self._gate = None
 
     async def request(self, row: dict) -> int:
+        lanes = getattr(self.handler, "lanes", None)
+        if lanes is not None and lanes.all_quiet():
+            if self._gate is None or self._gate.done():
+                self._gate = asyncio.get_running_loop().run_in_executor(None, lanes.wait_for_a_loud_lane)
+            await self._gate
         status, _ = await call(self.handler, self.load_ctx, row)
         return status
 

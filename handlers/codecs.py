@@ -299,10 +299,11 @@ class InputCodec:
         if bad is not None:
             raise bad_request(f"token id {bad} outside the vocabulary [0, {self.vocab_size})")
         length = self.token_lengths[bisect.bisect_left(self.token_lengths, len(ids))]
-        padded = torch.zeros(length, dtype=torch.long)
-        padded[: len(ids)] = torch.tensor(ids, dtype=torch.long)
-        mask = torch.zeros(length, dtype=torch.long)
-        mask[: len(ids)] = 1
+        # Two tensor constructions from Python lists, not zeros then slice writes: each torch call
+        # releases and retakes the GIL, which a handler's other threads may hold meanwhile.
+        pad = length - len(ids)
+        padded = torch.tensor(ids + [0] * pad, dtype=torch.long)
+        mask = torch.tensor([1] * len(ids) + [0] * pad, dtype=torch.long)
         return padded, mask
 
 
@@ -417,7 +418,9 @@ def answer_bytes(answer: Any) -> bytes:
 
 def top_k(logits: torch.Tensor, k: int = 5) -> list[dict[str, float]]:
     values, indices = torch.topk(logits, min(k, logits.numel()))
-    return [{"index": int(i), "logit": finite_or_none(float(v))} for v, i in zip(values, indices, strict=True)]
+    # ``tolist`` once: iterating the tensors would make a 0-d tensor per element.
+    pairs = zip(values.tolist(), indices.tolist(), strict=True)
+    return [{"index": i, "logit": finite_or_none(v)} for v, i in pairs]
 
 
 def finite_list(tensor: torch.Tensor) -> list[float]:

@@ -1,12 +1,13 @@
 """Ebird's input memory pool: a ring of preallocated input slots.
 
-Each request's input is copied into the next slot the moment it arrives, so
-by the time the scheduler forms a batch the data is already where the model
-reads it: a batch is a contiguous run of slots, and batching is a slice of
-the pool's storage, not a copy.  (On CUDA the storage lives on the device and
-each slot's copy runs on a copy stream with an event the engine waits on; an
-input already decoded on the device is copied there directly; on CPU the
-same ring is host memory.)
+On CUDA each request's input is copied into the next slot the moment it
+arrives, on a copy stream with an event the engine waits on (an input
+already decoded on the device is copied there directly), so by the time the
+scheduler forms a batch the data is already where the model reads it: a
+batch is a contiguous run of slots, and batching is a slice of the pool's
+storage.  On CPU the same ring is host memory, and a slot keeps its request's
+tensors until the batch starts, which stacks its run's rows into the storage
+in one call per input tensor, on the lane that runs it.
 
 Slots are handed out in ring order and batches are taken in the same order,
 so the ready inputs always form a run starting at ``tail``.  A run never
@@ -70,6 +71,8 @@ class InputPool:
             )
             self._copied = [torch.cuda.Event() for _ in range(capacity)]
         self._state = [SlotState.FREE] * capacity
+        # CPU: each ready slot's tensors, until its batch gathers them into ``storage``.
+        self._rows: list[tuple[torch.Tensor, ...] | None] = [None] * capacity
         self._head = 0  # next slot to hand out
         self._tail = 0  # oldest slot not yet taken into a batch
         self._lock = threading.Lock()
@@ -94,8 +97,10 @@ class InputPool:
             if tuple(tensor.shape) != tuple(buf.shape[1:]):
                 raise ValueError(f"input shape {list(tensor.shape)} does not match the pool's {list(buf.shape[1:])}")
         if self._copy_stream is None:
-            for buf, tensor in zip(self.storage, tensors, strict=True):
-                buf[slot].copy_(tensor)
+            # Kept by reference and copied in with its batch (``wait_copied``), on the lane that
+            # runs it: one stack per input tensor per batch, not torch calls per request on the
+            # event loop, each of which waited for the GIL while the lane ran the model.
+            self._rows[slot] = tuple(tensors)
         else:
             with torch.cuda.stream(self._copy_stream):
                 for buf, staging, tensor in zip(self.storage, self._staging, tensors, strict=True):
@@ -160,8 +165,23 @@ class InputPool:
         )
 
     def wait_copied(self, run: Run, stream: torch.cuda.Stream | None) -> None:
-        """Make ``stream`` wait until the run's inputs have landed on the device (no-op on CPU)."""
-        if self._copy_stream is None or stream is None:
+        """Have the run's inputs in ``storage`` before its batch reads them.
+
+        CUDA: make ``stream`` wait until their copies have landed on the
+        device.  CPU: gather the rows ``write`` kept into the run's slice of
+        the storage, one ``torch.stack`` per input tensor (on the lane, right
+        before the batch).
+        """
+        if self._copy_stream is None:
+            rows = [self._rows[slot] for slot in range(run.start, run.start + run.count)]
+            if any(row is None for row in rows):
+                raise RuntimeError(f"slots {run} hold no written input")
+            for i, buf in enumerate(self.storage):
+                torch.stack([row[i] for row in rows], out=buf[run.start : run.start + run.count])
+            for slot in range(run.start, run.start + run.count):
+                self._rows[slot] = None
+            return
+        if stream is None:
             return
         for slot in range(run.start, run.start + run.count):
             stream.wait_event(self._copied[slot])
@@ -177,6 +197,7 @@ class InputPool:
                 if self._state[slot] is not SlotState.TAKEN:
                     raise RuntimeError(f"slot {slot} released twice or never taken")
                 self._state[slot] = SlotState.FREE
+                self._rows[slot] = None  # a batch that failed before gathering its rows
 
     def in_use(self) -> int:
         with self._lock:

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import abc
 import asyncio
-import contextlib
 import functools
 import logging
 import os
@@ -51,6 +50,7 @@ from handlers.runtime.decode import BATCHED, LANE, RequestDecoder, default_decod
 from handlers.runtime.device import ExecutionDevice
 from handlers.runtime.engine import Engine, StageTimes, input_key
 from handlers.runtime.lanes import CpuLanes
+from handlers.runtime.loop_mailbox import mailbox_for
 from handlers.runtime.metrics import HandlerMetrics
 from handlers.runtime.model_loading import load_model
 from model_store.catalog import ModelSpec
@@ -120,12 +120,10 @@ class _Admission:
         self.metrics = metrics
         self.lock = asyncio.Lock()
         self.space = asyncio.Event()
-        loop = asyncio.get_running_loop()
+        mailbox = mailbox_for(asyncio.get_running_loop())
 
-        def wake() -> None:  # called from engine threads
-            # RuntimeError: the loop has closed, so nobody is waiting any more.
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(self.space.set)
+        def wake() -> None:  # called from engine threads, with the batch's answers (one loop wake-up for all)
+            mailbox.post(self.space.set)
 
         engine.on_space(wake)
 
@@ -395,7 +393,8 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
             self.arrivals.leave(arrival)
         self.metrics.request_admitted()
         try:
-            output = await asyncio.wait_for(asyncio.wrap_future(future), max(deadline - loop.time(), 0.0))
+            answer = mailbox_for(loop).wrap(future)
+            output = await asyncio.wait_for(answer, max(deadline - loop.time(), 0.0))
             encoded = getattr(future, "encoded", False)
             return output, getattr(future, "times", None), admitted, time.monotonic(), encoded
         except TimeoutError:

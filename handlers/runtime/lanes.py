@@ -170,6 +170,10 @@ class CpuLanes:
             if self._quiet_running < self.count:
                 self._quiet.notify_all()
 
+    def all_quiet(self) -> bool:
+        """Whether every lane runs a quiet job now (a read without the lock: a hint, not a promise)."""
+        return self._quiet_running >= self.count
+
     def wait_for_a_loud_lane(self, timeout_s: float | None = None) -> bool:
         """Block while every lane runs a quiet job (False: ``timeout_s`` passed first).
 

@@ -175,11 +175,14 @@ def fill(pool: InputPool, n: int, start_value: float = 0.0) -> list[int]:
     return slots
 
 
-def test_a_batch_is_a_zero_copy_slice_of_the_pool():
+def test_a_batch_is_a_slice_of_the_pool_gathered_once_per_batch():
+    """On CPU a slot keeps its request's tensor until the batch starts; ``wait_copied`` then stacks
+    the run's rows into the pool's storage, and the model reads that slice."""
     pool = image_pool(8)
     fill(pool, 3)
     assert pool.ready() == 3
     run = pool.take(3)
+    pool.wait_copied(run, None)
     (batch,) = pool.views(run)
     assert batch.shape == (3, 3, 4, 4)
     assert batch.data_ptr() == pool.storage[0].data_ptr()  # the pool's own memory
@@ -224,7 +227,9 @@ def test_runs_never_wrap_around_the_ring():
     assert pool.ready() == 1  # only slot 3 before the end of the ring
     assert pool.take(1) == Run(3, 1)
     assert pool.ready() == 2  # slots 0 and 1 after the wrap
-    (batch,) = pool.views(pool.take(2))
+    run = pool.take(2)
+    pool.wait_copied(run, None)
+    (batch,) = pool.views(run)
     assert [float(batch[i, 0, 0, 0]) for i in range(2)] == [11.0, 12.0]
 
 
