@@ -153,47 +153,59 @@ class EbirdEngine(Engine):
     def _schedule_loop(self) -> None:
         while True:
             with self._cond:
-                plan = None
-                horizon = None  # the latest arrival this batch may wait for
+                horizon: list[int] = []  # the latest arrival this batch may wait for, once read
                 while not self._stopping:
-                    busy = [w for w in self.workers if w.spec.worker_id not in self._idle]
-                    if self._idle and len(busy) < self._max_running:
-                        ready = self.pool.ready()
-                        if ready:
-                            arriving = 0
-                            if self._arrivals is not None and self.pool.ready_run_can_grow():
-                                if horizon is None:
-                                    horizon = self._arrivals.horizon
-                                arriving = self._arrivals.pending_through(horizon)
-                            state = SchedulerState(
-                                ready=ready,
-                                # CurInf: a busy worker holds exactly its batch size of inputs.
-                                in_flight=sum(w.spec.batch for w in busy),
-                                idle=[w.spec for w in self._idle.values()],
-                                arriving=arriving,
-                                free_lanes=self._max_running - len(busy),
-                            )
-                            plan = self.policy.next_batch(state)
-                            if plan.assignments:
-                                break
+                    dispatch = self._plan(horizon)
+                    if dispatch:
+                        break
                     self._cond.wait()
                 if self._stopping:
                     return
-                dispatch = []
-                for assignment in plan.assignments:
-                    run = self.pool.take(assignment.count)
-                    slots = range(run.start, run.start + run.count)
-                    tickets = [self._tickets[s] for s in slots]
-                    for s in slots:
-                        self._tickets[s] = None
-                    worker = self._idle.pop(assignment.worker_id)
-                    dispatch.append((worker, Job(run, tickets)))
-            for worker, job in dispatch:
-                if self._lanes is None:
-                    worker.jobs.put(job)
-                else:
-                    done = self._lanes.submit(self._timed_execute, worker, job, quiet=self.config.cpu_quiet_batches)
-                    done.add_done_callback(lambda f, w=worker, j=job: self._lane_done(w, j, f))
+            self._start(dispatch)
+
+    def _plan(self, horizon: list[int]) -> list[tuple[EngineWorker, Job]]:
+        """The batches to start now, taken from the pool (with ``_cond`` held); [] if none.
+
+        ``horizon`` holds the latest arrival a held batch waits for, read the
+        first time a batch could grow, so later arrivals do not extend the hold.
+        """
+        busy = [w for w in self.workers if w.spec.worker_id not in self._idle]
+        if not self._idle or len(busy) >= self._max_running:
+            return []
+        ready = self.pool.ready()
+        if not ready:
+            return []
+        arriving = 0
+        if self._arrivals is not None and self.pool.ready_run_can_grow():
+            if not horizon:
+                horizon.append(self._arrivals.horizon)
+            arriving = self._arrivals.pending_through(horizon[0])
+        state = SchedulerState(
+            ready=ready,
+            # CurInf: a busy worker holds exactly its batch size of inputs.
+            in_flight=sum(w.spec.batch for w in busy),
+            idle=[w.spec for w in self._idle.values()],
+            arriving=arriving,
+            free_lanes=self._max_running - len(busy),
+        )
+        dispatch = []
+        for assignment in self.policy.next_batch(state).assignments:
+            run = self.pool.take(assignment.count)
+            slots = range(run.start, run.start + run.count)
+            tickets = [self._tickets[s] for s in slots]
+            for s in slots:
+                self._tickets[s] = None
+            worker = self._idle.pop(assignment.worker_id)
+            dispatch.append((worker, Job(run, tickets)))
+        return dispatch
+
+    def _start(self, dispatch: list[tuple[EngineWorker, Job]]) -> None:
+        for worker, job in dispatch:
+            if self._lanes is None:
+                worker.jobs.put(job)
+            else:
+                done = self._lanes.submit(self._timed_execute, worker, job, quiet=self.config.cpu_quiet_batches)
+                done.add_done_callback(lambda f, w=worker, j=job: self._lane_done(w, j, f))
 
     # -- a worker ------------------------------------------------------------
 
@@ -221,8 +233,14 @@ class EbirdEngine(Engine):
             if self.costs is not None and error is None and job.seconds > 0:
                 self.costs.record(job.run.count, job.seconds)
                 self._recap()
+            # The next batch is planned here, on the thread that ran this one, when its inputs are
+            # ready and no arrival holds it: a hand-off through the scheduler thread costs a thread
+            # wake-up per batch, the host's bottleneck when batches are short.  Otherwise the
+            # scheduler thread decides, as before.
+            dispatch = [] if self._stopping else self._plan([])
             self._cond.notify_all()
         self._notify_space()
+        self._start(dispatch)
 
     def _timed_execute(self, worker: EngineWorker, job: Job) -> tuple[torch.Tensor | None, Exception | None]:
         started = time.monotonic()
