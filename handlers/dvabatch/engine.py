@@ -79,6 +79,8 @@ class DvaBatchEngine(Engine):
         # Meta operations done (new, join, stretch, split, merge); also
         # reported to TorchServe as HandlerOperations.
         self.counts: Counter[str] = Counter()
+        # Stage programs called, by stage: one per batch that runs the stage, however many rows it holds.
+        self.stage_calls: Counter[int] = Counter()
         self._pending: deque[tuple[Ticket, ModelInput]] = deque()
         self._busy: list[bool] = [False] * len(sliced)
         self._outstanding: set[Ticket] = set()
@@ -179,6 +181,7 @@ class DvaBatchEngine(Engine):
     # -- running a stage -----------------------------------------------------------------
 
     def _launch(self, batch_id: int, stage: int, state: State) -> None:
+        self.stage_calls[stage] += 1  # the scheduler thread alone launches
         if self._lanes is not None:
             future: Future = self._lanes.submit(self._run_stage, stage, state)
         else:

@@ -141,13 +141,25 @@ class EbirdEngine(Engine):
             self._outstanding.add(ticket)
         self.pool.write(slot, item.tensors)
         with self._cond:
-            self._cond.notify_all()
+            self._wake_scheduler_if_it_may_act()
         return ticket.future
 
     # -- the loop: state → policy → dispatch -----------------------------------
 
     def _wake(self) -> None:
         with self._cond:
+            self._wake_scheduler_if_it_may_act()
+
+    def _wake_scheduler_if_it_may_act(self) -> None:
+        """Wake the scheduler thread (``_cond`` held) unless every lane or worker is busy.
+
+        While they are, the next batch is planned where the running one ends
+        (``_finish``), so waking the scheduler for each admitted request would
+        only hand it the GIL to find nothing to do: a thread switch per
+        request, which on a short batch cost more than the batch's own work.
+        """
+        busy = len(self.workers) - len(self._idle)
+        if self._idle and busy < self._max_running:
             self._cond.notify_all()
 
     def _schedule_loop(self) -> None:

@@ -128,6 +128,10 @@ class _Admission:
         engine.on_space(wake)
 
     async def admit(self, item: ModelInput, deadline: float) -> Any:
+        if not self.lock.locked():  # nobody waits ahead of this request: try the engine at once
+            future = self.engine.try_submit(item)
+            if future is not None:
+                return future
         loop = asyncio.get_running_loop()
         async with self.lock:
             waited = False

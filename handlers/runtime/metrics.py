@@ -55,6 +55,7 @@ side by side (``bench/runtime_breakdown.py``) and for debugging.
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import threading
 from typing import Any
@@ -76,7 +77,9 @@ def parse_flush_interval(value: Any) -> float:
 SeriesKey = tuple[str, str, tuple[tuple[str, str], ...]]
 
 
+@functools.lru_cache(maxsize=4096)
 def series(name: str, unit: str, **labels: str) -> SeriesKey:
+    """One series' key; cached, since every request names the same few (a handler's stages, its gauges)."""
     return name, unit, tuple(sorted(labels.items()))
 
 

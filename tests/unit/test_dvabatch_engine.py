@@ -205,3 +205,19 @@ def test_stages_sharing_one_lane_still_answer_every_request_its_row(model):
     assert_rows_of(model, inputs, futures)
     engine.close()
     lanes.close()
+
+
+@pytest.mark.parametrize("requests", [2, 12])
+def test_a_batch_costs_one_call_per_stage_however_many_requests_it_holds(model, requests):
+    """Host work per batch, not per request: requests that wait together run as one batch, and each
+    stage program is called once for it (counted), whether it holds 2 requests or 12."""
+    engine, lanes = make_engine(model, max_batch=16, split=False)
+    engine.warm_up()
+    inputs = [torch.randn(64) for _ in range(requests)]
+    with engine._cond:  # the scheduler sees them only once all are in: they arrived together
+        futures = [engine.try_submit(ModelInput((x,))) for x in inputs]
+    assert_rows_of(model, inputs, futures)
+    assert engine.counts["new"] == 1 and engine.counts["join"] == 0
+    assert dict(engine.stage_calls) == {0: 1, 1: 1, 2: 1}
+    engine.close()
+    lanes.close()
