@@ -10,6 +10,7 @@ finishes; the scheduler (``scheduler.py``) decides who gets the next one.
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +37,9 @@ class KVCache:
         size = (shape.slots, shape.heads, shape.max_tokens, shape.head_dim)
         self.keys = [torch.zeros(size, dtype=dtype, device=device) for _ in range(shape.layers)]
         self.values = [torch.zeros(size, dtype=dtype, device=device) for _ in range(shape.layers)]
-        self._free = list(range(shape.slots - 1, -1, -1))  # pop() hands out slot 0 first
+        # A heap: the lowest free slot goes out first, so the slots in use stay packed at the low end
+        # and a decode iteration attends over few more slots than it has requests (``gpt2.DecodeBatch``).
+        self._free = list(range(shape.slots))
 
     @property
     def free(self) -> int:
@@ -45,12 +48,12 @@ class KVCache:
     def allocate(self) -> int:
         if not self._free:
             raise KVFull(f"all {self.shape.slots} KV slots are reserved")
-        return self._free.pop()
+        return heapq.heappop(self._free)
 
     def release(self, slot: int) -> None:
         if not 0 <= slot < self.shape.slots or slot in self._free:
             raise ValueError(f"slot {slot} is not reserved")
-        self._free.append(slot)
+        heapq.heappush(self._free, slot)
 
     def write(self, layer: int, slot: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store ``k``/``v`` ([heads, n, dim]) at positions ``start .. start+n`` of ``slot``."""

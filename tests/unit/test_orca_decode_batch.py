@@ -1,0 +1,92 @@
+"""Orca's decode iteration: one attention call per layer for every request, the same answers as one by one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from handlers.orca.gpt2 import SelectiveGPT2, Step
+from handlers.orca.kv_cache import KVCache, KVShape
+from model_store.catalog import get_spec
+from model_store.factory import build_model
+
+
+class CountOps(TorchDispatchMode):
+    """Counts the aten operators dispatched inside it that compute (views only relabel memory, and
+    ``index_put`` of a single row adds one where it broadcasts its value)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 - torch's protocol
+        if not func.is_view:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    hf = build_model(get_spec("gpt2-tiny1")).model
+    return SelectiveGPT2(hf)
+
+
+def prompts(count: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(count)
+    return [torch.randint(0, 1000, (3 + i % 5,), generator=generator).tolist() for i in range(count)]
+
+
+def prefill(model: SelectiveGPT2, kv: KVCache, asks: list[list[int]]) -> list[Step]:
+    """Each prompt through an initiation of its own; the decode steps that follow, one token each."""
+    steps = []
+    for ask in asks:
+        slot = kv.allocate()
+        logits = model.iterate([Step(ask, slot, 0)], kv)
+        steps.append(Step([int(logits[0].argmax())], slot, len(ask)))
+    return steps
+
+
+def test_a_decode_iteration_dispatches_the_same_operators_for_1_4_and_16_requests(tiny):
+    counts = {}
+    for n in (1, 4, 16):
+        kv = KVCache(tiny.kv_shape(16, 32))
+        steps = prefill(tiny, kv, prompts(n))
+        with CountOps() as ops:
+            tiny.iterate(steps, kv)
+        counts[n] = ops.count
+    assert counts[1] == counts[4] == counts[16], counts
+
+
+def test_decoding_together_gives_each_request_the_logits_it_gets_alone(tiny):
+    asks = prompts(6)
+    together_kv = KVCache(tiny.kv_shape(8, 32))
+    together = tiny.iterate(prefill(tiny, together_kv, asks), together_kv)
+    for i, ask in enumerate(asks):
+        alone_kv = KVCache(tiny.kv_shape(8, 32))
+        alone = tiny.iterate(prefill(tiny, alone_kv, [ask]), alone_kv)
+        torch.testing.assert_close(together[i], alone[0], atol=1e-5, rtol=1e-5)
+
+
+def test_an_iteration_mixing_prompts_and_increments_matches_each_alone(tiny):
+    """Increments attend together, prompts one by one, and the rows go back in the iteration's order."""
+    asks = prompts(3)
+    kv = KVCache(tiny.kv_shape(8, 32))
+    decoding = prefill(tiny, kv, asks[:2])
+    newcomer = Step(asks[2], kv.allocate(), 0)
+    mixed = tiny.iterate([decoding[0], newcomer, decoding[1]], kv)
+    for row, ask, step in ((0, asks[0], None), (1, asks[2], "prompt"), (2, asks[1], None)):
+        alone_kv = KVCache(tiny.kv_shape(8, 32))
+        if step == "prompt":
+            alone = tiny.iterate([Step(ask, alone_kv.allocate(), 0)], alone_kv)
+        else:
+            alone = tiny.iterate(prefill(tiny, alone_kv, [ask]), alone_kv)
+        torch.testing.assert_close(mixed[row], alone[0], atol=1e-5, rtol=1e-5)
+
+
+def test_the_kv_cache_hands_out_its_lowest_free_slot():
+    kv = KVCache(KVShape(layers=1, heads=2, head_dim=4, slots=4, max_tokens=8))
+    assert [kv.allocate() for _ in range(3)] == [0, 1, 2]
+    kv.release(1)
+    kv.release(0)
+    assert kv.allocate() == 0
