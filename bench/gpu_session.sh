@@ -5,10 +5,12 @@
 #   bash bench/gpu_session.sh OUT_DIR TIER|STEP...     # e.g. `1`, `2`, `tests ebird`, `all`
 #   DRY=1 bash bench/gpu_session.sh /tmp/dry all       # the same steps on this CPU, tiny runs
 #
-# Tier 0 (about 9 minutes; H200 session of 2026-11-28): the host path after
-# the loop mailbox, lane decode jobs per burst and the bench's lean per-message
-# context (docs/benchmarks/host_path.md): Ebird against NO Wait with the same
-# execution (ebird_same), DVABatch on BERT-base, REEF workload A.
+# Tier 0 (about 11 minutes; prepared 2026-11-28, when the loan was paused
+# before it started): the host path after the loop mailbox, lane decode jobs
+# per burst, the bench's lean per-message context, and Orca's one attention
+# call per layer per decode iteration (docs/benchmarks/host_path.md): Ebird
+# against NO Wait with the same execution (ebird_same), DVABatch on BERT-base,
+# Orca on GPT-2, REEF workload A.
 # The older tiers follow what was unmeasured after the H200 session of
 # 2026-11-27 (commits eac5868/eba1994; docs/benchmarks/reading/gpu.md):
 # Tier 1 (about 7 minutes): the CUDA tests (the plain handler's batched
@@ -38,7 +40,7 @@ work=$(mktemp -d)
 export PYTHONPATH="$PWD/.site:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
 
-tier0="ebird_same dvabatch reef_a"
+tier0="ebird_same dvabatch orca reef_a"
 tier1="tests ebird ebird_same jpeg nimble_effnet"
 tier2="dvabatch reef_c reef_a"
 tier3="orca nimble_inception nimble_resnet50 nimble_fault"

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from handlers.orca.gpt2 import SelectiveGPT2, Step
+from handlers.orca.attention import IterationModel, Step
 from handlers.orca.kv_cache import KVCache
 from handlers.orca.sampling import GREEDY, Sampling, TokenChooser, choose_tokens
 from handlers.orca.scheduler import GenerationRequest, IterationScheduler
@@ -80,14 +80,14 @@ class OrcaEngine:
     """Generation for many requests at once, iteration by iteration."""
 
     def __init__(
-        self, model: SelectiveGPT2, slots: int, max_tokens: int, max_batch: int, max_new_tokens: int,
+        self, model: IterationModel, slots: int, max_tokens: int, max_batch: int, max_new_tokens: int,
         device: str | torch.device = "cpu", iteration_level: bool = True,
     ) -> None:  # fmt: skip
         self.model = model
         self.device = device
         self.max_tokens = max_tokens
         self.max_new_tokens = max_new_tokens
-        self.kv = KVCache(model.kv_shape(slots, max_tokens), dtype=model.transformer.wte.weight.dtype, device=device)
+        self.kv = KVCache(model.kv_shape(slots, max_tokens), dtype=model.dtype, device=device)
         self.scheduler = IterationScheduler(
             max_batch, self.kv.allocate, self.kv.release, lambda: self.kv.free, iteration_level=iteration_level
         )

@@ -1,0 +1,109 @@
+"""The Llama family for one Orca iteration: RoPE, RMSNorm, grouped-query attention, SwiGLU.
+
+The shapes of Llama, Qwen2 and SmolLM checkpoints (``LlamaForCausalLM``,
+``Qwen2ForCausalLM``): every request's new tokens flattened to one
+``[ΣL, H]`` tensor for the norms, projections and MLP, as for GPT-2
+(``gpt2.py``), with the rotary position embedding applied to each token's
+query and key at its own position before they meet the cache
+(``attention.py``; fewer key/value heads than query heads is one
+``enable_gqa`` call).  The norms, projections and rotary tables are the
+checkpoint's own modules, called as they are, so greedy decoding can be
+checked token for token against ``generate``.
+
+Settings this does not compute are refused by name when the model is
+wrapped (a sliding attention window, per-head query/key norms, a non-SiLU
+MLP), so a checkpoint is either served exactly or not at all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from handlers.orca.attention import DecodeBatch, Step, attend
+from handlers.orca.kv_cache import KVCache, KVShape
+
+
+class UnsupportedCheckpoint(ValueError):
+    """A checkpoint setting this iteration model does not compute."""
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def check_llama_config(cfg: object) -> None:
+    """Raise ``UnsupportedCheckpoint`` naming the first setting that would make the answers differ."""
+    if getattr(cfg, "use_sliding_window", False) and getattr(cfg, "sliding_window", None):
+        raise UnsupportedCheckpoint(f"use_sliding_window (window {cfg.sliding_window}) is not supported")
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        raise UnsupportedCheckpoint(f"hidden_act {cfg.hidden_act!r} is not supported (the Llama MLP is SiLU)")
+    if getattr(cfg, "pretraining_tp", 1) not in (None, 1):
+        raise UnsupportedCheckpoint(f"pretraining_tp {cfg.pretraining_tp} is not supported")
+
+
+class SelectiveLlama(nn.Module):
+    """A Llama-family causal LM that runs Orca iterations; weights shared with ``hf`` (no copy)."""
+
+    def __init__(self, hf: nn.Module) -> None:
+        super().__init__()
+        cfg = hf.config
+        check_llama_config(cfg)
+        self.model = hf.model
+        self.lm_head = hf.lm_head
+        attn = self.model.layers[0].self_attn
+        for name in ("q_norm", "k_norm"):
+            if hasattr(attn, name):
+                raise UnsupportedCheckpoint(f"per-head {name} ({type(hf).__name__}) is not supported")
+        self.heads = cfg.num_attention_heads
+        self.kv_heads = cfg.num_key_value_heads or cfg.num_attention_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.hidden = cfg.hidden_size
+        self.layers = cfg.num_hidden_layers
+        self.positions = cfg.max_position_embeddings
+        self.vocab = cfg.vocab_size
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    def kv_shape(self, slots: int, max_tokens: int) -> KVShape:
+        if max_tokens > self.positions:
+            raise ValueError(f"the model has {self.positions} positions; a slot of {max_tokens} cannot be used")
+        return KVShape(self.layers, self.kv_heads, self.head_dim, slots, max_tokens)
+
+    @torch.inference_mode()
+    def iterate(self, steps: Sequence[Step], kv: KVCache) -> torch.Tensor:
+        """One iteration for ``steps``: the next-token logits of each request, ``[len(steps), vocab]``."""
+        if not steps:
+            raise ValueError("an iteration needs at least one request")
+        m = self.model
+        device = m.embed_tokens.weight.device
+        ids = torch.tensor([tok for s in steps for tok in s.tokens], dtype=torch.long, device=device)
+        positions = torch.tensor(
+            [s.start + i for s in steps for i in range(len(s.tokens))], dtype=torch.long, device=device
+        )
+        if int(positions.max()) >= self.positions:
+            raise ValueError(f"a position reaches {int(positions.max())}; the model has {self.positions}")
+        x = m.embed_tokens(ids)  # [ΣL, H]
+        cos, sin = m.rotary_emb(x, positions.unsqueeze(0))  # [1, ΣL, head_dim]: each token at its own position
+        cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # broadcast over heads
+        decode = DecodeBatch.of(steps, device)
+        for layer, block in enumerate(m.layers):
+            h = block.input_layernorm(x)
+            a = block.self_attn
+            q = a.q_proj(h).view(-1, self.heads, self.head_dim)
+            k = a.k_proj(h).view(-1, self.kv_heads, self.head_dim)
+            v = a.v_proj(h).view(-1, self.kv_heads, self.head_dim)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            x = x + a.o_proj(attend(q, k, v, steps, layer, kv, decode))
+            h = block.post_attention_layernorm(x)
+            mlp = block.mlp
+            x = x + mlp.down_proj(F.silu(mlp.gate_proj(h)) * mlp.up_proj(h))
+        last = torch.tensor([len(s.tokens) for s in steps], device=device).cumsum(0) - 1
+        return self.lm_head(m.norm(x[last]))
