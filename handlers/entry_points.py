@@ -41,7 +41,7 @@ from typing import Any
 
 from handlers.registry import HandlerKind, handler_kind
 from model_store.catalog import ModelSpec
-from model_store.user_models import CHECKPOINT_CONFIG, describe, describe_gpt2_checkpoint
+from model_store.user_models import CHECKPOINT_CONFIG, describe, describe_checkpoint
 
 
 class ModelRefused(RuntimeError):
@@ -75,7 +75,7 @@ def completed_section(kind: HandlerKind, section: Mapping[str, Any], model_name:
         raise ModelRefused(f"{model_name}: the archive has no model file; pass it with --serialized-file")
     model_file = model_dir / serialized_file
     if kind.checkpoint:
-        out["spec"] = describe_gpt2_checkpoint(model_dir / CHECKPOINT_CONFIG, model_name).to_dict()
+        out["spec"] = describe_checkpoint(model_dir / CHECKPOINT_CONFIG, model_name).to_dict()
     else:
         out["spec"] = described(section, model_name, model_file)
     return out

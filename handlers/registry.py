@@ -94,8 +94,9 @@ def _traceable_image_model(name: str, spec: ModelSpec) -> None:
 
 
 def _gpt2_eager(name: str, spec: ModelSpec) -> None:
-    if spec.family != "gpt2" or spec.mode != "eager":
-        raise ValueError(f"the {name} handler serves GPT-2 in eager mode; {spec.name} is {spec.family}, {spec.mode!r}")
+    if spec.family not in ("gpt2", "llama") or spec.mode != "eager":
+        raise ValueError(f"the {name} handler serves GPT-2 and Llama-family models in eager mode; "
+                         f"{spec.name} is {spec.family}, {spec.mode!r}")  # fmt: skip
 
 
 def _cut_reproduces(spec: ModelSpec, model: torch.nn.Module, settings: DvaBatchConfig | ReefConfig) -> None:

@@ -17,7 +17,7 @@ import yaml
 
 CATALOG_PATH = Path(__file__).with_name("catalog.yaml")
 
-FAMILIES = ("torchvision", "unet", "bert", "distilbert", "gpt2")
+FAMILIES = ("torchvision", "unet", "bert", "distilbert", "gpt2", "llama")
 IMAGE_FAMILIES = ("torchvision", "unet")
 # A user's own model: not built from an architecture but loaded from the file its user saved
 # (``archiver/serialized.py``); ``arch`` names the file's format.

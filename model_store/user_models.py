@@ -5,9 +5,9 @@ Two kinds of file are taken, as their users save them:
 - a ``torch.jit.save`` or ``torch.export.save`` file (family ``serialized``,
   ``arch`` the format, read from the file's zip records), with the input it
   takes written as ``image:CxHxW`` or ``tokens:LENGTH`` plus a vocabulary;
-- a GPT-2-family checkpoint as Hugging Face ``save_pretrained`` writes it
-  (``config.json`` beside a weights file; family ``gpt2``, ``arch``
-  ``checkpoint``), the shape Orca's engine runs.
+- a GPT-2- or Llama-family checkpoint as Hugging Face ``save_pretrained``
+  writes it (``config.json`` beside a weights file; family ``gpt2`` or
+  ``llama``, ``arch`` ``checkpoint``), the shapes Orca's engine runs.
 
 Both the archiver (``packrat archive``) and the handlers' entry points (an
 archive the user built with ``torch-model-archiver``) describe a model here,
@@ -29,6 +29,9 @@ from model_store.catalog import SERIALIZED, CatalogError, ModelSpec, validate_sp
 # ``arch`` of a GPT-2-family model loaded from its user's checkpoint (config.json + weights).
 GPT2_CHECKPOINT = "checkpoint"
 CHECKPOINT_CONFIG = "config.json"
+# Checkpoints of the Llama family's shape (RoPE, RMSNorm, grouped-query attention, SwiGLU) that Orca's
+# ``handlers/orca/llama.py`` runs; ``check_llama_config`` refuses the settings it does not compute.
+LLAMA_TYPES = ("llama", "qwen2")
 # What Orca's selective-batching GPT-2 (handlers/orca/gpt2.py) computes; a checkpoint asking for anything
 # else would be answered wrongly, so it is refused by the setting's name.
 GPT2_FEATURES = {
@@ -100,11 +103,98 @@ def gpt2_checkpoint_config(config_path: Path) -> dict[str, Any]:
         raise ValueError(f"{config_path} is not a readable JSON config: {exc}") from None
     model_type = config.get("model_type")
     if model_type != "gpt2":
-        raise ValueError(f"a GPT-2-family checkpoint is needed; {config_path} is model_type {model_type!r}")
+        raise ValueError(f"a GPT-2- or Llama-family checkpoint is needed ({', '.join(('gpt2', *LLAMA_TYPES))}); "
+                         f"{config_path} is model_type {model_type!r}")  # fmt: skip
     for key, wanted in GPT2_FEATURES.items():
         if key in config and config[key] != wanted:
             raise ValueError(f"the checkpoint sets {key}={config[key]!r}; GPT-2 as served here needs {wanted!r}")
     return config
+
+
+def check_llama_config(config: Any) -> None:
+    """Refuse, naming it, a Llama-family setting Orca's ``SelectiveLlama`` does not compute.
+
+    ``config``: a ``config.json`` as a dict, or a transformers config.
+    """
+    get = config.get if isinstance(config, dict) else lambda key, default=None: getattr(config, key, default)
+    if get("use_sliding_window", False) and get("sliding_window"):
+        raise UnsupportedCheckpoint(f"use_sliding_window (window {get('sliding_window')}) is not supported")
+    if get("hidden_act", "silu") != "silu":
+        raise UnsupportedCheckpoint(f"hidden_act {get('hidden_act')!r} is not supported (the Llama MLP is SiLU)")
+    if get("pretraining_tp", 1) not in (None, 1):
+        raise UnsupportedCheckpoint(f"pretraining_tp {get('pretraining_tp')} is not supported")
+
+
+class UnsupportedCheckpoint(ValueError):
+    """A checkpoint setting the served model does not compute."""
+
+
+def checkpoint_family(config_path: Path) -> tuple[str, dict[str, Any]]:
+    """A checkpoint's family (``gpt2`` or ``llama``) and ``config.json``, refused in one line unless Orca runs it."""
+    try:
+        config = json.loads(Path(config_path).read_text())
+    except FileNotFoundError:
+        raise ValueError(f"no {CHECKPOINT_CONFIG} beside the weights: a checkpoint needs the config "
+                         "save_pretrained writes (pass it with --extra-files)") from None  # fmt: skip
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{config_path} is not a readable JSON config: {exc}") from None
+    model_type = config.get("model_type")
+    if model_type in LLAMA_TYPES:
+        check_llama_config(config)
+        return "llama", config
+    return "gpt2", gpt2_checkpoint_config(config_path)
+
+
+def describe_checkpoint(config_path: Path, name: str) -> ModelSpec:
+    """A GPT-2- or Llama-family checkpoint's description: tokens up to its context length, its own vocabulary."""
+    family, config = checkpoint_family(config_path)
+    if family == "gpt2":
+        return describe_gpt2_checkpoint(config_path, name)
+    spec = ModelSpec(
+        name=name, family="llama", arch=GPT2_CHECKPOINT, input_kind="tokens", modes=("eager",),
+        seq_len=int(config.get("max_position_embeddings", 2048)), vocab_size=int(config["vocab_size"]),
+    )  # fmt: skip
+    return _validated(spec)
+
+
+def load_checkpoint(weights: Path, config_path: Path | None = None) -> torch.nn.Module:
+    """A user's checkpoint as the catalog's causal LMs are served: ``NextTokenLogits(...ForCausalLM)``, eval."""
+    config_path = config_path or Path(weights).with_name(CHECKPOINT_CONFIG)
+    family, config = checkpoint_family(config_path)
+    if family == "gpt2":
+        return load_gpt2_checkpoint(weights, config_path)
+    import transformers
+
+    from model_store.factory import NextTokenLogits
+
+    weights = Path(weights)
+    settings = {k: v for k, v in config.items() if k != "model_type"}
+    hf_config = transformers.AutoConfig.for_model(config["model_type"], **settings)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config)
+    state = _read_state(weights)
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False)
+    except RuntimeError as exc:  # a tensor of the wrong shape: the weights are another size of model
+        first = str(exc).strip().splitlines()[1:2] or [type(exc).__name__]
+        raise ValueError(f"{weights.name} does not fit {CHECKPOINT_CONFIG}: {first[0].strip()}") from None
+    if hf_config.tie_word_embeddings:
+        missing = [k for k in missing if k != "lm_head.weight"]
+    missing = [k for k in missing if not k.endswith("rotary_emb.inv_freq")]
+    if missing or unexpected:
+        raise ValueError(
+            f"{weights.name} does not fit {CHECKPOINT_CONFIG}: "
+            f"{len(missing)} weights missing (e.g. {missing[:2]}), {len(unexpected)} unexpected (e.g. {unexpected[:2]})"
+        )
+    model.tie_weights()
+    return NextTokenLogits(model).eval()
+
+
+def _read_state(weights: Path) -> dict[str, torch.Tensor]:
+    if weights.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        return load_file(str(weights))
+    return torch.load(weights, map_location="cpu", weights_only=True)
 
 
 def describe_gpt2_checkpoint(config_path: Path, name: str) -> ModelSpec:

@@ -34,6 +34,7 @@ from handlers.errors import ResponseError, ServiceUnavailable, bad_request
 from handlers.orca.config import OrcaConfig
 from handlers.orca.engine import GenerationError, OrcaEngine
 from handlers.orca.gpt2 import SelectiveGPT2
+from handlers.orca.llama import SelectiveLlama
 from handlers.orca.sampling import Sampling, SamplingError
 from handlers.runtime.device import ExecutionDevice
 from handlers.runtime.model_loading import load_model
@@ -98,17 +99,19 @@ class OrcaHandler:
         if "spec" not in handler_cfg:
             raise RuntimeError("archive model-config.yaml lacks handler.spec; rebuild it with `packrat archive`")
         spec = ModelSpec.from_dict(handler_cfg["spec"])
-        if spec.family != "gpt2" or spec.mode != "eager":
-            raise RuntimeError(f"the orca handler serves GPT-2 in eager mode; got {spec.name} ({spec.mode})")
+        if spec.family not in ("gpt2", "llama") or spec.mode != "eager":
+            raise RuntimeError(f"the orca handler serves GPT-2 and Llama-family models in eager mode; "
+                               f"got {spec.name} ({spec.family}, {spec.mode})")  # fmt: skip
         given = handler_cfg.get("orca") or {}
         settings = OrcaConfig.from_dict(given)
         self.max_payload_bytes = int(handler_cfg.get("max_payload_bytes", DEFAULT_MAX_PAYLOAD_BYTES))
         device = ExecutionDevice.from_context(context)
         artefact = os.path.join(context.system_properties["model_dir"], context.manifest["model"]["serializedFile"])
-        wrapped = load_model(spec, artefact, device.device)  # NextTokenLogits(GPT2LMHeadModel)
+        wrapped = load_model(spec, artefact, device.device)  # NextTokenLogits(GPT2LMHeadModel or ...ForCausalLM)
+        model = SelectiveLlama(wrapped.model) if spec.family == "llama" else SelectiveGPT2(wrapped.model)
         # The checkpoint's context bounds the requests: defaults shrink to it, a setting past it is refused.
-        self.config = c = settings.fitted_to(int(wrapped.model.config.n_positions), given)
-        self.engine = OrcaEngine(SelectiveGPT2(wrapped.model), c.kv_slots, c.max_tokens, c.max_batch,
+        self.config = c = settings.fitted_to(model.positions, given)
+        self.engine = OrcaEngine(model, c.kv_slots, c.max_tokens, c.max_batch,
                                  c.max_new_tokens, device=device.device,
                                  iteration_level=c.policy == "orca")  # fmt: skip
         self.engine.submit([0], 1).result()  # warm-up: the first iteration pays lazy initialisation

@@ -25,25 +25,12 @@ from torch.nn import functional as F
 
 from handlers.orca.attention import DecodeBatch, Step, attend
 from handlers.orca.kv_cache import KVCache, KVShape
-
-
-class UnsupportedCheckpoint(ValueError):
-    """A checkpoint setting this iteration model does not compute."""
+from model_store.user_models import UnsupportedCheckpoint, check_llama_config
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def check_llama_config(cfg: object) -> None:
-    """Raise ``UnsupportedCheckpoint`` naming the first setting that would make the answers differ."""
-    if getattr(cfg, "use_sliding_window", False) and getattr(cfg, "sliding_window", None):
-        raise UnsupportedCheckpoint(f"use_sliding_window (window {cfg.sliding_window}) is not supported")
-    if getattr(cfg, "hidden_act", "silu") != "silu":
-        raise UnsupportedCheckpoint(f"hidden_act {cfg.hidden_act!r} is not supported (the Llama MLP is SiLU)")
-    if getattr(cfg, "pretraining_tp", 1) not in (None, 1):
-        raise UnsupportedCheckpoint(f"pretraining_tp {cfg.pretraining_tp} is not supported")
 
 
 class SelectiveLlama(nn.Module):

@@ -8,7 +8,7 @@ import torch
 
 from model_store.catalog import SERIALIZED, ModelSpec
 from model_store.factory import build_model, compile_model
-from model_store.user_models import GPT2_CHECKPOINT, load_gpt2_checkpoint
+from model_store.user_models import GPT2_CHECKPOINT, load_checkpoint
 
 
 def load_model(spec: ModelSpec, artefact: str, device: str | torch.device = "cpu") -> torch.nn.Module:
@@ -20,8 +20,8 @@ def load_model(spec: ModelSpec, artefact: str, device: str | torch.device = "cpu
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", category=FutureWarning)
             return torch.jit.load(artefact, map_location=device).eval()
-    if spec.family == "gpt2" and spec.arch == GPT2_CHECKPOINT:  # a user's checkpoint, config.json beside it
-        return load_gpt2_checkpoint(artefact).to(device)
+    if spec.family in ("gpt2", "llama") and spec.arch == GPT2_CHECKPOINT:  # a user's checkpoint, config.json beside it
+        return load_checkpoint(artefact).to(device)
     if spec.mode == "script":
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", category=FutureWarning)  # torch.jit's deprecation notice

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -58,13 +59,21 @@ def files(tmp_path_factory) -> dict[str, object]:
     config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=64, vocab_size=300)
     gpt = transformers.GPT2LMHeadModel(config).eval()
     gpt.save_pretrained(folder / "mygpt")  # config.json + model.safetensors, the head tied (left out)
+    torch.manual_seed(4)
+    llama_config = transformers.LlamaConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
+    )  # fmt: skip
+    llama = transformers.LlamaForCausalLM(llama_config).eval()  # grouped-query attention: 4 query heads, 2 KV
+    llama.save_pretrained(folder / "myllama")
     bert = folder / "notgpt"
     bert.mkdir()
     (bert / "config.json").write_text(json.dumps({"model_type": "bert", "vocab_size": 300}))
     (bert / "model.safetensors").write_bytes((folder / "mygpt" / "model.safetensors").read_bytes())
     return {"net": net, "other": other, "export": export(net, folder / "tinynet.pt2"),
             "other_export": export(other, folder / "othernet.pt2"), "script": folder / "tinynet.pt",
-            "gpt": gpt, "gpt_dir": folder / "mygpt", "bert_dir": bert}  # fmt: skip
+            "gpt": gpt, "gpt_dir": folder / "mygpt", "bert_dir": bert,
+            "llama": llama, "llama_dir": folder / "myllama"}  # fmt: skip
 
 
 def user_archive(store: Path, work: Path, name: str, handler: str, config: dict, serialized: Path | None,
@@ -176,6 +185,33 @@ def test_orca_serves_a_users_gpt2_checkpoint_token_for_token(files, torchserve, 
         torchserve.management().unregister("users-orca")
 
 
+def test_orca_serves_a_users_llama_checkpoint_with_gqa_as_generate_does(files, torchserve, model_store_dir, tmp_path):
+    """Prompts of different lengths sent at once share iterations; each answer is ``generate``'s greedy tokens."""
+    folder = files["llama_dir"]
+    mar = user_archive(model_store_dir, tmp_path, "users-llama", "orca",
+                       {**ASYNC, "handler": {"orca": {"max_batch": 4, "kv_slots": 4}}},
+                       folder / "model.safetensors", [folder / "config.json"])  # fmt: skip
+    torchserve.management().register(mar, model_name="users-llama")
+    try:
+        url = f"{torchserve.inference_url}/predictions/users-llama"
+        prompts = [torch.randint(0, 300, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (2, 9, 17)]
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            answers = list(pool.map(lambda p: requests.post(url, json={"input_ids": p, "max_new_tokens": 8},
+                                                            timeout=60), prompts))  # fmt: skip
+        for prompt, answer in zip(prompts, answers, strict=True):
+            assert answer.status_code == 200, answer.text
+            with torch.inference_mode():
+                expected = files["llama"].generate(
+                    torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                    max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0,
+                )[0, len(prompt):].tolist()  # fmt: skip
+            assert answer.json()["output_ids"] == expected
+        too_long = requests.post(url, json={"input_ids": [1] * 60, "max_new_tokens": 6}, timeout=60)
+        assert too_long.status_code == 400 and "64 tokens a request may hold" in too_long.text, too_long.text
+    finally:
+        torchserve.management().unregister("users-llama")
+
+
 REFUSALS = [
     ("dvabatch", "script", {**ASYNC, "handler": {"input": IMAGE}}, "a TorchScript file cannot be cut"),
     (
@@ -187,7 +223,7 @@ REFUSALS = [
     ("nimble", "export", {"handler": {"input": "tokens:16", "vocab_size": 100}}, "serves image models"),
     ("ebird", "export", {"handler": {"input": IMAGE}}, "set asyncCommunication: true"),
     ("plain", "export", {"handler": {}}, "must describe the model's input under handler.input"),
-    ("orca", "bert", {**ASYNC, "handler": {}}, "a GPT-2-family checkpoint is needed"),
+    ("orca", "bert", {**ASYNC, "handler": {}}, "a GPT-2- or Llama-family checkpoint is needed"),
 ]
 
 

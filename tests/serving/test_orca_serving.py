@@ -128,9 +128,9 @@ def test_the_builder_refuses_what_orca_cannot_serve(tmp_path):
     from handlers.orca.config import OrcaConfigError
 
     options = ServingOptions(handler="orca")
-    with pytest.raises(ValueError, match="GPT-2 in eager mode"):
+    with pytest.raises(ValueError, match="GPT-2 and Llama-family models in eager mode"):
         build_archive(get_spec("bert-mini"), tmp_path, options)
-    with pytest.raises(ValueError, match="GPT-2 in eager mode"):
+    with pytest.raises(ValueError, match="GPT-2 and Llama-family models in eager mode"):
         build_archive(get_spec("gpt2", "script"), tmp_path, options)
     with pytest.raises(ValueError, match="decode_threads"):
         ServingOptions(handler="orca", decode_threads=2)

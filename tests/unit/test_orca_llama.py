@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import transformers
@@ -10,6 +12,7 @@ from handlers.orca.attention import Step
 from handlers.orca.engine import OrcaEngine
 from handlers.orca.kv_cache import KVCache
 from handlers.orca.llama import SelectiveLlama, UnsupportedCheckpoint
+from model_store.user_models import describe_checkpoint, load_checkpoint
 
 VOCAB = 256
 
@@ -87,3 +90,17 @@ def test_a_sliding_window_checkpoint_is_refused_by_name():
     )  # fmt: skip
     with pytest.raises(UnsupportedCheckpoint, match="sliding_window"):
         SelectiveLlama(transformers.Qwen2ForCausalLM(config))
+
+
+def test_a_users_checkpoint_is_described_by_its_config_and_loaded_as_saved(tmp_path):
+    torch.manual_seed(2)
+    saved = transformers.LlamaForCausalLM(llama_config(max_position_embeddings=40)).eval()
+    saved.save_pretrained(tmp_path)
+    spec = describe_checkpoint(tmp_path / "config.json", "mine")
+    assert (spec.family, spec.seq_len, spec.vocab_size) == ("llama", 40, VOCAB)
+    loaded = load_checkpoint(tmp_path / "model.safetensors")
+    assert torch.equal(loaded.model.model.layers[1].mlp.up_proj.weight, saved.model.layers[1].mlp.up_proj.weight)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "hidden_act": "gelu"}))
+    with pytest.raises(UnsupportedCheckpoint, match="hidden_act 'gelu'"):
+        describe_checkpoint(tmp_path / "config.json", "mine")

@@ -55,7 +55,7 @@ def test_a_base_models_weights_without_prefix_load_too(checkpoint, tmp_path):
 @pytest.mark.parametrize(
     "change, message",
     [
-        ({"model_type": "llama"}, "a GPT-2-family checkpoint is needed; .* is model_type 'llama'"),
+        ({"model_type": "t5"}, r"Llama-family checkpoint is needed \(gpt2, llama, qwen2\); .* model_type 't5'"),
         ({"activation_function": "relu"}, "sets activation_function='relu'; GPT-2 as served here needs 'gelu_new'"),
         ({"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx=True"),
     ],
