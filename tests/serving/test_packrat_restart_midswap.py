@@ -65,7 +65,7 @@ def test_a_controller_killed_between_a_swaps_steps_restarts_onto_one_pinned_plan
 
         def load() -> None:  # eight clients until told to stop: the rise that makes the controller swap
             while not stop_load.is_set():
-                results.append(run(closed_loop(url, lambda n: payloads[n % 8], 8, 3.0)))
+                results.append(run(closed_loop(url, lambda n: payloads[n % 8], 8, 1.0)))  # short: stops soon
 
         loader = threading.Thread(target=load)
         loader.start()
@@ -94,7 +94,7 @@ def test_a_controller_killed_between_a_swaps_steps_restarts_onto_one_pinned_plan
             return now
 
         wait_for(settled, 90, "one default version, the reported plan, alone with workers")
-        time.sleep(2.0)  # serving on from it
+        time.sleep(1.0)  # serving on from it
         stop_load.set()
         loader.join()
         loader = None
