@@ -71,6 +71,9 @@ WORKLOADS: dict[str, dict[str, Any]] = {
     "C": {"rt": ["vgg19"], "be": FIVE, "poisson": False},
     "D": {"rt": FIVE, "be": FIVE, "poisson": False},
     "E": {"rt": FIVE, "be": FIVE, "poisson": True},
+    # Host-bound (docs/benchmarks/host_path.md): one-layer models whose batch is short, so the handler's
+    # host work per request, not compute, sets what REEF sustains; a CPU shows what a fast GPU would.
+    "T": {"rt": ["bert-tiny1"], "be": ["gpt2-tiny1"], "poisson": False},
 }
 POLICIES = ("rt-only", "seq", "concurrent", "reef")
 LABELS = {"rt-only": "RT only", "seq": "SEQ", "concurrent": "concurrent", "reef": "REEF", "reef-pad": "REEF (padding)"}
