@@ -92,15 +92,18 @@ def describe_input(spec: ModelSpec) -> str:
     return f"token ids (input_ids, attention_mask) of length {spec.seq_len}"
 
 
-def gpt2_checkpoint_config(config_path: Path) -> dict[str, Any]:
-    """A checkpoint's ``config.json``, refused in one line unless it describes a GPT-2 Orca can run."""
+def _read_checkpoint_config(config_path: Path) -> dict[str, Any]:
+    """A checkpoint's ``config.json``, or a one-line refusal saying why it cannot be read."""
     try:
-        config = json.loads(Path(config_path).read_text())
+        return json.loads(Path(config_path).read_text())
     except FileNotFoundError:
         raise ValueError(f"no {CHECKPOINT_CONFIG} beside the weights: a checkpoint needs the config "
                          "save_pretrained writes (pass it with --extra-files)") from None  # fmt: skip
     except (OSError, json.JSONDecodeError) as exc:
         raise ValueError(f"{config_path} is not a readable JSON config: {exc}") from None
+
+
+def _check_gpt2_config(config: dict[str, Any], config_path: Path) -> None:
     model_type = config.get("model_type")
     if model_type != "gpt2":
         raise ValueError(f"a GPT-2- or Llama-family checkpoint is needed ({', '.join(('gpt2', *LLAMA_TYPES))}); "
@@ -108,6 +111,12 @@ def gpt2_checkpoint_config(config_path: Path) -> dict[str, Any]:
     for key, wanted in GPT2_FEATURES.items():
         if key in config and config[key] != wanted:
             raise ValueError(f"the checkpoint sets {key}={config[key]!r}; GPT-2 as served here needs {wanted!r}")
+
+
+def gpt2_checkpoint_config(config_path: Path) -> dict[str, Any]:
+    """A checkpoint's ``config.json``, refused in one line unless it describes a GPT-2 Orca can run."""
+    config = _read_checkpoint_config(config_path)
+    _check_gpt2_config(config, config_path)
     return config
 
 
@@ -131,55 +140,65 @@ class UnsupportedCheckpoint(ValueError):
 
 def checkpoint_family(config_path: Path) -> tuple[str, dict[str, Any]]:
     """A checkpoint's family (``gpt2`` or ``llama``) and ``config.json``, refused in one line unless Orca runs it."""
-    try:
-        config = json.loads(Path(config_path).read_text())
-    except FileNotFoundError:
-        raise ValueError(f"no {CHECKPOINT_CONFIG} beside the weights: a checkpoint needs the config "
-                         "save_pretrained writes (pass it with --extra-files)") from None  # fmt: skip
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{config_path} is not a readable JSON config: {exc}") from None
-    model_type = config.get("model_type")
-    if model_type in LLAMA_TYPES:
+    config = _read_checkpoint_config(config_path)
+    if config.get("model_type") in LLAMA_TYPES:
         check_llama_config(config)
         return "llama", config
-    return "gpt2", gpt2_checkpoint_config(config_path)
+    _check_gpt2_config(config, config_path)
+    return "gpt2", config
 
 
 def describe_checkpoint(config_path: Path, name: str) -> ModelSpec:
     """A GPT-2- or Llama-family checkpoint's description: tokens up to its context length, its own vocabulary."""
     family, config = checkpoint_family(config_path)
     if family == "gpt2":
-        return describe_gpt2_checkpoint(config_path, name)
+        seq_len, vocab = config.get("n_positions", 1024), config.get("vocab_size", 50257)
+    else:
+        seq_len, vocab = config.get("max_position_embeddings", 2048), config["vocab_size"]
     spec = ModelSpec(
-        name=name, family="llama", arch=GPT2_CHECKPOINT, input_kind="tokens", modes=("eager",),
-        seq_len=int(config.get("max_position_embeddings", 2048)), vocab_size=int(config["vocab_size"]),
+        name=name, family=family, arch=GPT2_CHECKPOINT, input_kind="tokens", modes=("eager",),
+        seq_len=int(seq_len), vocab_size=int(vocab),
     )  # fmt: skip
     return _validated(spec)
 
 
 def load_checkpoint(weights: Path, config_path: Path | None = None) -> torch.nn.Module:
-    """A user's checkpoint as the catalog's causal LMs are served: ``NextTokenLogits(...ForCausalLM)``, eval."""
-    config_path = config_path or Path(weights).with_name(CHECKPOINT_CONFIG)
-    family, config = checkpoint_family(config_path)
-    if family == "gpt2":
-        return load_gpt2_checkpoint(weights, config_path)
+    """A user's checkpoint as the catalog's causal LMs are served: ``NextTokenLogits(...ForCausalLM)``, eval.
+
+    ``weights`` is a ``.safetensors`` or ``torch.save`` file of the model's
+    state dict; ``config_path`` defaults to the ``config.json`` beside it.
+    A GPT-2 state dict may leave out the ``transformer.`` prefix (a
+    ``GPT2Model``'s).  The language-model head is tied to the token embedding
+    when the checkpoint leaves it out, as ``save_pretrained`` does.  A
+    weights file that does not fit the config is refused in one line.
+    """
     import transformers
 
     from model_store.factory import NextTokenLogits
 
     weights = Path(weights)
-    settings = {k: v for k, v in config.items() if k != "model_type"}
-    hf_config = transformers.AutoConfig.for_model(config["model_type"], **settings)
-    model = transformers.AutoModelForCausalLM.from_config(hf_config)
+    family, config = checkpoint_family(config_path or weights.with_name(CHECKPOINT_CONFIG))
     state = _read_state(weights)
+    if family == "gpt2":
+        hf_config = transformers.GPT2Config.from_dict({**config, "use_cache": False})
+        model = transformers.GPT2LMHeadModel(hf_config)
+        if not any(key.startswith("transformer.") for key in state):
+            state = {f"transformer.{key}": value for key, value in state.items()}
+        buffers = (".attn.bias", ".attn.masked_bias")  # GPT-2's causal-mask buffers, in older checkpoints
+    else:
+        settings = {k: v for k, v in config.items() if k != "model_type"}
+        hf_config = transformers.AutoConfig.for_model(config["model_type"], **settings)
+        model = transformers.AutoModelForCausalLM.from_config(hf_config)
+        buffers = ("rotary_emb.inv_freq",)  # computed from the config, whether saved or not
     try:
         missing, unexpected = model.load_state_dict(state, strict=False)
     except RuntimeError as exc:  # a tensor of the wrong shape: the weights are another size of model
         first = str(exc).strip().splitlines()[1:2] or [type(exc).__name__]
         raise ValueError(f"{weights.name} does not fit {CHECKPOINT_CONFIG}: {first[0].strip()}") from None
-    if hf_config.tie_word_embeddings:
+    if hf_config.tie_word_embeddings:  # the head is the embedding: save_pretrained leaves it out
         missing = [k for k in missing if k != "lm_head.weight"]
-    missing = [k for k in missing if not k.endswith("rotary_emb.inv_freq")]
+    missing = [k for k in missing if not k.endswith(buffers)]
+    unexpected = [k for k in unexpected if not k.endswith(buffers)]
     if missing or unexpected:
         raise ValueError(
             f"{weights.name} does not fit {CHECKPOINT_CONFIG}: "
@@ -197,62 +216,9 @@ def _read_state(weights: Path) -> dict[str, torch.Tensor]:
     return torch.load(weights, map_location="cpu", weights_only=True)
 
 
-def describe_gpt2_checkpoint(config_path: Path, name: str) -> ModelSpec:
-    """A GPT-2-family checkpoint's description: tokens up to its context length, its own vocabulary."""
-    config = gpt2_checkpoint_config(config_path)
-    spec = ModelSpec(
-        name=name, family="gpt2", arch=GPT2_CHECKPOINT, input_kind="tokens", modes=("eager",),
-        seq_len=int(config.get("n_positions", 1024)), vocab_size=int(config.get("vocab_size", 50257)),
-    )  # fmt: skip
-    return _validated(spec)
-
-
 def _validated(spec: ModelSpec) -> ModelSpec:
     try:
         validate_spec(spec)
     except CatalogError as exc:
         raise ValueError(str(exc)) from None
     return spec
-
-
-def load_gpt2_checkpoint(weights: Path, config_path: Path | None = None) -> torch.nn.Module:
-    """A GPT-2-family checkpoint as the catalog's GPT-2 is served: ``NextTokenLogits(GPT2LMHeadModel)``, eval.
-
-    ``weights`` is a ``.safetensors`` or ``torch.save`` file of the model's
-    state dict, with or without the ``transformer.`` prefix (a ``GPT2Model``'s
-    or a ``GPT2LMHeadModel``'s); ``config_path`` defaults to the
-    ``config.json`` beside it.  The language-model head is tied to the token
-    embedding when the checkpoint leaves it out, as ``save_pretrained`` does.
-    A weights file that does not fit the config is refused in one line.
-    """
-    import transformers
-
-    from model_store.factory import NextTokenLogits
-
-    weights = Path(weights)
-    config = gpt2_checkpoint_config(config_path or weights.with_name(CHECKPOINT_CONFIG))
-    config = transformers.GPT2Config.from_dict({**config, "use_cache": False})
-    if weights.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        state = load_file(str(weights))
-    else:
-        state = torch.load(weights, map_location="cpu", weights_only=True)
-    if not any(key.startswith("transformer.") for key in state):
-        state = {f"transformer.{key}": value for key, value in state.items()}
-    model = transformers.GPT2LMHeadModel(config)
-    try:
-        missing, unexpected = model.load_state_dict(state, strict=False)
-    except RuntimeError as exc:  # a tensor of the wrong shape: the weights are another size of model
-        first = str(exc).strip().splitlines()[1:2] or [type(exc).__name__]
-        raise ValueError(f"{weights.name} does not fit {CHECKPOINT_CONFIG}: {first[0].strip()}") from None
-    if config.tie_word_embeddings:  # the head is the embedding: save_pretrained leaves it out
-        missing = [k for k in missing if k != "lm_head.weight"]
-    unexpected = [k for k in unexpected if not k.endswith((".attn.bias", ".attn.masked_bias"))]
-    if missing or unexpected:
-        raise ValueError(
-            f"{weights.name} does not fit {CHECKPOINT_CONFIG}: "
-            f"{len(missing)} weights missing (e.g. {missing[:2]}), {len(unexpected)} unexpected (e.g. {unexpected[:2]})"
-        )
-    model.tie_weights()
-    return NextTokenLogits(model).eval()

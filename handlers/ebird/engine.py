@@ -158,9 +158,12 @@ class EbirdEngine(Engine):
         only hand it the GIL to find nothing to do: a thread switch per
         request, which on a short batch cost more than the batch's own work.
         """
-        busy = len(self.workers) - len(self._idle)
-        if self._idle and busy < self._max_running:
+        if self._a_worker_may_start():
             self._cond.notify_all()
+
+    def _a_worker_may_start(self) -> bool:
+        """Whether a batch could start now: a worker idle and a lane (or, on CUDA, a stream) free."""
+        return bool(self._idle) and len(self.workers) - len(self._idle) < self._max_running
 
     def _schedule_loop(self) -> None:
         while True:
@@ -181,9 +184,9 @@ class EbirdEngine(Engine):
         ``horizon`` holds the latest arrival a held batch waits for, read the
         first time a batch could grow, so later arrivals do not extend the hold.
         """
-        busy = [w for w in self.workers if w.spec.worker_id not in self._idle]
-        if not self._idle or len(busy) >= self._max_running:
+        if not self._a_worker_may_start():
             return []
+        busy = [w for w in self.workers if w.spec.worker_id not in self._idle]
         ready = self.pool.ready()
         if not ready:
             return []

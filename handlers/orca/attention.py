@@ -92,6 +92,21 @@ class DecodeBatch:
         )
 
 
+def flat_tokens(steps: Sequence[Step], positions: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every request's new tokens flattened in step order, and each token's position (``[ΣL]`` each);
+    refused when a position reaches past the model's ``positions``."""
+    ids = torch.tensor([tok for s in steps for tok in s.tokens], dtype=torch.long, device=device)
+    where = [s.start + i for s in steps for i in range(len(s.tokens))]
+    if max(where) >= positions:
+        raise ValueError(f"a position reaches {max(where)}; the model has {positions}")
+    return ids, torch.tensor(where, dtype=torch.long, device=device)
+
+
+def last_rows(steps: Sequence[Step], device: torch.device) -> torch.Tensor:
+    """Each request's last new token among the flattened tokens: the row its next-token logits come from."""
+    return torch.tensor([len(s.tokens) for s in steps], device=device).cumsum(0) - 1
+
+
 def first_rows(steps: Sequence[Step]) -> dict[int, int]:
     """Each step's first row among the iteration's flattened tokens: {row: step index}."""
     rows, row = {}, 0

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from handlers.orca.attention import DecodeBatch, Step, attend
+from handlers.orca.attention import DecodeBatch, Step, attend, flat_tokens, last_rows
 from handlers.orca.kv_cache import KVCache, KVShape
 
 
@@ -65,12 +65,7 @@ class SelectiveGPT2(nn.Module):
             raise ValueError("an iteration needs at least one request")
         t = self.transformer
         device = t.wte.weight.device
-        ids = torch.tensor([tok for s in steps for tok in s.tokens], dtype=torch.long, device=device)
-        positions = torch.tensor(
-            [s.start + i for s in steps for i in range(len(s.tokens))], dtype=torch.long, device=device
-        )
-        if int(positions.max()) >= self.positions:
-            raise ValueError(f"a position reaches {int(positions.max())}; GPT-2 has {self.positions}")
+        ids, positions = flat_tokens(steps, self.positions, device)
         x = t.wte(ids) + t.wpe(positions)  # [ΣL, H]: every request's new tokens, flattened
         decode = DecodeBatch.of(steps, device)
         for layer, block in enumerate(t.h):
@@ -82,6 +77,5 @@ class SelectiveGPT2(nn.Module):
             h = F.layer_norm(x, (self.hidden,), block.ln_2.weight, block.ln_2.bias, self.eps)
             h = _gelu_new(torch.addmm(block.mlp.c_fc.bias, h, block.mlp.c_fc.weight))
             x = x + torch.addmm(block.mlp.c_proj.bias, h, block.mlp.c_proj.weight)
-        last = torch.tensor([len(s.tokens) for s in steps], device=device).cumsum(0) - 1  # each request's last token
-        x = F.layer_norm(x[last], (self.hidden,), t.ln_f.weight, t.ln_f.bias, self.eps)
+        x = F.layer_norm(x[last_rows(steps, device)], (self.hidden,), t.ln_f.weight, t.ln_f.bias, self.eps)
         return F.linear(x, self.lm_head.weight)  # GPT-2 ties it to the token embedding; no bias

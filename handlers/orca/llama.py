@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from handlers.orca.attention import DecodeBatch, Step, attend
+from handlers.orca.attention import DecodeBatch, Step, attend, flat_tokens, last_rows
 from handlers.orca.kv_cache import KVCache, KVShape
 from model_store.user_models import UnsupportedCheckpoint, check_llama_config
 
@@ -70,12 +70,7 @@ class SelectiveLlama(nn.Module):
             raise ValueError("an iteration needs at least one request")
         m = self.model
         device = m.embed_tokens.weight.device
-        ids = torch.tensor([tok for s in steps for tok in s.tokens], dtype=torch.long, device=device)
-        positions = torch.tensor(
-            [s.start + i for s in steps for i in range(len(s.tokens))], dtype=torch.long, device=device
-        )
-        if int(positions.max()) >= self.positions:
-            raise ValueError(f"a position reaches {int(positions.max())}; the model has {self.positions}")
+        ids, positions = flat_tokens(steps, self.positions, device)
         x = m.embed_tokens(ids)  # [ΣL, H]
         cos, sin = m.rotary_emb(x, positions.unsqueeze(0))  # [1, ΣL, head_dim]: each token at its own position
         cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # broadcast over heads
@@ -92,5 +87,4 @@ class SelectiveLlama(nn.Module):
             h = block.post_attention_layernorm(x)
             mlp = block.mlp
             x = x + mlp.down_proj(F.silu(mlp.gate_proj(h)) * mlp.up_proj(h))
-        last = torch.tensor([len(s.tokens) for s in steps], device=device).cumsum(0) - 1
-        return self.lm_head(m.norm(x[last]))
+        return self.lm_head(m.norm(x[last_rows(steps, device)]))

@@ -46,10 +46,10 @@ class LoopMailbox:
             self._posted.append(callback)
             if len(self._posted) > 1:
                 return  # the loop is already due to drain the mailbox
+            self.wakeups += 1
         # RuntimeError: the loop has closed, so nobody awaits what was posted.
         with contextlib.suppress(RuntimeError):
             self.loop.call_soon_threadsafe(self._drain)
-            self.wakeups += 1
 
     def _drain(self) -> None:
         with self._lock:

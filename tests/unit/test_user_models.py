@@ -14,9 +14,9 @@ from handlers.entry_points import HandlerEntry, ModelRefused, completed_section
 from handlers.registry import handler_kind
 from model_store.user_models import (
     GPT2_CHECKPOINT,
-    describe_gpt2_checkpoint,
+    describe_checkpoint,
     gpt2_checkpoint_config,
-    load_gpt2_checkpoint,
+    load_checkpoint,
 )
 
 SMALL = {"n_layer": 1, "n_embd": 32, "n_head": 2, "n_positions": 40, "vocab_size": 97}
@@ -32,9 +32,9 @@ def checkpoint(tmp_path: Path) -> tuple[Path, transformers.GPT2LMHeadModel]:
 
 def test_a_save_pretrained_checkpoint_loads_with_the_models_own_logits(checkpoint):
     folder, model = checkpoint
-    spec = describe_gpt2_checkpoint(folder / "config.json", "mine")
+    spec = describe_checkpoint(folder / "config.json", "mine")
     assert (spec.family, spec.arch, spec.seq_len, spec.vocab_size) == ("gpt2", GPT2_CHECKPOINT, 40, 97)
-    loaded = load_gpt2_checkpoint(folder / "model.safetensors")
+    loaded = load_checkpoint(folder / "model.safetensors")
     ids = torch.tensor([[3, 1, 4, 1, 5]])
     with torch.no_grad():
         got = loaded(ids, torch.ones_like(ids))
@@ -48,7 +48,7 @@ def test_a_base_models_weights_without_prefix_load_too(checkpoint, tmp_path):
     bare.mkdir()
     (bare / "config.json").write_text((folder / "config.json").read_text())
     torch.save(model.transformer.state_dict(), bare / "weights.bin")  # a GPT2Model's keys: h.0..., wte...
-    loaded = load_gpt2_checkpoint(bare / "weights.bin")
+    loaded = load_checkpoint(bare / "weights.bin")
     assert torch.equal(loaded.model.transformer.wte.weight, model.transformer.wte.weight)
 
 
@@ -73,10 +73,10 @@ def test_weights_of_another_size_or_an_untied_head_left_out_are_refused(checkpoi
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "n_embd": 64}))
     with pytest.raises(ValueError, match="does not fit config.json"):
-        load_gpt2_checkpoint(folder / "model.safetensors")
+        load_checkpoint(folder / "model.safetensors")
     (folder / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))
     with pytest.raises(ValueError, match=r"1 weights missing \(e.g. \['lm_head.weight'\]\)"):
-        load_gpt2_checkpoint(folder / "model.safetensors")
+        load_checkpoint(folder / "model.safetensors")
     with pytest.raises(ValueError, match="no config.json beside the weights"):
         gpt2_checkpoint_config(tmp_path / "config.json")
 
