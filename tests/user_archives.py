@@ -71,3 +71,36 @@ def build_user_archives(root: Path) -> dict[str, Path]:
         )  # fmt: skip
         out[name] = root / f"{name}.mar"
     return out
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")  # fmt: skip
+TEXTS = [
+    "the quick brown fox jumps over the lazy dog. ",
+    "Once upon a time a small server answered every request it was sent, one token at a time.",
+    "hello world! serving language models is about batching, memory and latency; é, ü and 東京 too.",
+]
+
+
+def save_small_tokenizer(folder: Path, vocab: int = 300) -> Path:
+    """What a user archives beside a checkpoint: a byte-level BPE tokenizer of ``vocab`` tokens with an
+    end-of-text token (id 0) and a chat template, written by ``save_pretrained`` (tokenizer.json,
+    tokenizer_config.json, chat_template.jinja).  Training is deterministic, so every call writes the same."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=specials, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    tokenizer.train_from_iterator(TEXTS * 4, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(folder)
+    return folder
+
+
+def tokenizer_files(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.iterdir() if p.name.startswith("tokenizer") or p.name.endswith(".jinja"))

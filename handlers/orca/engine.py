@@ -95,6 +95,7 @@ class OrcaEngine:
         self._entries: dict[int, _Entry] = {}  # id(request) → its future and callback
         self._cond = threading.Condition()
         self._closed = False
+        self._cancels = 0  # cancel() calls not yet acted on
         self.iterations = 0
         self.tokens = 0  # tokens generated
         # The latest iterations' batch sizes, for tests and benchmarks; bounded,
@@ -128,6 +129,28 @@ class OrcaEngine:
             self._cond.notify()
         return future
 
+    def cancel(self, future: Future) -> bool:
+        """End ``future``'s request before its next iteration: its future gets the tokens made so far.
+
+        The caller has what it needs (the handler saw a stop string in the text); the request's KV slot is
+        freed at once rather than after ``max_new_tokens``.  False when the request is already answered."""
+        with self._cond:
+            for entry in self._entries.values():
+                if entry.future is future:
+                    entry.request.cancelled = True
+                    self._cancels += 1
+                    self._cond.notify()
+                    return True
+        return False
+
+    def _end_cancelled(self) -> None:
+        """Answer the requests whose clients cancelled them (under the lock, before a selection)."""
+        if not self._cancels:
+            return
+        self._cancels = 0
+        for request in [r for r in self.scheduler.pool if r.cancelled]:
+            self._complete(request)
+
     # -- the loop ---------------------------------------------------------------------
 
     def _loop(self) -> None:
@@ -135,8 +158,11 @@ class OrcaEngine:
             with self._cond:
                 while not self.scheduler.pool and not self._closed:
                     self._cond.wait()
+                self._end_cancelled()
                 if not self.scheduler.pool:
-                    return  # closed and drained
+                    if self._closed:
+                        return  # closed and drained
+                    continue
                 batch = self.scheduler.select()
             steps = [Step(r.next_tokens(), r.slot, r.cached) for r in batch]
             try:

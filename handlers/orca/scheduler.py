@@ -41,6 +41,7 @@ class GenerationRequest:
     cached: int = 0  # positions already in the KV cache
     chooser: TokenChooser = field(default_factory=TokenChooser)  # greedy unless the request samples
     stop_ids: frozenset[int] = frozenset()  # a token that ends the request (kept as its last)
+    cancelled: bool = False  # its client has what it needs (a stop string seen): end it at the next iteration
 
     @property
     def started(self) -> bool:
@@ -48,7 +49,7 @@ class GenerationRequest:
 
     @property
     def finished(self) -> bool:
-        return len(self.generated) >= self.max_new_tokens or self.stopped
+        return len(self.generated) >= self.max_new_tokens or self.stopped or self.cancelled
 
     @property
     def stopped(self) -> bool:

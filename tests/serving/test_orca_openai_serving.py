@@ -1,0 +1,153 @@
+"""Orca's OpenAI-compatible routes through a real TorchServe, driven by the official ``openai`` client.
+
+The model is a user's: a Llama-family checkpoint with grouped-query attention
+and a byte-level BPE tokenizer with a chat template, both written by
+``save_pretrained`` here, archived with the real ``torch-model-archiver``
+(one-line entry file, the tokenizer files as extra files).  Greedy answers
+must equal transformers' ``generate`` on the same prompt, streamed or not.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+import torch
+
+from tests.serving.test_handlers_on_users_archives import ASYNC, user_archive
+from tests.user_archives import save_small_tokenizer, tokenizer_files
+
+pytestmark = pytest.mark.torchserve
+
+NAME = "users-chat"
+CONTEXT = 64
+EOS = 0  # the tokenizer's <|endoftext|>
+
+
+@pytest.fixture(scope="module")
+def served(torchserve, model_store_dir, tmp_path_factory):
+    import transformers
+
+    folder = tmp_path_factory.mktemp("users_chat")
+    torch.manual_seed(5)
+    config = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=CONTEXT,
+                                      tie_word_embeddings=False)  # fmt: skip
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.save_pretrained(folder)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(save_small_tokenizer(folder))
+    mar = user_archive(model_store_dir, folder / "work", NAME, "orca",
+                       {**ASYNC, "handler": {"orca": {"max_batch": 4, "kv_slots": 4}}},
+                       folder / "model.safetensors", [folder / "config.json", *tokenizer_files(folder)])  # fmt: skip
+    torchserve.management().register(mar, model_name=NAME)
+    client = openai.OpenAI(base_url=f"{torchserve.inference_url}/predictions/{NAME}/1.0/v1", api_key="unused",
+                           max_retries=0, timeout=60)  # fmt: skip
+    yield client, model, tokenizer
+    torchserve.management().unregister(NAME)
+
+
+def greedy(model, prompt_ids: list[int], n: int) -> list[int]:
+    """``generate``'s greedy tokens, ended after the first end-of-text as a server ends a request."""
+    with torch.inference_mode():
+        mask = torch.ones(1, len(prompt_ids), dtype=torch.long)
+        out = model.generate(torch.tensor([prompt_ids]), attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                             do_sample=False, pad_token_id=EOS)  # fmt: skip
+    ids = out[0, len(prompt_ids) :].tolist()
+    return ids[: ids.index(EOS) + 1] if EOS in ids else ids
+
+
+def text_of(tokenizer, ids: list[int]) -> str:
+    return tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+PROMPTS = ["the quick brown", "Once upon a time a small server", "hello world! serving"]
+
+
+def test_completions_equal_generate_served_together_and_count_their_tokens(served):
+    client, model, tokenizer = served
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        answers = list(pool.map(lambda p: client.completions.create(model=NAME, prompt=p, max_tokens=12,
+                                                                    temperature=0), PROMPTS))  # fmt: skip
+    for prompt, answer in zip(PROMPTS, answers, strict=True):
+        ids = tokenizer.encode(prompt)
+        expected = greedy(model, ids, 12)
+        assert answer.choices[0].text == text_of(tokenizer, expected)
+        assert answer.choices[0].finish_reason == ("stop" if expected[-1] == EOS else "length")
+        assert answer.usage.prompt_tokens == len(ids) and answer.usage.completion_tokens == len(expected)
+        assert answer.usage.total_tokens == len(ids) + len(expected) and answer.object == "text_completion"
+
+
+def test_a_streamed_completion_adds_up_to_the_whole_one_and_ends_with_usage(served):
+    client, model, tokenizer = served
+    whole = client.completions.create(model=NAME, prompt=PROMPTS[1], max_tokens=16, temperature=0)
+    chunks = list(client.completions.create(model=NAME, prompt=PROMPTS[1], max_tokens=16, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))  # fmt: skip
+    assert len(chunks) > 3  # text arrived piece by piece
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_a_stop_string_ends_the_text_just_before_it_streamed_or_not(served):
+    client, model, tokenizer = served
+    full = client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=20, temperature=0).choices[0].text
+    # A string from the middle of what greedy decoding writes (random weights write stray bytes: U+FFFD)
+    starts = [i for i in range(2, len(full) - 3) if "\ufffd" not in full[i : i + 3]]
+    assert starts, full
+    stop = full[starts[0] : starts[0] + 3]
+    expected = full[: full.index(stop)]
+    cut = client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=20, temperature=0, stop=[stop, "§§"])
+    assert cut.choices[0].text == expected and cut.choices[0].finish_reason == "stop"
+    assert cut.usage.completion_tokens < 20
+    streamed = client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=20, temperature=0, stop=stop,
+                                         stream=True)  # fmt: skip
+    pieces = [c.choices[0].text for c in streamed]
+    assert "".join(pieces) == expected and not any(stop in p for p in pieces)
+
+
+def test_chat_completions_render_the_template_and_equal_generate(served):
+    client, model, tokenizer = served
+    messages = [{"role": "system", "content": "answer briefly"}, {"role": "user", "content": "the lazy dog?"}]
+    answer = client.chat.completions.create(model=NAME, messages=messages, max_tokens=10, temperature=0)
+    prompt = tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+                              add_special_tokens=False)  # fmt: skip
+    expected = greedy(model, prompt, 10)
+    assert answer.choices[0].message.role == "assistant" and answer.object == "chat.completion"
+    assert answer.choices[0].message.content == text_of(tokenizer, expected)
+    assert answer.usage.prompt_tokens == len(prompt) and answer.usage.completion_tokens == len(expected)
+    chunks = list(client.chat.completions.create(model=NAME, messages=messages, max_tokens=10, temperature=0,
+                                                 stream=True))  # fmt: skip
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == answer.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == answer.choices[0].finish_reason
+
+
+def test_a_seeded_sampled_completion_is_reproducible(served):
+    client, _, _ = served
+    ask = {"model": NAME, "prompt": PROMPTS[2], "max_tokens": 12, "temperature": 0.9, "top_p": 0.95, "seed": 17}
+    assert client.completions.create(**ask).choices[0].text == client.completions.create(**ask).choices[0].text
+
+
+@pytest.mark.parametrize(
+    "ask, param, words",
+    [
+        ({"prompt": "the quick", "max_tokens": 500}, "max_tokens", f"the context holds {CONTEXT}"),
+        ({"prompt": "the quick", "n": 2}, "n", "not supported"),
+        ({"prompt": "the quick", "extra_body": {"beams": 2}}, "beams", "unrecognized request argument"),
+        ({"prompt": "the " * 80}, "prompt", "leaves no room"),
+    ],
+)
+def test_a_bad_request_is_a_400_in_openais_shape_and_the_server_serves_on(served, ask, param, words):
+    client, _, _ = served
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=NAME, **ask)
+    error = caught.value.body  # the client reads OpenAI's {"error": {...}} and hands over its inside
+    assert caught.value.status_code == 400 and error["param"] == param and words in error["message"], error
+    assert error["type"] == "invalid_request_error"
+    assert client.completions.create(model=NAME, prompt="the", max_tokens=2, temperature=0).choices[0].text is not None
+
+
+def test_the_models_route_names_the_served_model(served):
+    client, _, _ = served
+    assert [m.id for m in client.models.list()] == [NAME]
