@@ -158,10 +158,14 @@ def iteration_costs(
     """Median ms of one decode iteration at each batch size (``context`` positions cached each) and of one prompt."""
     import torch
 
+    from handlers.orca.engine import DEFAULT_BLOCK_SIZE
     from handlers.orca.gpt2 import Step
-    from handlers.orca.kv_cache import KVCache
+    from handlers.orca.kv_cache import KVCache, blocks_for
 
-    kv = KVCache(model.kv_shape(max(batches), max(context + 1, prompt)), device=device)
+    positions = max(context + 1, prompt)
+    per_request = blocks_for(positions, DEFAULT_BLOCK_SIZE)
+    kv = KVCache(model.kv_shape(max(batches) * per_request, DEFAULT_BLOCK_SIZE), device=device)
+    tables = [kv.table_for(positions) for _ in range(max(batches))]
     rng = random.Random(2)
 
     def median_ms(steps: list) -> float:
@@ -172,8 +176,8 @@ def iteration_costs(
 
         return 1e3 * median_seconds(iteration, repeats=repeats, warmup=3)
 
-    decode = {b: median_ms([Step([rng.randrange(VOCAB)], slot, context) for slot in range(b)]) for b in batches}
-    initiation = median_ms([Step([rng.randrange(VOCAB) for _ in range(prompt)], 0, 0)])
+    decode = {b: median_ms([Step([rng.randrange(VOCAB)], context, tables[i]) for i in range(b)]) for b in batches}
+    initiation = median_ms([Step([rng.randrange(VOCAB) for _ in range(prompt)], 0, tables[0])])
     return {"context": context, "prompt": prompt, "decode_ms": decode, "initiation_ms": initiation}
 
 

@@ -18,7 +18,8 @@ class OrcaConfigError(ValueError):
 @dataclass(frozen=True)
 class OrcaConfig:
     max_batch: int = 8  # requests in one iteration
-    kv_slots: int = 16  # requests holding KV memory at once (each reserves max_tokens positions)
+    kv_slots: int = 16  # KV memory: room for this many requests of max_tokens tokens, handed out in blocks
+    block_size: int = 16  # positions per KV block (a request gets blocks as it grows)
     max_tokens: int = 256  # prompt + max_new_tokens of one request: a slot's size
     max_new_tokens: int = 128  # the most a request may ask for
     default_new_tokens: int = 16  # when a request does not say

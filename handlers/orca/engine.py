@@ -23,13 +23,14 @@ from dataclasses import dataclass
 import torch
 
 from handlers.orca.attention import IterationModel, Step
-from handlers.orca.kv_cache import KVCache
+from handlers.orca.kv_cache import KVCache, blocks_for
 from handlers.orca.sampling import GREEDY, Sampling, TokenChooser, choose_tokens
 from handlers.orca.scheduler import GenerationRequest, IterationScheduler
 
 logger = logging.getLogger(__name__)
 
 BATCH_SIZE_HISTORY = 4096
+DEFAULT_BLOCK_SIZE = 16  # positions per KV block
 TokenCallback = Callable[[int, int, bool], None]  # (token, index in the answer, last?)
 
 
@@ -81,16 +82,25 @@ class OrcaEngine:
 
     def __init__(
         self, model: IterationModel, slots: int, max_tokens: int, max_batch: int, max_new_tokens: int,
-        device: str | torch.device = "cpu", iteration_level: bool = True,
+        device: str | torch.device = "cpu", iteration_level: bool = True, block_size: int = DEFAULT_BLOCK_SIZE,
+        kv_blocks: int | None = None,
     ) -> None:  # fmt: skip
+        """KV memory holds ``slots`` requests of ``max_tokens`` tokens, in blocks of ``block_size`` positions
+        (``kv_blocks`` blocks instead when given: tests and benchmarks make memory scarce with it)."""
+        if max_tokens > model.positions:
+            raise ValueError(f"the model has {model.positions} positions; max_tokens {max_tokens} cannot be used")
+        per_request = blocks_for(max_tokens, block_size)
+        blocks = slots * per_request if kv_blocks is None else kv_blocks
+        if blocks < per_request:
+            raise ValueError(f"{blocks} KV blocks of {block_size} positions cannot hold one request of "
+                             f"{max_tokens} tokens ({per_request} blocks)")  # fmt: skip
         self.model = model
         self.device = device
         self.max_tokens = max_tokens
         self.max_new_tokens = max_new_tokens
-        self.kv = KVCache(model.kv_shape(slots, max_tokens), dtype=model.dtype, device=device)
-        self.scheduler = IterationScheduler(
-            max_batch, self.kv.allocate, self.kv.release, lambda: self.kv.free, iteration_level=iteration_level
-        )
+        self.kv = KVCache(model.kv_shape(blocks, block_size), dtype=model.dtype, device=device)
+        self.scheduler = IterationScheduler(max_batch, self.kv.blocks, iteration_level=iteration_level)
+        self.peak_blocks = 0  # the most blocks in use at once (a counter, for tests and benchmarks)
         self._held: list[GenerationRequest] = []  # request-level batching: done, answered with their batch
         self._entries: dict[int, _Entry] = {}  # id(request) → its future and callback
         self._cond = threading.Condition()
@@ -132,8 +142,8 @@ class OrcaEngine:
     def cancel(self, future: Future) -> bool:
         """End ``future``'s request before its next iteration: its future gets the tokens made so far.
 
-        The caller has what it needs (the handler saw a stop string in the text); the request's KV slot is
-        freed at once rather than after ``max_new_tokens``.  False when the request is already answered."""
+        The caller has what it needs (the handler saw a stop string in the text); the request's KV blocks
+        are freed at once rather than after ``max_new_tokens``.  False when the request is already answered."""
         with self._cond:
             for entry in self._entries.values():
                 if entry.future is future:
@@ -164,7 +174,8 @@ class OrcaEngine:
                         return  # closed and drained
                     continue
                 batch = self.scheduler.select()
-            steps = [Step(r.next_tokens(), r.slot, r.cached) for r in batch]
+                self.peak_blocks = max(self.peak_blocks, self.kv.blocks.in_use)
+            steps = [Step(r.next_tokens(), r.cached, r.blocks) for r in batch]
             try:
                 logits = self.model.iterate(steps, self.kv)
             except Exception as exc:  # noqa: BLE001 - fails this iteration's requests, not the engine
@@ -179,6 +190,8 @@ class OrcaEngine:
                 self.batch_sizes.append(len(batch))
                 for request, step, token in zip(batch, steps, next_ids, strict=True):
                     request.cached += len(step.tokens)
+                    if len(step.tokens) > 1:  # its prompt is computed: its full blocks may be shared
+                        self.scheduler.computed(request)
                     request.generated.append(token)
                     self.tokens += 1
                     entry = self._entries.get(id(request))  # None only after close() gave up on it

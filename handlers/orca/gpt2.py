@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from handlers.orca.attention import DecodeBatch, Step, attend, flat_tokens, last_rows
+from handlers.orca.attention import IterationLayout, Step, attend, flat_tokens, last_rows
 from handlers.orca.kv_cache import KVCache, KVShape
 
 
@@ -53,10 +53,8 @@ class SelectiveGPT2(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.transformer.wte.weight.dtype
 
-    def kv_shape(self, slots: int, max_tokens: int) -> KVShape:
-        if max_tokens > self.positions:
-            raise ValueError(f"GPT-2 has {self.positions} positions; a slot of {max_tokens} cannot be used")
-        return KVShape(self.layers, self.heads, self.head_dim, slots, max_tokens)
+    def kv_shape(self, blocks: int, block_size: int) -> KVShape:
+        return KVShape(self.layers, self.heads, self.head_dim, blocks, block_size)
 
     @torch.inference_mode()
     def iterate(self, steps: Sequence[Step], kv: KVCache) -> torch.Tensor:
@@ -67,12 +65,12 @@ class SelectiveGPT2(nn.Module):
         device = t.wte.weight.device
         ids, positions = flat_tokens(steps, self.positions, device)
         x = t.wte(ids) + t.wpe(positions)  # [ΣL, H]: every request's new tokens, flattened
-        decode = DecodeBatch.of(steps, device)
+        layout = IterationLayout.of(steps, kv.block_size, device)
         for layer, block in enumerate(t.h):
             h = F.layer_norm(x, (self.hidden,), block.ln_1.weight, block.ln_1.bias, self.eps)
             qkv = torch.addmm(block.attn.c_attn.bias, h, block.attn.c_attn.weight)  # batched over all tokens
             q, k, v = (t.view(-1, self.heads, self.head_dim) for t in qkv.split(self.hidden, dim=1))
-            a = attend(q, k, v, steps, layer, kv, decode)
+            a = attend(q, k, v, steps, layer, kv, layout)
             x = x + torch.addmm(block.attn.c_proj.bias, a, block.attn.c_proj.weight)
             h = F.layer_norm(x, (self.hidden,), block.ln_2.weight, block.ln_2.bias, self.eps)
             h = _gelu_new(torch.addmm(block.mlp.c_fc.bias, h, block.mlp.c_fc.weight))

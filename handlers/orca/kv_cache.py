@@ -1,68 +1,49 @@
-"""Preallocated key/value memory for Orca, in slots of a fixed number of tokens.
+"""Orca's key/value memory: blocks of positions, allocated at start-up, handed out as requests grow.
 
-Orca reserves a request's keys and values for its whole life (prompt plus
-``max_new_tokens``) when the scheduler first picks it, so a running request
-can never run out of memory halfway and nothing is ever evicted.  Here a
-reservation is one *slot*: ``max_tokens`` positions per layer, allocated
-once at start-up.  A slot goes back to the free list when its request
-finishes; the scheduler (``scheduler.py``) decides who gets the next one.
+One tensor per layer for keys and one for values, ``[blocks × block_size,
+kv_heads, head_dim]``: position ``p`` of a request whose block table is
+``table`` lives at row ``table[p // block_size] * block_size + p %
+block_size``.  An iteration turns its requests' tables into row indices once
+(``attention.IterationLayout``) and every layer writes its new keys with one
+indexed store and reads them with one gather.  Which request holds which
+block is ``kv_blocks.BlockAllocator``'s bookkeeping; when blocks run out the
+scheduler preempts a request, which computes its keys again later.
 """
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass
 
 import torch
 
+from handlers.orca.kv_blocks import BlockAllocator, KVFull, blocks_for
 
-class KVFull(RuntimeError):
-    """No free slot: the scheduler asked for more than it had checked was free."""
+__all__ = ["KVCache", "KVFull", "KVShape", "blocks_for"]
 
 
 @dataclass(frozen=True)
 class KVShape:
     layers: int
-    heads: int
+    heads: int  # key/value heads (fewer than the query heads under grouped-query attention)
     head_dim: int
-    slots: int
-    max_tokens: int  # positions per slot: a request's prompt + max_new_tokens must fit
+    blocks: int
+    block_size: int  # positions per block
 
 
 class KVCache:
-    """``keys[layer][slot, head, position, dim]`` and ``values`` likewise, with a free list of slots."""
+    """``keys[layer][row, head, dim]`` and ``values`` likewise, rows in blocks; ``blocks`` says who holds which."""
 
     def __init__(self, shape: KVShape, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> None:
         self.shape = shape
-        size = (shape.slots, shape.heads, shape.max_tokens, shape.head_dim)
+        size = (shape.blocks * shape.block_size, shape.heads, shape.head_dim)
         self.keys = [torch.zeros(size, dtype=dtype, device=device) for _ in range(shape.layers)]
         self.values = [torch.zeros(size, dtype=dtype, device=device) for _ in range(shape.layers)]
-        # A heap: the lowest free slot goes out first, so the slots in use stay packed at the low end
-        # and a decode iteration attends over few more slots than it has requests (``gpt2.DecodeBatch``).
-        self._free = list(range(shape.slots))
+        self.blocks = BlockAllocator(shape.blocks, shape.block_size)
 
     @property
-    def free(self) -> int:
-        return len(self._free)
+    def block_size(self) -> int:
+        return self.shape.block_size
 
-    def allocate(self) -> int:
-        if not self._free:
-            raise KVFull(f"all {self.shape.slots} KV slots are reserved")
-        return heapq.heappop(self._free)
-
-    def release(self, slot: int) -> None:
-        if not 0 <= slot < self.shape.slots or slot in self._free:
-            raise ValueError(f"slot {slot} is not reserved")
-        heapq.heappush(self._free, slot)
-
-    def write(self, layer: int, slot: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store ``k``/``v`` ([heads, n, dim]) at positions ``start .. start+n`` of ``slot``."""
-        end = start + k.shape[1]
-        if end > self.shape.max_tokens:
-            raise ValueError(f"positions up to {end} exceed the slot's {self.shape.max_tokens}")
-        self.keys[layer][slot, :, start:end] = k
-        self.values[layer][slot, :, start:end] = v
-
-    def read(self, layer: int, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of positions ``0 .. length`` of ``slot`` ([heads, length, dim] views)."""
-        return self.keys[layer][slot, :, :length], self.values[layer][slot, :, :length]
+    def table_for(self, positions: int) -> list[int]:
+        """A fresh block table for ``positions`` positions (for tests and benchmarks that drive a model alone)."""
+        return self.blocks.allocate(blocks_for(positions, self.shape.block_size))

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from handlers.orca.attention import DecodeBatch, Step, attend, flat_tokens, last_rows
+from handlers.orca.attention import IterationLayout, Step, attend, flat_tokens, last_rows
 from handlers.orca.kv_cache import KVCache, KVShape
 from model_store.user_models import UnsupportedCheckpoint, check_llama_config
 
@@ -58,10 +58,8 @@ class SelectiveLlama(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.model.embed_tokens.weight.dtype
 
-    def kv_shape(self, slots: int, max_tokens: int) -> KVShape:
-        if max_tokens > self.positions:
-            raise ValueError(f"the model has {self.positions} positions; a slot of {max_tokens} cannot be used")
-        return KVShape(self.layers, self.kv_heads, self.head_dim, slots, max_tokens)
+    def kv_shape(self, blocks: int, block_size: int) -> KVShape:
+        return KVShape(self.layers, self.kv_heads, self.head_dim, blocks, block_size)
 
     @torch.inference_mode()
     def iterate(self, steps: Sequence[Step], kv: KVCache) -> torch.Tensor:
@@ -74,7 +72,7 @@ class SelectiveLlama(nn.Module):
         x = m.embed_tokens(ids)  # [ΣL, H]
         cos, sin = m.rotary_emb(x, positions.unsqueeze(0))  # [1, ΣL, head_dim]: each token at its own position
         cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # broadcast over heads
-        decode = DecodeBatch.of(steps, device)
+        layout = IterationLayout.of(steps, kv.block_size, device)
         for layer, block in enumerate(m.layers):
             h = block.input_layernorm(x)
             a = block.self_attn
@@ -83,7 +81,7 @@ class SelectiveLlama(nn.Module):
             v = a.v_proj(h).view(-1, self.kv_heads, self.head_dim)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
-            x = x + a.o_proj(attend(q, k, v, steps, layer, kv, decode))
+            x = x + a.o_proj(attend(q, k, v, steps, layer, kv, layout))
             h = block.post_attention_layernorm(x)
             mlp = block.mlp
             x = x + mlp.down_proj(F.silu(mlp.gate_proj(h)) * mlp.up_proj(h))

@@ -7,7 +7,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from handlers.orca.gpt2 import SelectiveGPT2, Step
-from handlers.orca.kv_cache import KVCache, KVShape
+from handlers.orca.kv_cache import KVCache
 from model_store.catalog import get_spec
 from model_store.factory import build_model
 
@@ -37,20 +37,25 @@ def prompts(count: int) -> list[list[int]]:
     return [torch.randint(0, 1000, (3 + i % 5,), generator=generator).tolist() for i in range(count)]
 
 
+def cache(model: SelectiveGPT2) -> KVCache:
+    """Small blocks (4 positions), so requests span several and their tables interleave."""
+    return KVCache(model.kv_shape(blocks=128, block_size=4))
+
+
 def prefill(model: SelectiveGPT2, kv: KVCache, asks: list[list[int]]) -> list[Step]:
     """Each prompt through an initiation of its own; the decode steps that follow, one token each."""
     steps = []
     for ask in asks:
-        slot = kv.allocate()
-        logits = model.iterate([Step(ask, slot, 0)], kv)
-        steps.append(Step([int(logits[0].argmax())], slot, len(ask)))
+        table = kv.table_for(len(ask) + 1)
+        logits = model.iterate([Step(ask, 0, table)], kv)
+        steps.append(Step([int(logits[0].argmax())], len(ask), table))
     return steps
 
 
 def test_a_decode_iteration_dispatches_the_same_operators_for_1_4_and_16_requests(tiny):
     counts = {}
     for n in (1, 4, 16):
-        kv = KVCache(tiny.kv_shape(16, 32))
+        kv = cache(tiny)
         steps = prefill(tiny, kv, prompts(n))
         with CountOps() as ops:
             tiny.iterate(steps, kv)
@@ -60,10 +65,10 @@ def test_a_decode_iteration_dispatches_the_same_operators_for_1_4_and_16_request
 
 def test_decoding_together_gives_each_request_the_logits_it_gets_alone(tiny):
     asks = prompts(6)
-    together_kv = KVCache(tiny.kv_shape(8, 32))
+    together_kv = cache(tiny)
     together = tiny.iterate(prefill(tiny, together_kv, asks), together_kv)
     for i, ask in enumerate(asks):
-        alone_kv = KVCache(tiny.kv_shape(8, 32))
+        alone_kv = cache(tiny)
         alone = tiny.iterate(prefill(tiny, alone_kv, [ask]), alone_kv)
         torch.testing.assert_close(together[i], alone[0], atol=1e-5, rtol=1e-5)
 
@@ -71,22 +76,14 @@ def test_decoding_together_gives_each_request_the_logits_it_gets_alone(tiny):
 def test_an_iteration_mixing_prompts_and_increments_matches_each_alone(tiny):
     """Increments attend together, prompts one by one, and the rows go back in the iteration's order."""
     asks = prompts(3)
-    kv = KVCache(tiny.kv_shape(8, 32))
+    kv = cache(tiny)
     decoding = prefill(tiny, kv, asks[:2])
-    newcomer = Step(asks[2], kv.allocate(), 0)
+    newcomer = Step(asks[2], 0, kv.table_for(len(asks[2])))
     mixed = tiny.iterate([decoding[0], newcomer, decoding[1]], kv)
     for row, ask, step in ((0, asks[0], None), (1, asks[2], "prompt"), (2, asks[1], None)):
-        alone_kv = KVCache(tiny.kv_shape(8, 32))
+        alone_kv = cache(tiny)
         if step == "prompt":
-            alone = tiny.iterate([Step(ask, alone_kv.allocate(), 0)], alone_kv)
+            alone = tiny.iterate([Step(ask, 0, alone_kv.table_for(len(ask)))], alone_kv)
         else:
             alone = tiny.iterate(prefill(tiny, alone_kv, [ask]), alone_kv)
         torch.testing.assert_close(mixed[row], alone[0], atol=1e-5, rtol=1e-5)
-
-
-def test_the_kv_cache_hands_out_its_lowest_free_slot():
-    kv = KVCache(KVShape(layers=1, heads=2, head_dim=4, slots=4, max_tokens=8))
-    assert [kv.allocate() for _ in range(3)] == [0, 1, 2]
-    kv.release(1)
-    kv.release(0)
-    assert kv.allocate() == 0

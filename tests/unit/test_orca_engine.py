@@ -80,7 +80,7 @@ def test_more_requests_than_kv_slots_wait_and_all_finish(gpt2):
         engine.close(timeout_s=30)
     assert max(engine.batch_sizes) <= 2  # two slots: never more than two requests in an iteration
     assert results == [greedy(hf, p, 3) for p in prompts]
-    assert engine.kv.free == 2
+    assert engine.kv.blocks.free == 2
 
 
 def test_streamed_tokens_are_the_answer_in_order(gpt2):
@@ -136,3 +136,50 @@ def test_request_level_batching_answers_a_batch_together_and_the_same_tokens(gpt
     # The short request (2 tokens) was answered only after the last iteration, the long one's (8 tokens).
     assert answered_at == [engine.iterations] and engine.iterations >= 6 + 8
     assert results == [greedy(hf, prompt(s, 3), n) for s, n in ((7, 6), (8, 1), (9, 8), (10, 2))]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    hf = build_model(get_spec("gpt2-tiny1")).model
+    return hf, SelectiveGPT2(hf)
+
+
+def test_with_blocks_for_fewer_tokens_than_the_requests_need_every_request_recomputes_and_finishes(tiny):
+    """Six requests needing 6 × 5 blocks of 4 positions share 12: the newest running ones are preempted, compute
+    their tokens again, and every answer is still greedy decoding's."""
+    hf, model = tiny
+    engine = OrcaEngine(model, slots=1, max_tokens=24, max_batch=6, max_new_tokens=12, block_size=4, kv_blocks=12)
+    try:
+        prompts = [prompt(20 + i, 5 + i) for i in range(6)]
+        futures = [engine.submit(p, 12) for p in prompts]
+        results = [f.result(timeout=120) for f in futures]
+    finally:
+        engine.close(timeout_s=30)
+    assert results == [greedy(hf, p, 12) for p in prompts]
+    assert engine.scheduler.preemptions > 0 and engine.peak_blocks <= 12
+    assert max(engine.batch_sizes) >= 2 and engine.kv.blocks.free == 12
+
+
+def test_requests_with_a_common_prompt_prefix_share_its_blocks(tiny):
+    """A 20-token system prompt is computed once (blocks of 4: five blocks, the last left to compute) and
+    read by the requests that repeat it, now and later; the answers do not change."""
+    hf, model = tiny
+    system = prompt(30, 20)
+    asks = [system + prompt(31 + i, 3) for i in range(4)]
+
+    def run(share: bool) -> tuple[list[list[int]], int, int]:
+        engine = OrcaEngine(model, slots=8, max_tokens=40, max_batch=4, max_new_tokens=8, block_size=4)
+        if not share:
+            engine.kv.blocks.register = lambda *args: None  # nothing offered, nothing shared
+        try:
+            first = engine.submit(asks[0], 6).result(timeout=60)  # computes the prefix
+            rest = [f.result(timeout=60) for f in [engine.submit(a, 6) for a in asks[1:]]]
+        finally:
+            engine.close(timeout_s=30)
+        return [first, *rest], engine.kv.blocks.shared, engine.peak_blocks
+
+    shared_answers, shared_blocks, shared_peak = run(share=True)
+    plain_answers, plain_shared, plain_peak = run(share=False)
+    assert shared_answers == plain_answers == [greedy(hf, a, 6) for a in asks]
+    assert shared_blocks == 3 * 5 and plain_shared == 0  # each later request took the five prefix blocks
+    assert shared_peak < plain_peak, (shared_peak, plain_peak)

@@ -63,12 +63,12 @@ def test_prompts_of_different_lengths_served_together_generate_what_generate_doe
 
 def test_a_decode_iteration_matches_the_full_forward_at_every_position(checkpoint):
     model = SelectiveLlama(checkpoint)
-    kv = KVCache(model.kv_shape(2, 32))
+    kv = KVCache(model.kv_shape(blocks=8, block_size=2))
     prompt = [5, 9, 200, 17, 3]
-    slot = kv.allocate()
-    logits = model.iterate([Step(prompt[:3], slot, 0)], kv)
+    table = kv.table_for(len(prompt))
+    logits = model.iterate([Step(prompt[:3], 0, table)], kv)
     for i in range(3, len(prompt)):
-        logits = model.iterate([Step([prompt[i]], slot, i)], kv)
+        logits = model.iterate([Step([prompt[i]], i, table)], kv)
     with torch.inference_mode():
         expected = checkpoint(torch.tensor([prompt])).logits[0, -1]
     torch.testing.assert_close(logits[0], expected, atol=1e-4, rtol=1e-4)
