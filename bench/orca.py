@@ -1,7 +1,8 @@
-"""Orca against request-level batching: throughput and latency under Poisson arrivals, in one run.
+"""Orca against request-level and continuous batching: throughput and latency under Poisson arrivals, in one run.
 
-    python -m bench.orca                       # GPT-2, max batch 8 and 16, six loads: about 25 minutes on 2 cores
+    python -m bench.orca                       # GPT-2, max batch 8 and 16, six loads: about 30 minutes on 2 cores
     python -m bench.orca --quick               # two loads, shorter runs
+    python -m bench.orca --quick --model gpt2-tiny1 --baselines generate,continuous,twin  # host-bound regime
     python -m bench.orca --device cuda         # on a GPU
 
 The default request mix is the Orca paper's, scaled to a 2-core CPU: the
@@ -9,8 +10,10 @@ paper draws prompts of U(32, 512) tokens and U(1, 128) new tokens; here
 both are divided by 4 (``--prompt 8-128 --output 1-32``), so a request's
 output length varies as widely against its mean as in the paper.
 
-Three systems on the catalog GPT-2, driven in-process (no HTTP: all would
-pay it alike):
+These systems on the catalog GPT-2 (or its one-layer GPT-2, ``--model
+gpt2-tiny1``, where a fast GPU's regime shows on a CPU: host work per
+iteration, not compute, decides), driven in-process (no HTTP: all would pay
+it alike):
 
 - ``orca``: iteration-level scheduling with selective batching
   (``handlers/orca/engine.py``); a request joins at the next iteration and
@@ -27,6 +30,17 @@ pay it alike):
   prompts left-padded to the longest, transformers' ``generate`` with its
   KV cache computing every row until the batch's longest request is done.
   ``--baselines request`` leaves it out.
+- ``continuous``: transformers' own continuous batching
+  (``bench/transformers_continuous.py``: ``init_continuous_batching``,
+  iteration-level with a paged KV cache), the in-ecosystem baseline, given
+  the same KV memory;
+- ``twin`` (asked for in ``--baselines``): a second Orca engine with the
+  same settings, so the run carries its own A/A band.
+
+The run also counts KV memory: the same requests with blocks for all of
+them and for a third (preemption by recompute; the answers must not
+change), and requests repeating one system prompt with and without prefix
+sharing (blocks shared, peak blocks in use).
 
 Load: Orca's sustainable throughput at the largest max batch is measured
 first (closed loop, twice that many requests in flight); then each system
@@ -72,7 +86,10 @@ VOCAB = 50257
 BASELINES = {
     "request": "request-level batching on Orca's engine (no padding, finished requests stop computing)",
     "generate": "request-level batching through transformers' generate (padded, every row runs to the batch's end)",
+    "continuous": "transformers' own continuous batching (init_continuous_batching: iteration-level, paged KV)",
+    "twin": "a second Orca engine, the same settings: the A/A band of this run",
 }
+MODELS = ("gpt2", "gpt2-tiny1")
 
 
 def _range(text: str) -> tuple[int, int]:
@@ -181,16 +198,56 @@ def iteration_costs(
     return {"context": context, "prompt": prompt, "decode_ms": decode, "initiation_ms": initiation}
 
 
+def kv_counts(model: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """KV memory, counted: the same requests with blocks for all of them and for a third of what they need
+    (preemption by recompute), and requests repeating one system prompt with and without prefix sharing."""
+    from handlers.orca.engine import DEFAULT_BLOCK_SIZE, OrcaEngine
+    from handlers.orca.kv_cache import blocks_for
+
+    rng = random.Random(5)
+    size, new = DEFAULT_BLOCK_SIZE, args.output[1]
+    max_tokens = args.prompt[1] + new
+    asks = [[rng.randrange(VOCAB) for _ in range(rng.randint(*args.prompt))] for _ in range(12)]
+    need = sum(blocks_for(len(a) + new - 1, size) for a in asks)
+
+    def serve(asks: list[list[int]], kv_blocks: int | None, share: bool = True, first_alone: bool = False) -> dict:
+        engine = OrcaEngine(model, slots=len(asks), max_tokens=max_tokens, max_batch=len(asks), max_new_tokens=new,
+                            device=args.device, kv_blocks=kv_blocks)  # fmt: skip
+        if not share:
+            engine.kv.blocks.register = lambda *a: None
+        try:
+            answers = [engine.submit(asks[0], new).result()] if first_alone else []
+            answers += [f.result() for f in [engine.submit(a, new) for a in asks[len(answers) :]]]
+        finally:
+            engine.close(timeout_s=60)
+        return {"answers": answers, "preemptions": engine.scheduler.preemptions, "peak_blocks": engine.peak_blocks,
+                "shared_blocks": engine.kv.blocks.shared, "blocks": engine.kv.shape.blocks}  # fmt: skip
+
+    ample, scarce = serve(asks, None), serve(asks, max(need // 3, blocks_for(max_tokens, size)))
+    system = [rng.randrange(VOCAB) for _ in range(4 * size)]
+    chats = [system + [rng.randrange(VOCAB) for _ in range(8)] for _ in range(8)]
+    shared, unshared = serve(chats, None, first_alone=True), serve(chats, None, share=False, first_alone=True)
+    rows = {"ample": ample, "scarce": scarce, "prefix shared": shared, "prefix not shared": unshared}
+    return {
+        "blocks_needed": need, "block_size": size, "new_tokens": new, "system_prompt": len(system),
+        "scarce_same_answers": scarce["answers"] == ample["answers"],
+        "shared_same_answers": shared["answers"] == unshared["answers"],
+        "rows": {k: {key: v for key, v in r.items() if key != "answers"} | {"requests": len(r["answers"])}
+                 for k, r in rows.items()},
+    }  # fmt: skip
+
+
 def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     import torch
 
+    from bench.transformers_continuous import TransformersContinuousEngine
     from handlers.orca.batch_generate import BatchGenerateEngine
     from handlers.orca.engine import OrcaEngine
     from handlers.orca.gpt2 import SelectiveGPT2
     from model_store.catalog import get_spec
     from model_store.factory import build_model
 
-    hf = build_model(get_spec("gpt2")).model.to(args.device)
+    hf = build_model(get_spec(args.model)).model.to(args.device)
     model = SelectiveGPT2(hf)  # shares hf's weights
     max_tokens = args.prompt[1] + args.output[1]
     systems = [(policy, b) for b in args.max_batches for policy in ("orca", *args.baselines)]
@@ -198,9 +255,12 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     def engine_for(policy: str, b: int) -> Any:
         if policy == "generate":
             return BatchGenerateEngine(hf, max_batch=b, max_new_tokens=args.output[1], max_tokens=max_tokens)
+        if policy == "continuous":
+            return TransformersContinuousEngine(hf, max_batch=b, max_new_tokens=args.output[1], max_tokens=max_tokens,
+                                                slots=max(args.max_batches))  # fmt: skip
         return OrcaEngine(model, slots=max(args.max_batches), max_tokens=max_tokens, max_batch=b,
                           max_new_tokens=args.output[1], device=args.device,
-                          iteration_level=policy == "orca")  # fmt: skip
+                          iteration_level=policy != "request")  # fmt: skip
 
     engines = {(policy, b): engine_for(policy, b) for policy, b in systems}
     rows = []
@@ -236,7 +296,8 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         for engine in engines.values():
             engine.close(timeout_s=60)
     return {
-        "model": "gpt2",
+        "model": args.model,
+        "kv": kv_counts(model, args),
         "threads": torch.get_num_threads(),
         "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
         "capacity": cap,
@@ -293,6 +354,25 @@ def _cost_lines(costs: dict[str, Any] | None) -> list[str]:
     ]
 
 
+def _kv_lines(kv: dict[str, Any] | None) -> list[str]:
+    if not kv:
+        return []
+    rows = [[name, r["requests"], r["blocks"], r["peak_blocks"], r["preemptions"], r["shared_blocks"]]
+            for name, r in kv["rows"].items()]  # fmt: skip
+    return [
+        "## KV memory, counted\n",
+        f"Twelve requests of this run's prompt lengths, {kv['new_tokens']} new tokens each, greedy, all submitted "
+        f"at once, needing {kv['blocks_needed']} blocks of {kv['block_size']} positions: once with memory for all "
+        f"of them, once with a third of that (the newest running requests are preempted and compute their tokens "
+        f"again). Then eight requests repeating one {kv['system_prompt']}-token system prompt (the first alone, "
+        f"then seven together), with prefix sharing and with it turned off. Answers equal with scarce memory: "
+        f"**{'yes' if kv['scarce_same_answers'] else 'NO'}**; with prefixes shared: "
+        f"**{'yes' if kv['shared_same_answers'] else 'NO'}**.\n",
+        markdown_table(["run", "requests", "blocks", "peak blocks in use", "preemptions", "blocks shared"], rows)
+        + "\n",
+    ]
+
+
 def _where(data: dict[str, Any]) -> str:
     device = data.get("device", "cpu")
     return f"{data['threads']} CPU threads" if device == "cpu" else device
@@ -300,7 +380,7 @@ def _where(data: dict[str, Any]) -> str:
 
 def render(data: dict[str, Any], stem: str) -> str:
     lines = [
-        f"# Orca vs request-level batching, GPT-2 on {_where(data)}\n",
+        f"# Orca vs request-level and continuous batching, {data.get('model', 'gpt2')} on {_where(data)}\n",
         f"![throughput against median latency]({stem}.png)\n",
         f"Poisson arrivals for {data['seconds']:g} s per run; prompts of {data['prompt'][0]}-{data['prompt'][1]} "
         f"tokens, {data['output'][0]}-{data['output'][1]} new tokens each (uniform). Loads are fractions of Orca's "
@@ -309,6 +389,7 @@ def render(data: dict[str, Any], stem: str) -> str:
         "Answers/s with twice the max batch always in flight (closed loop), measured first in the run:\n",
         markdown_table(["system", "answers/s"], [[k, f"{v:.2f}"] for k, v in data["capacities"].items()]) + "\n",
         *_cost_lines(data.get("iteration_costs")),
+        *_kv_lines(data.get("kv")),
         "## Throughput at equal median latency\n",
         "For each baseline point: the most answers/s Orca (same max batch) served at any load of this run with "
         "a median latency no higher, ÷ the baseline's answers/s. Measured points only; '-': Orca's median was "
@@ -363,10 +444,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--capacity-seconds", type=float, default=15.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    parser.add_argument("--baselines", default="request,generate",
+    parser.add_argument("--model", default="gpt2", choices=MODELS,
+                        help="the catalog's GPT-2 small, or its one-layer GPT-2 (the host-bound regime)")  # fmt: skip
+    parser.add_argument("--baselines", default="request,generate,continuous",
                         help=f"comma-separated, from {', '.join(BASELINES)}")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="loads 0.3 and 0.7, 8 s runs")
-    parser.add_argument("--suffix", default="", help="appended to the output files' name (orca_gpt2<suffix>.*)")
+    parser.add_argument("--suffix", default="", help="appended to the output files' name (orca_MODEL<suffix>.*)")
     add_output_arguments(parser)
     args = parser.parse_args(argv)
     if args.quick:
@@ -390,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
 
         if not torch.cuda.is_available():
             parser.error("--device cuda: CUDA is not available on this machine (use --device cpu)")
-    stem = f"orca_gpt2{'_cuda' if args.device == 'cuda' else ''}{args.suffix}"
+    stem = f"orca_{args.model}{'_cuda' if args.device == 'cuda' else ''}{args.suffix}"
     return run_benchmark("bench.orca", args, measure, summary, lambda d: stem, render, plot)
 
 
