@@ -34,7 +34,7 @@ class TransformersContinuousEngine:
         self.max_tokens = max_tokens
         blocks = slots * -(-max_tokens // block_size)  # the same KV memory as Orca's engine gets
         generation = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
-        config = ContinuousBatchingConfig(max_requests_per_batch=max_batch, num_blocks=blocks, block_size=block_size,
+        config = ContinuousBatchingConfig(max_requests_per_batch=max_batch, num_blocks=blocks, page_size=block_size,
                                           use_cuda_graph=False)  # fmt: skip
         self._manager = hf.init_continuous_batching(generation_config=generation, continuous_batching_config=config)
         self._manager.start()

@@ -62,6 +62,13 @@ GPT2_SIZES: dict[str, dict[str, int]] = {
     "gpt2-small": {},  # GPT2Config() defaults: 12 layers, hidden 768, 12 heads
     "gpt2-tiny1": {"n_layer": 1, "n_embd": 32, "n_head": 2},
 }
+# A small Llama-family model (random weights, like the others): the shape of Llama, Qwen2 and SmolLM checkpoints
+# (RoPE, RMSNorm, SwiGLU, grouped-query attention: 4 query heads share 2 key/value heads), for Orca's demo and
+# benchmarks.
+LLAMA_SIZES: dict[str, dict[str, int]] = {
+    "llama-tiny": {"hidden_size": 128, "intermediate_size": 344, "num_hidden_layers": 2, "num_attention_heads": 4,
+                   "num_key_value_heads": 2, "max_position_embeddings": 1024, "vocab_size": 32000},  # fmt: skip
+}
 
 
 def _build_architecture(spec: ModelSpec) -> nn.Module:
@@ -98,6 +105,11 @@ def _build_architecture(spec: ModelSpec) -> nn.Module:
             raise ValueError(f"unknown GPT-2 size {spec.arch!r}; known: {', '.join(GPT2_SIZES)}")
         config = transformers.GPT2Config(use_cache=False, **GPT2_SIZES[spec.arch])
         return NextTokenLogits(transformers.GPT2LMHeadModel(config))
+    if spec.family == "llama":
+        if spec.arch not in LLAMA_SIZES:
+            raise ValueError(f"unknown Llama size {spec.arch!r}; known: {', '.join(LLAMA_SIZES)}")
+        config = transformers.LlamaConfig(use_cache=False, tie_word_embeddings=False, **LLAMA_SIZES[spec.arch])
+        return NextTokenLogits(transformers.LlamaForCausalLM(config))
     raise ValueError(f"unsupported family {spec.family!r}")
 
 
@@ -126,6 +138,8 @@ def vocab_size(spec: ModelSpec) -> int:
         "distilbert": transformers.DistilBertConfig,
         "gpt2": transformers.GPT2Config,
     }
+    if spec.family == "llama" and spec.arch in LLAMA_SIZES:
+        return LLAMA_SIZES[spec.arch]["vocab_size"]
     if spec.family not in configs:
         raise ValueError(f"{spec.name} takes no tokens")
     return int(configs[spec.family]().vocab_size)
