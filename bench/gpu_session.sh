@@ -124,8 +124,9 @@ step reef_a 160 "$py" -m bench.reef_direct --device "$dev" --workload A --paddin
     --seconds $((secs + 3)) --repeats "$reps" --out-dir "$work"
 
 # -- tier 3 ---------------------------------------------------------------
-step orca 120 "$py" -m bench.orca --device "$dev" --fractions 0.3,0.7 --seconds $((secs * 2)) \
-    --capacity-seconds "$cap" --max-batches 16 --out-dir "$work"
+# Orca against generate and transformers' continuous batching (the issue's two GPU rows), its twin beside.
+step orca 150 "$py" -m bench.orca --device "$dev" --fractions 0.3,0.7 --seconds $((secs * 2)) \
+    --capacity-seconds "$cap" --max-batches 16 --baselines generate,continuous,twin --out-dir "$work"
 step nimble_inception 150 "$py" -m bench.nimble --device "$dev" --models inception_v3 \
     --batches "$batches" --repeats 3 --runs 10 --suffix _inception_v3 --out-dir "$work"
 step nimble_resnet50 150 "$py" -m bench.nimble --device "$dev" --models resnet50 --batches "$batches" \

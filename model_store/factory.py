@@ -66,8 +66,15 @@ GPT2_SIZES: dict[str, dict[str, int]] = {
 # (RoPE, RMSNorm, SwiGLU, grouped-query attention: 4 query heads share 2 key/value heads), for Orca's demo and
 # benchmarks.
 LLAMA_SIZES: dict[str, dict[str, int]] = {
-    "llama-tiny": {"hidden_size": 128, "intermediate_size": 344, "num_hidden_layers": 2, "num_attention_heads": 4,
-                   "num_key_value_heads": 2, "max_position_embeddings": 1024, "vocab_size": 32000},  # fmt: skip
+    "llama-tiny": {
+        "hidden_size": 128,
+        "intermediate_size": 344,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 1024,
+        "vocab_size": 32000,
+    },  # fmt: skip
 }
 
 
