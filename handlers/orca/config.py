@@ -20,6 +20,9 @@ class OrcaConfig:
     max_batch: int = 8  # requests in one iteration
     kv_slots: int = 16  # KV memory: room for this many requests of max_tokens tokens, handed out in blocks
     block_size: int = 16  # positions per KV block (a request gets blocks as it grows)
+    # > 0: prompts computed at most this many tokens per iteration, so a long prompt does not stall the running
+    # requests' decode steps (chunked prefill); 0: whole prompts, as the committed benchmark tables ran.
+    prefill_chunk: int = 0
     max_tokens: int = 256  # prompt + max_new_tokens of one request: a slot's size
     max_new_tokens: int = 128  # the most a request may ask for
     default_new_tokens: int = 16  # when a request does not say
@@ -31,7 +34,7 @@ class OrcaConfig:
         if self.policy not in POLICIES:
             raise OrcaConfigError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         for f in fields(self):
-            if f.name == "policy":
+            if f.name == "policy" or (f.name == "prefill_chunk" and getattr(self, f.name) == 0):
                 continue
             value = getattr(self, f.name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

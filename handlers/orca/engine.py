@@ -83,10 +83,17 @@ class OrcaEngine:
     def __init__(
         self, model: IterationModel, slots: int, max_tokens: int, max_batch: int, max_new_tokens: int,
         device: str | torch.device = "cpu", iteration_level: bool = True, block_size: int = DEFAULT_BLOCK_SIZE,
-        kv_blocks: int | None = None,
+        kv_blocks: int | None = None, prefill_chunk: int = 0,
     ) -> None:  # fmt: skip
         """KV memory holds ``slots`` requests of ``max_tokens`` tokens, in blocks of ``block_size`` positions
-        (``kv_blocks`` blocks instead when given: tests and benchmarks make memory scarce with it)."""
+        (``kv_blocks`` blocks instead when given: tests and benchmarks make memory scarce with it).
+
+        ``prefill_chunk`` > 0: a prompt is computed at most that many tokens per iteration (chunked prefill),
+        so a long prompt shares its iterations with the running requests' decode steps instead of stalling
+        them for one long iteration; its first token comes after its last chunk.  0: whole prompts."""
+        if prefill_chunk < 0:
+            raise ValueError(f"prefill_chunk must be ≥ 0 (0: whole prompts), got {prefill_chunk}")
+        self.prefill_chunk = prefill_chunk
         if max_tokens > model.positions:
             raise ValueError(f"the model has {model.positions} positions; max_tokens {max_tokens} cannot be used")
         per_request = blocks_for(max_tokens, block_size)
@@ -175,7 +182,9 @@ class OrcaEngine:
                     continue
                 batch = self.scheduler.select()
                 self.peak_blocks = max(self.peak_blocks, self.kv.blocks.in_use)
-            steps = [Step(r.next_tokens(), r.cached, r.blocks) for r in batch]
+            steps = [Step(self._chunk(r.next_tokens()), r.cached, r.blocks) for r in batch]
+            # A request whose prompt is still being computed in chunks makes no token this iteration.
+            done = [r.cached + len(s.tokens) >= r.length for r, s in zip(batch, steps, strict=True)]
             try:
                 logits = self.model.iterate(steps, self.kv)
             except Exception as exc:  # noqa: BLE001 - fails this iteration's requests, not the engine
@@ -184,14 +193,23 @@ class OrcaEngine:
                     for request in batch:
                         self._complete(request, error=exc)
                 continue
-            next_ids = choose_tokens(logits, [r.chooser for r in batch])
+            if all(done):
+                next_ids: list[int | None] = list(choose_tokens(logits, [r.chooser for r in batch]))
+            else:
+                rows = [i for i, d in enumerate(done) if d]
+                chosen = choose_tokens(logits[rows], [batch[i].chooser for i in rows]) if rows else []
+                next_ids = [None] * len(batch)
+                for i, token in zip(rows, chosen, strict=True):
+                    next_ids[i] = token
             with self._cond:
                 self.iterations += 1
                 self.batch_sizes.append(len(batch))
                 for request, step, token in zip(batch, steps, next_ids, strict=True):
                     request.cached += len(step.tokens)
-                    if len(step.tokens) > 1:  # its prompt is computed: its full blocks may be shared
+                    if len(step.tokens) > 1:  # prompt tokens computed: its full blocks may be shared
                         self.scheduler.computed(request)
+                    if token is None:
+                        continue  # a chunk of its prompt: the next iteration computes more of it
                     request.generated.append(token)
                     self.tokens += 1
                     entry = self._entries.get(id(request))  # None only after close() gave up on it
@@ -203,6 +221,9 @@ class OrcaEngine:
                     for request in self._held:  # the request-level batch is over: everyone answered
                         self._answer(request)
                     self._held.clear()
+
+    def _chunk(self, tokens: tuple[int, ...]) -> tuple[int, ...]:
+        return tokens[: self.prefill_chunk] if self.prefill_chunk and len(tokens) > self.prefill_chunk else tokens
 
     @staticmethod
     def _report(on_token: TokenCallback, token: int, index: int, last: bool) -> None:

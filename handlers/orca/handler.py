@@ -136,7 +136,8 @@ class OrcaHandler:
         self.config = c = settings.fitted_to(model.positions, given)
         self.engine = OrcaEngine(model, c.kv_slots, c.max_tokens, c.max_batch,
                                  c.max_new_tokens, device=device.device,
-                                 iteration_level=c.policy == "orca", block_size=c.block_size)  # fmt: skip
+                                 iteration_level=c.policy == "orca", block_size=c.block_size,
+                                 prefill_chunk=c.prefill_chunk)  # fmt: skip
         self.engine.submit([0], 1).result()  # warm-up: the first iteration pays lazy initialisation
         self.initialized = True
         logger.info("Orca serving %s on %s: %s", spec.name, device, c)

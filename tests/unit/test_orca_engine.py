@@ -183,3 +183,27 @@ def test_requests_with_a_common_prompt_prefix_share_its_blocks(tiny):
     assert shared_answers == plain_answers == [greedy(hf, a, 6) for a in asks]
     assert shared_blocks == 3 * 5 and plain_shared == 0  # each later request took the five prefix blocks
     assert shared_peak < plain_peak, (shared_peak, plain_peak)
+
+
+def test_a_long_prompt_in_chunks_shares_its_iterations_with_running_requests_and_answers_the_same(tiny):
+    """Chunks of 4: a 19-token prompt takes five iterations to compute, during which the running request makes
+    a token every iteration; both answers equal greedy decoding, and a seeded sampled request is unaffected."""
+    hf, model = tiny
+    engine = OrcaEngine(model, slots=4, max_tokens=48, max_batch=4, max_new_tokens=24, block_size=4, prefill_chunk=4)
+    try:
+        made: list[int] = []
+        started = threading.Event()
+        running_prompt, long_prompt = prompt(40, 3), prompt(41, 19)
+        running = engine.submit(running_prompt, 20, on_token=lambda t, i, last: (made.append(i), started.set()))
+        assert started.wait(60)
+        first_long_token_at: list[int] = []
+        at_submit = len(made)
+        long = engine.submit(
+            long_prompt, 4, on_token=lambda t, i, last: i == 0 and first_long_token_at.append(len(made))
+        )
+        results = running.result(timeout=60), long.result(timeout=60)
+    finally:
+        engine.close(timeout_s=30)
+    assert results == (greedy(hf, running_prompt, 20), greedy(hf, long_prompt, 4))
+    # Five chunk iterations, the running request in each: whole, the prompt would have taken one.
+    assert first_long_token_at and first_long_token_at[0] - at_submit >= 5
