@@ -27,8 +27,8 @@ def test_catalog_has_the_required_models_with_input_specs():
     assert catalog["resnet50"].image_shape == (3, 224, 224)
     assert catalog["bert-base"].seq_len and catalog["gpt2"].seq_len
     assert {n for n, s in catalog.items() if s.ci} == {"resnet50", "bert-mini"}
-    for spec in catalog.values():
-        assert set(spec.modes) == set(EXECUTION_MODES)
+    for name, spec in catalog.items():  # llama-tiny is Orca's (its engine runs the eager model's modules)
+        assert set(spec.modes) == ({"eager"} if name == "llama-tiny" else set(EXECUTION_MODES)), name
 
 
 def test_spec_round_trips_through_plain_data():
