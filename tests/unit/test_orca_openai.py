@@ -166,3 +166,10 @@ def test_a_cancelled_request_ends_early_and_frees_its_slot():
         assert not engine.cancel(first)  # already answered
     finally:
         engine.close(10)
+
+
+def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused(tmp_path):
+    from handlers.orca.text import TokenizerError
+
+    with pytest.raises(TokenizerError, match="300 tokens but the model's vocabulary holds 200"):
+        TextCodec.load(save_small_tokenizer(tmp_path), vocab=200)
