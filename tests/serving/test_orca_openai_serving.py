@@ -148,6 +148,9 @@ def test_a_bad_request_is_a_400_in_openais_shape_and_the_server_serves_on(served
     assert client.completions.create(model=NAME, prompt="the", max_tokens=2, temperature=0).choices[0].text is not None
 
 
-def test_the_models_route_names_the_served_model(served):
+def test_the_models_route_names_the_served_model_and_an_unknown_route_is_a_404(served):
     client, _, _ = served
     assert [m.id for m in client.models.list()] == [NAME]
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.embeddings.create(model=NAME, input="the quick")
+    assert caught.value.body["code"] == "unknown_url" and "/v1/completions" in caught.value.body["message"]
