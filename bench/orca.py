@@ -82,14 +82,13 @@ from bench.report import (
     save_figure,
 )
 
-VOCAB = 50257
 BASELINES = {
     "request": "request-level batching on Orca's engine (no padding, finished requests stop computing)",
     "generate": "request-level batching through transformers' generate (padded, every row runs to the batch's end)",
     "continuous": "transformers' own continuous batching (init_continuous_batching: iteration-level, paged KV)",
     "twin": "a second Orca engine, the same settings: the A/A band of this run",
 }
-MODELS = ("gpt2", "gpt2-tiny1")
+MODELS = ("gpt2", "gpt2-tiny1", "llama-tiny")
 
 
 def _range(text: str) -> tuple[int, int]:
@@ -100,15 +99,16 @@ def _range(text: str) -> tuple[int, int]:
     return low_i, high_i
 
 
-def workload(rate: float, seconds: float, prompt: tuple[int, int], output: tuple[int, int], seed: int) -> list[dict]:
-    """Poisson arrivals over ``seconds``: (time, prompt ids, max_new_tokens)."""
+def workload(rate: float, seconds: float, prompt: tuple[int, int], output: tuple[int, int], seed: int,
+             vocab: int) -> list[dict]:  # fmt: skip
+    """Poisson arrivals over ``seconds``: (time, prompt ids of a ``vocab``-token vocabulary, max_new_tokens)."""
     rng = random.Random(seed)
     t, out = 0.0, []
     while True:
         t += rng.expovariate(rate)
         if t >= seconds:
             return out
-        ids = [rng.randrange(VOCAB) for _ in range(rng.randint(*prompt))]
+        ids = [rng.randrange(vocab) for _ in range(rng.randint(*prompt))]
         out.append({"at": t, "ids": ids, "new": rng.randint(*output)})
 
 
@@ -143,7 +143,8 @@ def drive(engine: Any, arrivals: list[dict]) -> dict[str, Any]:
     return {"latencies": latencies, "span": span, "failed": failed, "tokens": sum(a["new"] for a in arrivals)}
 
 
-def capacity(engine: Any, clients: int, seconds: float, prompt: tuple[int, int], output: tuple[int, int]) -> float:
+def capacity(engine: Any, clients: int, seconds: float, prompt: tuple[int, int], output: tuple[int, int],
+             vocab: int) -> float:  # fmt: skip
     """Answers per second with ``clients`` requests always in flight."""
     rng = random.Random(1)
     stop = time.perf_counter() + seconds
@@ -154,7 +155,7 @@ def capacity(engine: Any, clients: int, seconds: float, prompt: tuple[int, int],
         nonlocal count
         while time.perf_counter() < stop:
             with lock:
-                ids = [rng.randrange(VOCAB) for _ in range(rng.randint(*prompt))]
+                ids = [rng.randrange(vocab) for _ in range(rng.randint(*prompt))]
                 new = rng.randint(*output)
             engine.submit(ids, new).result()
             with lock:
@@ -193,8 +194,8 @@ def iteration_costs(
 
         return 1e3 * median_seconds(iteration, repeats=repeats, warmup=3)
 
-    decode = {b: median_ms([Step([rng.randrange(VOCAB)], context, tables[i]) for i in range(b)]) for b in batches}
-    initiation = median_ms([Step([rng.randrange(VOCAB) for _ in range(prompt)], 0, tables[0])])
+    decode = {b: median_ms([Step([rng.randrange(model.vocab)], context, tables[i]) for i in range(b)]) for b in batches}
+    initiation = median_ms([Step([rng.randrange(model.vocab) for _ in range(prompt)], 0, tables[0])])
     return {"context": context, "prompt": prompt, "decode_ms": decode, "initiation_ms": initiation}
 
 
@@ -207,7 +208,7 @@ def kv_counts(model: Any, args: argparse.Namespace) -> dict[str, Any]:
     rng = random.Random(5)
     size, new = DEFAULT_BLOCK_SIZE, args.output[1]
     max_tokens = args.prompt[1] + new
-    asks = [[rng.randrange(VOCAB) for _ in range(rng.randint(*args.prompt))] for _ in range(12)]
+    asks = [[rng.randrange(model.vocab) for _ in range(rng.randint(*args.prompt))] for _ in range(12)]
     need = sum(blocks_for(len(a) + new - 1, size) for a in asks)
 
     def serve(asks: list[list[int]], kv_blocks: int | None, share: bool = True, first_alone: bool = False) -> dict:
@@ -224,8 +225,8 @@ def kv_counts(model: Any, args: argparse.Namespace) -> dict[str, Any]:
                 "shared_blocks": engine.kv.blocks.shared, "blocks": engine.kv.shape.blocks}  # fmt: skip
 
     ample, scarce = serve(asks, None), serve(asks, max(need // 3, blocks_for(max_tokens, size)))
-    system = [rng.randrange(VOCAB) for _ in range(4 * size)]
-    chats = [system + [rng.randrange(VOCAB) for _ in range(8)] for _ in range(8)]
+    system = [rng.randrange(model.vocab) for _ in range(4 * size)]
+    chats = [system + [rng.randrange(model.vocab) for _ in range(8)] for _ in range(8)]
     shared, unshared = serve(chats, None, first_alone=True), serve(chats, None, share=False, first_alone=True)
     rows = {"ample": ample, "scarce": scarce, "prefix shared": shared, "prefix not shared": unshared}
     return {
@@ -244,11 +245,13 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     from handlers.orca.batch_generate import BatchGenerateEngine
     from handlers.orca.engine import OrcaEngine
     from handlers.orca.gpt2 import SelectiveGPT2
+    from handlers.orca.llama import SelectiveLlama
     from model_store.catalog import get_spec
     from model_store.factory import build_model
 
-    hf = build_model(get_spec(args.model)).model.to(args.device)
-    model = SelectiveGPT2(hf)  # shares hf's weights
+    spec = get_spec(args.model)
+    hf = build_model(spec).model.to(args.device)
+    model = SelectiveLlama(hf) if spec.family == "llama" else SelectiveGPT2(hf)  # shares hf's weights
     max_tokens = args.prompt[1] + args.output[1]
     systems = [(policy, b) for b in args.max_batches for policy in ("orca", *args.baselines)]
 
@@ -273,12 +276,12 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                                 prompt=sum(args.prompt) // 2, device=args.device)  # fmt: skip
         # Each system's sustainable throughput, twice its max batch in flight; Orca's at the largest sets the loads.
         capacities = {f"{policy}-{b}": capacity(engines[(policy, b)], 2 * b, args.capacity_seconds, args.prompt,
-                                                args.output) for policy, b in systems}  # fmt: skip
+                                                args.output, model.vocab) for policy, b in systems}  # fmt: skip
         cap = capacities[f"orca-{biggest}"]
         with tqdm(total=len(args.fractions) * len(systems), desc="orca vs request-level", unit="run") as bar:
             for k, fraction in enumerate(args.fractions):
                 rate = fraction * cap
-                arrivals = workload(rate, args.seconds, args.prompt, args.output, seed=args.seed + k)
+                arrivals = workload(rate, args.seconds, args.prompt, args.output, seed=args.seed + k, vocab=model.vocab)
                 for policy, b in systems if k % 2 == 0 else list(reversed(systems)):
                     result = drive(engines[(policy, b)], [dict(a) for a in arrivals])
                     lat = sorted(result["latencies"])
@@ -445,7 +448,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--model", default="gpt2", choices=MODELS,
-                        help="the catalog's GPT-2 small, or its one-layer GPT-2 (the host-bound regime)")  # fmt: skip
+                        help="the catalog's GPT-2 small, its one-layer GPT-2 (the host-bound regime), or its small "
+                             "Llama-family model (grouped-query attention)")  # fmt: skip
     parser.add_argument("--baselines", default="request,generate,continuous",
                         help=f"comma-separated, from {', '.join(BASELINES)}")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="loads 0.3 and 0.7, 8 s runs")
@@ -465,7 +469,7 @@ def main(argv: list[str] | None = None) -> int:
         if min(args.max_batches) < 1 or not all(f > 0 for f in args.fractions):
             raise ValueError("max batches must be ≥ 1 and fractions > 0")
         if args.prompt[1] + args.output[1] > 1024:
-            raise ValueError("the longest prompt plus the most new tokens must fit GPT-2's 1024 positions")
+            raise ValueError("the longest prompt plus the most new tokens must fit the model's 1024 positions")
     except ValueError as exc:
         parser.error(str(exc))
     if args.device == "cuda":

@@ -67,12 +67,16 @@ class BatchGenerateEngine:
             raise ValueError(f"max_batch must be ≥ 1, got {max_batch}")
         self.hf = hf
         self.vocab = int(hf.config.vocab_size)
-        if max_tokens > hf.config.n_positions:
-            raise ValueError(f"GPT-2 has {hf.config.n_positions} positions; requests of {max_tokens} cannot fit")
+        positions = getattr(hf.config, "n_positions", None) or hf.config.max_position_embeddings  # GPT-2's or Llama's
+        if max_tokens > positions:
+            raise ValueError(f"the model has {positions} positions; requests of {max_tokens} cannot fit")
         self.max_batch = max_batch
         self.max_new_tokens = max_new_tokens
         self.max_tokens = max_tokens
-        self._pad_id = int(hf.config.eos_token_id)  # GPT-2 has no padding token: end-of-text pads, masked out
+        eos = hf.config.eos_token_id
+        # No padding token (GPT-2's case): end-of-text pads, masked out.
+        self._pad_id = int(hf.config.pad_token_id if hf.config.pad_token_id is not None else
+                           eos[0] if isinstance(eos, list) else eos)  # fmt: skip
         self._queue: deque[_Waiting] = deque()
         self._running: list[_Waiting] = []  # the batch generate() is on
         self._cond = threading.Condition()
