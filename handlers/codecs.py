@@ -56,6 +56,18 @@ def check_payload_size(value: bytes | bytearray, limit: int) -> None:
         raise RequestError(413, f"payload of {len(value)} bytes exceeds the limit of {limit} bytes")
 
 
+def json_payload(row: dict[str, Any], limit: int) -> Any:
+    """A JSON request's body as Python values: raw bytes checked against ``limit`` (a 413) and parsed, a string
+    parsed, a value TorchServe already parsed (an ``application/json`` body) as it is."""
+    value = request_payload(row)
+    if isinstance(value, (bytes, bytearray)):
+        check_payload_size(value, limit)
+        return parse_json(value)
+    if isinstance(value, str):
+        return parse_json(value)
+    return value
+
+
 def parse_json(raw: bytes | bytearray | str) -> Any:
     try:
         text = raw.decode("utf-8") if isinstance(raw, (bytes, bytearray)) else raw

@@ -39,7 +39,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from handlers.codecs import DEFAULT_MAX_PAYLOAD_BYTES, check_payload_size, parse_json, request_payload
+from handlers.codecs import DEFAULT_MAX_PAYLOAD_BYTES, json_payload
 from handlers.errors import ResponseError, ServiceUnavailable, bad_request
 from handlers.orca.config import OrcaConfig
 from handlers.orca.engine import GenerationError, OrcaEngine
@@ -72,12 +72,7 @@ class GenerationAsk(NamedTuple):
 def parse_generation_request(row: dict[str, Any], config: OrcaConfig, max_payload_bytes: int) -> GenerationAsk:
     """A request row's ask, or a ``RequestError`` naming the problem.  No sampling field: greedy decoding, as
     before sampling existed; no stop ids: ``max_new_tokens`` tokens."""
-    value = request_payload(row)
-    if isinstance(value, bytes | bytearray):
-        check_payload_size(value, max_payload_bytes)
-        value = parse_json(value)
-    elif isinstance(value, str):
-        value = parse_json(value)
+    value = json_payload(row, max_payload_bytes)
     if not isinstance(value, dict):
         raise bad_request(f"expected a JSON object with {', '.join(FIELDS)}; got {type(value).__name__}")
     unknown = sorted(set(value) - set(FIELDS))
@@ -209,12 +204,7 @@ class OrcaHandler:
         context.set_response_content_type(index, "application/json")
         if route == MODELS:
             return json.dumps(models_list(self.model_name, self.created))
-        value = request_payload(row)
-        if isinstance(value, bytes | bytearray | str):
-            if isinstance(value, bytes | bytearray):
-                check_payload_size(value, self.max_payload_bytes)
-            value = parse_json(value)
-        ask = parse_openai_request(route, value, self.text)
+        ask = parse_openai_request(route, json_payload(row, self.max_payload_bytes), self.text)
         new_tokens = self._fit_new_tokens(ask)
         answer = Answer(ask, self.model_name)
         text = TextStream(self.text, ask.stops)
@@ -246,9 +236,9 @@ class OrcaHandler:
             for token in output:
                 text.push(token)
         rest = text.finish()
-        stopped = text.stopped or bool(output and output[-1] in stop_ids and len(output) == len(text.ids))
+        # Every token made reached ``text`` unless a stop string ended it first.
+        reason = "stop" if text.stopped or output[-1] in stop_ids else "length"
         made = len(text.ids)
-        reason = "stop" if stopped else "length"
         if ask.stream:
             return answer.closing(rest, reason, made)
         return json.dumps(answer.complete(text.text, reason, made))
