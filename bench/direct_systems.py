@@ -24,6 +24,7 @@ from archiver.options import ServingOptions
 from bench.direct import call, call_batch, load_context
 from handlers.dvabatch.handler import DvaBatchHandler
 from handlers.ebird.handler import EbirdHandler
+from handlers.ebird.scheduler import default_worker_batches
 from handlers.plain_handler import PlainModelHandler
 from handlers.runtime.decode import BATCHED, LANE
 from model_store.catalog import get_spec
@@ -187,12 +188,20 @@ class NoWaitDriver:
         self.batcher.cancel()
 
 
-def make_driver(system: str, model: str, mode: str, model_dir: str, device: str) -> tuple[Any, Any]:
-    """(driver, handler) for one system, initialised as TorchServe would initialise its worker."""
+def make_driver(
+    system: str, model: str, mode: str, model_dir: str, device: str, max_batch: int | None = None
+) -> tuple[Any, Any]:
+    """(driver, handler) for one system, initialised as TorchServe would initialise its worker.
+
+    ``max_batch``: every system's largest batch (Ebird's largest worker, DVABatch's ``max_batch``,
+    the frontend's ``batch_size`` for the plain handler); None: each one's default.
+    """
     spec = get_spec(model, mode)
     gpu = 0 if device == "cuda" else None
     if system.startswith("ebird"):
-        settings = (("cuda_graphs", False),) if system == EBIRD_EAGER else ()
+        settings: tuple[tuple[str, Any], ...] = (("cuda_graphs", False),) if system == EBIRD_EAGER else ()
+        if max_batch is not None:  # the paper's worker set whose largest worker takes max_batch
+            settings += (("worker_batches", default_worker_batches(2 * max_batch)), ("max_inflight", 2 * max_batch))
         options = ServingOptions(handler="ebird", decode_threads=decode_setting(system), handler_settings=settings)
         ctx = load_context(spec, Path(model_dir), options, gpu=gpu)
         handler = EbirdHandler()
@@ -201,23 +210,25 @@ def make_driver(system: str, model: str, mode: str, model_dir: str, device: str)
     if system == DVABATCH:
         from bench.dvabatch import dvabatch_token_lengths
 
-        options = ServingOptions(handler="dvabatch", token_lengths=dvabatch_token_lengths(spec, "auto"))
+        settings = () if max_batch is None else (("max_batch", max_batch), ("max_inflight", max(64, 2 * max_batch)))
+        options = ServingOptions(
+            handler="dvabatch", token_lengths=dvabatch_token_lengths(spec, "auto"), handler_settings=settings
+        )
         ctx = load_context(spec, Path(model_dir), options, gpu=gpu)
         handler = DvaBatchHandler()
         handler.initialize(ctx)
         return AsyncDriver(handler, ctx), handler
     delay_ms = wait_ms(system) if system.startswith("wait") else 0.0
+    batch = max_batch or NOWAIT_BATCH
     options = ServingOptions(
-        batch_size=NOWAIT_BATCH,
+        batch_size=batch,
         max_batch_delay_ms=round(delay_ms),
         cuda_graphs=system in (GRAPH_BASELINE, SAME_EXECUTION),
         decode_threads=BATCHED if system == SAME_EXECUTION else None,
     )
     ctx = load_context(spec, Path(model_dir), options, gpu=gpu)
     handler = PlainModelHandler()
-    return NoWaitDriver(
-        handler, ctx, NOWAIT_BATCH, delay_ms / 1e3
-    ), handler  # initialised on the driver's worker thread
+    return NoWaitDriver(handler, ctx, batch, delay_ms / 1e3), handler  # initialised on the driver's worker thread
 
 
 async def open_loop(driver: Any, rows: list[dict], times: list[float]) -> LoadResult:
@@ -249,10 +260,46 @@ async def play(times: list[float], send: Callable[[int], Awaitable[int]]) -> Loa
     return LoadResult(samples, time.perf_counter() - t0)
 
 
-async def closed_loop(driver: Any, rows: list[dict], clients: int, seconds: float) -> float:
-    """Answered requests per second with ``clients`` requests always in flight."""
+def thread_role(name: str | None) -> str:
+    """Which part of a system a thread of its process is: the event loop (and the load generator on
+    it), the sync worker, a CPU lane, an OpenMP team thread (not a Python thread), or another."""
+    if name is None:
+        return "OpenMP"
+    if name == "MainThread":
+        return "event loop"
+    if name.startswith("worker"):
+        return "worker"
+    if name.startswith("lane"):
+        return "lanes"
+    return "other"
+
+
+def cpu_seconds_by_role() -> dict[str, float]:
+    """CPU seconds (user + system) each role's threads of this process have used so far (Linux /proc)."""
+    import os
+    import threading
+
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    ticks = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended meanwhile
+            continue
+        role = thread_role(names.get(int(tid)))
+        out[role] = out.get(role, 0.0) + (int(fields[11]) + int(fields[12])) / ticks
+    return out
+
+
+async def closed_loop(driver: Any, rows: list[dict], clients: int, seconds: float) -> dict[str, Any]:
+    """Answered requests per second with ``clients`` requests always in flight, and the host CPU each
+    answer cost, in µs by thread role (``cpu_seconds_by_role``): what a request costs the host, which
+    on a fast GPU or with a tiny model is what limits a handler."""
     await driver.start()
     samples: list[Sample] = []
+    cpu_before = cpu_seconds_by_role()
     t0 = time.perf_counter()
 
     async def client(k: int) -> None:
@@ -264,8 +311,11 @@ async def closed_loop(driver: Any, rows: list[dict], clients: int, seconds: floa
 
     await asyncio.gather(*(client(k) for k in range(clients)))
     result = LoadResult(samples, time.perf_counter() - t0)
+    cpu_after = cpu_seconds_by_role()
     await driver.stop()
-    return result.throughput()
+    answered = max(len(samples), 1)
+    cpu_us = {role: 1e6 * (cpu_after[role] - cpu_before.get(role, 0.0)) / answered for role in cpu_after}
+    return {"throughput": result.throughput(), "cpu_us_per_request": {k: v for k, v in cpu_us.items() if v >= 0.5}}
 
 
 def stage_totals(metrics: Any) -> dict[str, Any]:
@@ -285,12 +335,14 @@ def counters_since(before: dict[str, Any], after: dict[str, Any]) -> dict[str, A
     return {"batches": {size: n for size, n in batches.items() if n}, "stages_ms": stages}
 
 
-def serve(conn: Connection, system: str, model: str, mode: str, model_dir: str, device: str) -> None:
+def serve(
+    conn: Connection, system: str, model: str, mode: str, model_dir: str, device: str, max_batch: int | None = None
+) -> None:
     """A system's process: load, say ready, then run the parent's load commands one at a time."""
     from bench.dvabatch import bench_payloads
     from model_store.samples import request_body
 
-    driver, handler = make_driver(system, model, mode, model_dir, device)
+    driver, handler = make_driver(system, model, mode, model_dir, device, max_batch)
     payloads, _ = bench_payloads(get_spec(model, mode), count=64)  # token models: mixed lengths
     rows = [{"body": request_body(p)} for p in payloads]
     conn.send(("ready", str(handler.device.device)))
@@ -310,11 +362,13 @@ def serve(conn: Connection, system: str, model: str, mode: str, model_dir: str, 
 
 
 class SystemProcess:
-    def __init__(self, system: str, model: str, mode: str, model_dir: Path, device: str) -> None:
+    def __init__(
+        self, system: str, model: str, mode: str, model_dir: Path, device: str, max_batch: int | None = None
+    ) -> None:
         self.system = system
         ctx = mp.get_context("spawn")  # a fresh interpreter: no torch thread state shared with the parent
         self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=serve, args=(child, system, model, mode, str(model_dir), device))
+        self.process = ctx.Process(target=serve, args=(child, system, model, mode, str(model_dir), device, max_batch))
         self.process.start()
         self.device: str | None = None
 

@@ -118,14 +118,15 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     systems: dict[str, SystemProcess] = {}
     try:
         for name in names:
-            systems[name] = SystemProcess(name, args.model, args.mode, model_dir, args.device)
+            systems[name] = SystemProcess(name, args.model, args.mode, model_dir, args.device, args.max_batch)
         for proc in systems.values():
             proc.wait_ready()
         for proc in systems.values():  # first kernels, allocator, lazy imports
             proc.run("closed", 300.0, clients=args.clients, seconds=args.warmup_seconds)
-        capacity = {}
+        capacity, host_cpu = {}, {}
         for name, proc in systems.items():
-            capacity[name], _ = proc.run("closed", 300.0, clients=args.clients, seconds=args.capacity_seconds)
+            closed, _ = proc.run("closed", 300.0, clients=args.clients, seconds=args.capacity_seconds)
+            capacity[name], host_cpu[name] = closed["throughput"], closed["cpu_us_per_request"]
         best = max(capacity.values())
         rows = []
         total = len(args.fractions) * args.repeats * len(names)
@@ -149,6 +150,8 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "device": systems[BASELINE].device,
         "systems": names,
         "capacity": capacity,
+        "host_cpu_us": host_cpu,
+        "max_batch": args.max_batch,
         "clients": args.clients,
         "seconds": args.seconds,
         "repeats": args.repeats,
@@ -245,13 +248,29 @@ def render(data: dict[str, Any], stem: str) -> str:
         f"on {data['device']}\n\n"
         f"Each system in its own process, its handler called as TorchServe's Python worker calls it; no HTTP, "
         f"no Java frontend (see the module docstring of `bench/ebird_direct.py`). NO Wait = the plain handler "
-        f"with batch_size {NOWAIT_BATCH}, max_batch_delay 0. Sustainable throughput (closed loop, "
+        f"with batch_size {data.get('max_batch') or NOWAIT_BATCH}, max_batch_delay 0"
+        + (f"; every system's largest batch {data['max_batch']}" if data.get("max_batch") else "")
+        + ". Sustainable throughput (closed loop, "
         f"{data['clients']} in flight): {capacity}. Open-loop Poisson at fractions of the best one, "
         f"{data['seconds']:g} s per run, {data['repeats']} repeats, the systems' order reversed every other "
         f"repeat, on identical arrivals. Ratio < 1: faster than the baseline; the better stock baseline is, per "
         f"repeat, whichever of NO Wait and the waiting ones had the lower mean.\n\n"
         f"{markdown_table(header, stable)}\n"
     )
+    if "host_cpu_us" in data:  # runs before this column existed have none
+        roles = list(dict.fromkeys(role for n in names for role in data["host_cpu_us"][n]))
+        host_rows = [
+            [label(n), f"{data['capacity'][n]:.0f}",
+             *(f"{data['host_cpu_us'][n].get(role, 0.0):.0f}" for role in roles),
+             f"{sum(v for role, v in data['host_cpu_us'][n].items() if role != 'OpenMP'):.0f}"]
+            for n in names
+        ]  # fmt: skip
+        text += (
+            "\nHost CPU per answered request while capacity was measured (µs, from each thread's CPU time in "
+            "/proc; the event loop also runs the in-process load generator, alike for every system; OpenMP: the "
+            "intra-op team's other threads, which spin while waiting; Python: every thread but those):\n\n"
+            f"{markdown_table(['system', 'req/s', *roles, 'Python'], host_rows)}\n"
+        )
     stage_names = list(dict.fromkeys(s for r in data["summary"] for n in names for s in r[n]["stages_ms"]))
     stage_rows = [
         [
@@ -309,6 +328,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--twin", action="store_true", help="also serve NO Wait twice: the twin ÷ NO Wait is the A/A band"
     )
+    parser.add_argument(
+        "--max-batch",
+        type=int,
+        default=None,
+        help="every system's largest batch (Ebird's largest worker, DVABatch's max_batch, NO Wait's batch_size); "
+        f"default: each one's own (Ebird 16, DVABatch 16, NO Wait {NOWAIT_BATCH})",
+    )
     parser.add_argument("--quick", action="store_true", help="8 s runs, 2 repeats, short capacity step")
     parser.add_argument("--suffix", default="", help="appended to the output files' name")
     add_output_arguments(parser)
@@ -322,6 +348,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(
             f"--ebird-decode-threads takes integers ≥ 0, lane, batched or auto, got {args.ebird_decode_threads!r}"
         )
+    if args.max_batch is not None and (args.max_batch < 1 or args.max_batch & (args.max_batch - 1)):
+        parser.error("--max-batch must be a power of two ≥ 1 (Ebird's worker sizes are)")
     if not args.fractions or min(args.fractions) <= 0:
         parser.error("--fractions must be positive numbers")
     import torch

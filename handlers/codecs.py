@@ -16,7 +16,6 @@ import io
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -78,13 +77,61 @@ def parse_json(raw: bytes | bytearray | str) -> Any:
         raise bad_request(f"malformed JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
 
 
-@dataclass(frozen=True)
 class ModelInput:
-    """One request's tensors, without the batch dimension; ``v2``: the Open Inference Protocol
-    request it came in, which its answer then follows (None: the handler's own JSON)."""
+    """One request's inputs, without the batch dimension; ``v2``: the Open Inference Protocol
+    request it came in, which its answer then follows (None: the handler's own JSON).
 
-    tensors: tuple[torch.Tensor, ...]
-    v2: oip.InferRequest | None = None
+    A token request keeps its ids and mask as Python lists (``rows``) until
+    its batch is formed (``collate``): one tensor per input position per
+    batch instead of two per request.  Each torch call releases the GIL and
+    must take it back; where another thread of the worker runs Python (an
+    async handler's event loop beside the lane that decodes and runs
+    batches), each such hand-off waits for that thread, and on a tiny model
+    (the host-bound regime of a fast GPU) those waits were most of a
+    request's decode (``docs/benchmarks/host_path.md``).  ``tensors`` builds
+    the tensors on first use, for code that wants them one by one.
+    """
+
+    __slots__ = ("_shapes", "_tensors", "rows", "v2")
+
+    def __init__(
+        self,
+        tensors: tuple[torch.Tensor, ...] | None = None,
+        v2: oip.InferRequest | None = None,
+        *,
+        rows: tuple[list[int], ...] | None = None,
+    ) -> None:
+        if (tensors is None) == (rows is None):
+            raise ValueError("a ModelInput holds either tensors or token rows")
+        self._tensors = None if tensors is None else tuple(tensors)
+        self.rows = rows
+        self.v2 = v2
+        self._shapes: tuple[tuple[int, ...], ...] | None = None
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        if self._tensors is None:
+            self._tensors = tuple(torch.tensor(row, dtype=torch.long) for row in self.rows)
+        return self._tensors
+
+    @property
+    def shapes(self) -> tuple[tuple[int, ...], ...]:
+        """Each input's shape, without building tensors."""
+        if self._shapes is None:
+            if self.rows is not None:
+                self._shapes = tuple((len(row),) for row in self.rows)
+            else:
+                self._shapes = tuple(tuple(t.shape) for t in self._tensors)
+        return self._shapes
+
+    @property
+    def dtypes(self) -> tuple[torch.dtype, ...]:
+        if self.rows is not None:
+            return (torch.long,) * len(self.rows)
+        return tuple(t.dtype for t in self._tensors)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(shapes={list(self.shapes)}, v2={self.v2 is not None})"
 
 
 # The Open Inference Protocol's names for a catalog model's tensors (its metadata says so too).
@@ -148,7 +195,7 @@ class InputCodec:
             return self._from_v2(value)
         if self.spec.input_kind == "image":
             return ModelInput((self._image_from_json(value),))
-        return ModelInput(self._tokens_from_json(value))
+        return ModelInput(rows=self._tokens_from_json(value))
 
     def answer(self, item: ModelInput, row: torch.Tensor) -> bytes:
         """One request's answer from its output row, in the wire format it came in."""
@@ -179,12 +226,10 @@ class InputCodec:
             if unknown:
                 raise oip.OipError(f"unknown input '{unknown[0]}' (the model takes {list(expected)})")
             if self.spec.input_kind == "image":
-                tensors: tuple[torch.Tensor, ...] = (self._image_from_v2(request.get(V2_IMAGE)),)
-            else:
-                tensors = self._tokens_from_v2(request)
+                return ModelInput((self._image_from_v2(request.get(V2_IMAGE)),), request)
+            return ModelInput(v2=request, rows=self._tokens_from_v2(request))
         except oip.OipError as exc:
             raise RequestError(exc.status, str(exc)) from None
-        return ModelInput(tensors, request)
 
     def _image_from_v2(self, tensor: oip.Tensor) -> torch.Tensor:
         if tensor.datatype == "BYTES":
@@ -208,7 +253,7 @@ class InputCodec:
             raise oip.OipError(f"input '{tensor.name}' contains NaN or infinite values")
         return out
 
-    def _tokens_from_v2(self, request: oip.InferRequest) -> tuple[torch.Tensor, torch.Tensor]:
+    def _tokens_from_v2(self, request: oip.InferRequest) -> tuple[list[int], list[int]]:
         ids_tensor = request.get(V2_TOKENS[0])
         ids = one_item(int_tensor(ids_tensor), 1)
         if V2_TOKENS[1] in request.inputs:
@@ -293,7 +338,7 @@ class InputCodec:
 
     # -- tokens --------------------------------------------------------------
 
-    def _tokens_from_json(self, value: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def _tokens_from_json(self, value: Any) -> tuple[list[int], list[int]]:
         if isinstance(value, dict):
             ids = value.get("input_ids", value.get("data"))
             if ids is None:
@@ -311,12 +356,9 @@ class InputCodec:
         if bad is not None:
             raise bad_request(f"token id {bad} outside the vocabulary [0, {self.vocab_size})")
         length = self.token_lengths[bisect.bisect_left(self.token_lengths, len(ids))]
-        # Two tensor constructions from Python lists, not zeros then slice writes: each torch call
-        # releases and retakes the GIL, which a handler's other threads may hold meanwhile.
+        # Python lists, made into tensors once per batch (``collate``; ``ModelInput`` says why).
         pad = length - len(ids)
-        padded = torch.tensor(ids + [0] * pad, dtype=torch.long)
-        mask = torch.tensor([1] * len(ids) + [0] * pad, dtype=torch.long)
-        return padded, mask
+        return ids + [0] * pad, [1] * len(ids) + [0] * pad
 
 
 def is_describe(context: Any) -> bool:
@@ -390,13 +432,21 @@ def _float_tensor(data: Any) -> torch.Tensor:
     return tensor
 
 
-def collate(inputs: list[ModelInput]) -> tuple[torch.Tensor, ...]:
-    """Stack per-request tensors into batch tensors, position by position."""
+def collate(inputs: Sequence[ModelInput]) -> tuple[torch.Tensor, ...]:
+    """Per-request inputs as batch tensors, position by position: one tensor from the token rows
+    when every input has them (one torch call per position), else the tensors stacked."""
+    if inputs and all(i.rows is not None for i in inputs):
+        return tuple(torch.tensor(parts, dtype=torch.long) for parts in zip(*(i.rows for i in inputs), strict=True))
     return tuple(torch.stack(parts) for parts in zip(*(i.tensors for i in inputs), strict=True))
 
 
 def encode_output(row: torch.Tensor, max_full: int = 1000) -> dict[str, Any]:
-    """One request's answer from its row of the model's output.
+    """One request's answer from its row of the model's output (``encode_outputs`` of one row)."""
+    return encode_outputs(row.unsqueeze(0), max_full)[0]
+
+
+def encode_outputs(outputs: torch.Tensor, max_full: int = 1000) -> list[dict[str, Any]]:
+    """Each request's answer from its row of a batch's output.
 
     A classifier's row is a logit vector: the answer is its top-5, plus all
     logits when there are at most ``max_full`` (GPT-2's 50k next-token logits
@@ -404,16 +454,44 @@ def encode_output(row: torch.Tensor, max_full: int = 1000) -> dict[str, Any]:
     segmentation model's row is ``[classes, H, W]`` per-pixel logits: the
     answer is the ``[H, W]`` mask of each pixel's most likely class, 16k small
     integers for the catalog's UNet instead of 2 × 16k floats.
+
+    The torch work is done once for the batch (one top-k, one ``tolist``)
+    and each answer is then built in plain Python: per-row torch calls
+    would each hand the GIL to the worker's other threads and wait to get
+    it back (``ModelInput`` says why that matters).
     """
-    row = row.float()
-    if row.dim() == 3:
-        return {"classes": int(row.shape[0]), "mask": row.argmax(dim=0).tolist()}
-    if row.dim() != 1:
-        raise ValueError(f"cannot answer with a model output row of shape {list(row.shape)}")
-    result: dict[str, Any] = {"top5": top_k(row)}
-    if row.numel() <= max_full:
-        result["logits"] = finite_list(row)
-    return result
+    outputs = outputs.float()
+    if outputs.dim() == 4:
+        classes = int(outputs.shape[1])
+        return [{"classes": classes, "mask": mask} for mask in outputs.argmax(dim=1).tolist()]
+    if outputs.dim() != 2:
+        raise ValueError(f"cannot answer with a model output row of shape {list(outputs.shape[1:])}")
+    values, indices = torch.topk(outputs, min(5, outputs.shape[1]), dim=1)
+    tops = [
+        [{"index": i, "logit": finite_or_none(v)} for v, i in zip(vs, ids, strict=True)]
+        for vs, ids in zip(values.tolist(), indices.tolist(), strict=True)
+    ]
+    if outputs.shape[1] > max_full:
+        return [{"top5": top} for top in tops]
+    return [
+        {"top5": top, "logits": [x if math.isfinite(x) else None for x in row]}
+        for top, row in zip(tops, outputs.tolist(), strict=True)
+    ]
+
+
+def answers_for(codec: InputCodec, inputs: Sequence[ModelInput], outputs: torch.Tensor) -> list[bytes]:
+    """Each request's answer bytes in the wire format it came in: the handler's own JSON for the
+    batch's rows at once (``encode_outputs``), the Open Inference Protocol's one by one."""
+    own = [j for j, item in enumerate(inputs) if item.v2 is None]
+    answers: list[bytes] = [b""] * len(inputs)
+    if own:
+        rows = outputs if len(own) == len(inputs) else outputs[own]
+        for j, answer in zip(own, encode_outputs(rows), strict=True):
+            answers[j] = answer_bytes(answer)
+    for j, item in enumerate(inputs):
+        if item.v2 is not None:
+            answers[j] = codec.answer(item, outputs[j])
+    return answers
 
 
 def answer_bytes(answer: Any) -> bytes:
@@ -426,18 +504,6 @@ def answer_bytes(answer: Any) -> bytes:
     handle again.  The response's content type stays application/json.
     """
     return json.dumps(answer, separators=(",", ":"), allow_nan=False).encode()
-
-
-def top_k(logits: torch.Tensor, k: int = 5) -> list[dict[str, float]]:
-    values, indices = torch.topk(logits, min(k, logits.numel()))
-    # ``tolist`` once: iterating the tensors would make a 0-d tensor per element.
-    pairs = zip(values.tolist(), indices.tolist(), strict=True)
-    return [{"index": i, "logit": finite_or_none(v)} for v, i in pairs]
-
-
-def finite_list(tensor: torch.Tensor) -> list[float]:
-    """JSON-safe floats (JSON has no NaN)."""
-    return [x if math.isfinite(x) else None for x in tensor.tolist()]
 
 
 def finite_or_none(x: float) -> float | None:

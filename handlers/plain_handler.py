@@ -30,8 +30,9 @@ from handlers.codecs import (
     InputCodec,
     ModelInput,
     answer_bytes,
+    answers_for,
     collate,
-    encode_output,
+    encode_outputs,
     is_describe,
 )
 from handlers.errors import RequestError
@@ -210,8 +211,8 @@ class PlainModelHandler(PackratWorkerMixin):
     def postprocess(self, logits: torch.Tensor, inputs: list[ModelInput] | None = None) -> list[bytes]:
         """Each request's answer, as JSON bytes (see ``answer_bytes``), in the wire format it came in."""
         if inputs is None:
-            return [answer_bytes(encode_output(row)) for row in logits]
-        return [self.codec.answer(item, row) for item, row in zip(inputs, logits, strict=True)]
+            return [answer_bytes(answer) for answer in encode_outputs(logits)]
+        return answers_for(self.codec, inputs, logits)
 
     # -- entry point ---------------------------------------------------------
 

@@ -33,12 +33,12 @@ from concurrent.futures import Future
 
 import torch
 
-from handlers.codecs import ModelInput
+from handlers.codecs import ModelInput, collate
 from handlers.dvabatch.batch_table import BatchEntry, BatchTable
 from handlers.dvabatch.policy import DvaBatchConfig, DvaPolicy
 from handlers.errors import ServiceUnavailable, bad_request
 from handlers.runtime.device import ExecutionDevice
-from handlers.runtime.engine import Engine, Ticket, drain_then_stop, layout_of, warm_up_sizes
+from handlers.runtime.engine import Engine, Ticket, drain_then_stop, layout_of, settle_batch, warm_up_sizes
 from handlers.runtime.lanes import CpuLanes
 from handlers.runtime.metrics import HandlerMetrics
 from handlers.runtime.segment_profile import SegmentProfile
@@ -96,7 +96,7 @@ class DvaBatchEngine(Engine):
         if self._closing:
             raise ServiceUnavailable("worker is shutting down")
         if layout_of(item) != self.layout:
-            raise bad_request(f"input shapes {[list(t.shape) for t in item.tensors]} do not fit this model's stages")
+            raise bad_request(f"input shapes {[list(s) for s in item.shapes]} do not fit this model's stages")
         with self._cond:
             if len(self._outstanding) >= self.config.max_inflight:
                 return None
@@ -139,8 +139,7 @@ class DvaBatchEngine(Engine):
             placement = self.policy.place(self.table, len(self._pending), now)
             items = [self._pending.popleft() for _ in range(placement.count)]
             tickets = [t for t, _ in items]
-            columns = zip(*(i.tensors for _, i in items), strict=True)
-            inputs = self.sliced.start(*(torch.stack(c).to(self.device.device) for c in columns))
+            inputs = self.sliced.start(*(t.to(self.device.device) for t in collate([i for _, i in items])))
             self._count(placement.kind)
             if placement.kind == "join":
                 entry = self.table.join(placement.target, tickets)
@@ -196,7 +195,7 @@ class DvaBatchEngine(Engine):
         return out
 
     def _stage_done(self, batch_id: int, stage: int, future: Future) -> None:
-        answers: list[tuple[Ticket, torch.Tensor | None, BaseException | None]] = []
+        answers: list[tuple[list[Ticket], torch.Tensor | None, BaseException | None]] = []
         with self._cond:
             self._busy[stage] = False
             error = future.exception()
@@ -204,7 +203,7 @@ class DvaBatchEngine(Engine):
                 logger.error("stage %d of batch %d failed: %r", stage, batch_id, error)
                 failure = ServiceUnavailable(f"inference failed: {type(error).__name__}: {error}")
                 self._states.pop(batch_id, None)
-                answers = [(t, None, failure) for t in self.table.drop(batch_id)]
+                answers = [(self.table.drop(batch_id), None, failure)]
             else:
                 self._states[batch_id] = future.result()
                 for merge in self.table.finish_stage(batch_id):
@@ -212,16 +211,18 @@ class DvaBatchEngine(Engine):
                     joined = [self._states[merge.target], self._states.pop(merge.catch_up)]
                     self._states[merge.target] = merge_states(joined)
                 answers = self._collect_finished()
-            self._outstanding.difference_update(t for t, _, _ in answers)
+            for tickets, _, _ in answers:
+                self._outstanding.difference_update(tickets)
             self._cond.notify_all()
         finished = time.monotonic()
-        for ticket, row, err in answers:
-            ticket.times.finished = finished
-            ticket.settle(result=row, error=err)
+        for tickets, output, err in answers:
+            for ticket in tickets:
+                ticket.times.finished = finished
+            settle_batch(tickets, output, err)  # the batch's answers encoded in one call
         if answers:
             self._notify_space()
 
-    def _collect_finished(self) -> list[tuple[Ticket, torch.Tensor | None, BaseException | None]]:
+    def _collect_finished(self) -> list[tuple[list[Ticket], torch.Tensor | None, BaseException | None]]:
         answers = []
         for entry in list(self.table):
             if entry.stage < len(self.sliced) or entry.running:
@@ -232,7 +233,7 @@ class DvaBatchEngine(Engine):
             output = output.float().cpu()
             tickets = self.table.complete(entry.id)
             self.metrics.batch_finished(time.monotonic() - entry.created)
-            answers.extend((t, output[i], None) for i, t in enumerate(tickets))
+            answers.append((tickets, output, None))
         return answers
 
     # -- warm-up and shutdown --------------------------------------------------------

@@ -42,8 +42,9 @@ from handlers.errors import ServiceUnavailable, bad_request
 from handlers.runtime.arrivals import Arrivals
 from handlers.runtime.cuda_graphs import CapturedBucket, capture
 from handlers.runtime.device import ExecutionDevice
-from handlers.runtime.engine import Engine, Ticket, drain_then_stop, layout_of, warm_up_sizes
+from handlers.runtime.engine import Engine, Ticket, drain_then_stop, layout_of, settle_batch, warm_up_sizes
 from handlers.runtime.lanes import CpuLanes
+from handlers.runtime.loop_mailbox import one_wakeup
 from handlers.runtime.metrics import HandlerMetrics
 
 logger = logging.getLogger(__name__)
@@ -130,8 +131,8 @@ class EbirdEngine(Engine):
     def try_submit(self, item: ModelInput) -> concurrent.futures.Future | None:
         if self._closing:
             raise ServiceUnavailable("worker is shutting down")
-        if not self.pool.fits(item.tensors):
-            raise bad_request(f"input shapes {[list(t.shape) for t in item.tensors]} do not fit this input pool")
+        if not self.pool.fits(item):
+            raise bad_request(f"input shapes {[list(shape) for shape in item.shapes]} do not fit this input pool")
         slot = self.pool.reserve()
         if slot is None:
             return None
@@ -139,7 +140,7 @@ class EbirdEngine(Engine):
         with self._cond:
             self._tickets[slot] = ticket
             self._outstanding.add(ticket)
-        self.pool.write(slot, item.tensors)
+        self.pool.write(slot, item)
         with self._cond:
             self._wake_scheduler_if_it_may_act()
         return ticket.future
@@ -238,10 +239,16 @@ class EbirdEngine(Engine):
             self._finish(worker, job, *done.result())
 
     def _finish(self, worker: EngineWorker, job: Job, outputs: torch.Tensor | None, error: Exception | None) -> None:
-        """Answer a finished batch, free its slots and give the worker back (on the thread that ran it)."""
+        """Answer a finished batch, free its slots and give the worker back (on the thread that ran it);
+        its answers and the room it frees reach the event loop in one wake-up."""
+        with one_wakeup():
+            self._answer_and_plan(worker, job, outputs, error)
+
+    def _answer_and_plan(
+        self, worker: EngineWorker, job: Job, outputs: torch.Tensor | None, error: Exception | None
+    ) -> None:
         self.pool.release(job.run)
-        for i, ticket in enumerate(job.tickets):
-            ticket.settle(result=None if error else outputs[i], error=error)
+        settle_batch(job.tickets, outputs, error)  # the batch's answers encoded in one call
         with self._cond:
             self._outstanding.difference_update(job.tickets)
             self._idle[worker.spec.worker_id] = worker

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from handlers.codecs import ModelInput, collate
+
 
 class SlotState(enum.Enum):
     FREE = 0
@@ -71,8 +73,8 @@ class InputPool:
             )
             self._copied = [torch.cuda.Event() for _ in range(capacity)]
         self._state = [SlotState.FREE] * capacity
-        # CPU: each ready slot's tensors, until its batch gathers them into ``storage``.
-        self._rows: list[tuple[torch.Tensor, ...] | None] = [None] * capacity
+        # CPU: each ready slot's input, until its batch gathers it into ``storage``.
+        self._rows: list[ModelInput | None] = [None] * capacity
         self._head = 0  # next slot to hand out
         self._tail = 0  # oldest slot not yet taken into a batch
         self._lock = threading.Lock()
@@ -87,21 +89,24 @@ class InputPool:
             self._head = (slot + 1) % self.capacity
             return slot
 
-    def write(self, slot: int, tensors: Sequence[torch.Tensor]) -> None:
-        """Copy one request's tensors into ``slot`` and mark it ready."""
+    def write(self, slot: int, item: ModelInput | Sequence[torch.Tensor]) -> None:
+        """Copy one request's input into ``slot`` and mark it ready."""
         if self._state[slot] is not SlotState.WRITING:
             raise RuntimeError(f"slot {slot} was not reserved")
-        if len(tensors) != len(self.storage):
-            raise ValueError(f"expected {len(self.storage)} tensors, got {len(tensors)}")
-        for buf, tensor in zip(self.storage, tensors, strict=True):
-            if tuple(tensor.shape) != tuple(buf.shape[1:]):
-                raise ValueError(f"input shape {list(tensor.shape)} does not match the pool's {list(buf.shape[1:])}")
+        item = as_input(item)
+        shapes = item.shapes
+        if len(shapes) != len(self.storage):
+            raise ValueError(f"expected {len(self.storage)} tensors, got {len(shapes)}")
+        for buf, shape in zip(self.storage, shapes, strict=True):
+            if shape != tuple(buf.shape[1:]):
+                raise ValueError(f"input shape {list(shape)} does not match the pool's {list(buf.shape[1:])}")
         if self._copy_stream is None:
             # Kept by reference and copied in with its batch (``wait_copied``), on the lane that
-            # runs it: one stack per input tensor per batch, not torch calls per request on the
-            # event loop, each of which waited for the GIL while the lane ran the model.
-            self._rows[slot] = tuple(tensors)
+            # runs it: torch calls once per input tensor per batch, not per request on the event
+            # loop, each of which waited for the GIL while the lane ran the model.
+            self._rows[slot] = item
         else:
+            tensors = item.tensors
             with torch.cuda.stream(self._copy_stream):
                 for buf, staging, tensor in zip(self.storage, self._staging, tensors, strict=True):
                     if tensor.device == self.device:
@@ -156,28 +161,26 @@ class InputPool:
             self._tail = (start + count) % self.capacity
             return Run(start, count)
 
-    def fits(self, tensors: Sequence[torch.Tensor]) -> bool:
-        """Whether one request's tensors match the pool's layout (checked before reserving,
+    def fits(self, item: ModelInput | Sequence[torch.Tensor]) -> bool:
+        """Whether one request's input matches the pool's layout (checked before reserving,
         because a reserved slot that is never written would block the ring)."""
-        return len(tensors) == len(self.layout) and all(
-            tuple(t.shape) == shape and t.dtype == dtype
-            for t, (shape, dtype) in zip(tensors, self.layout, strict=False)
-        )
+        item = as_input(item)
+        return tuple(zip(item.shapes, item.dtypes, strict=False)) == self.layout
 
     def wait_copied(self, run: Run, stream: torch.cuda.Stream | None) -> None:
         """Have the run's inputs in ``storage`` before its batch reads them.
 
         CUDA: make ``stream`` wait until their copies have landed on the
-        device.  CPU: gather the rows ``write`` kept into the run's slice of
-        the storage, one ``torch.stack`` per input tensor (on the lane, right
-        before the batch).
+        device.  CPU: gather the inputs ``write`` kept into the run's slice of
+        the storage, as batch tensors made once per input (``codecs.collate``,
+        on the lane, right before the batch).
         """
         if self._copy_stream is None:
             rows = [self._rows[slot] for slot in range(run.start, run.start + run.count)]
             if any(row is None for row in rows):
                 raise RuntimeError(f"slots {run} hold no written input")
-            for i, buf in enumerate(self.storage):
-                torch.stack([row[i] for row in rows], out=buf[run.start : run.start + run.count])
+            for buf, batch in zip(self.storage, collate(rows), strict=True):
+                buf[run.start : run.start + run.count].copy_(batch)
             for slot in range(run.start, run.start + run.count):
                 self._rows[slot] = None
             return
@@ -202,3 +205,8 @@ class InputPool:
     def in_use(self) -> int:
         with self._lock:
             return sum(s is not SlotState.FREE for s in self._state)
+
+
+def as_input(item: ModelInput | Sequence[torch.Tensor]) -> ModelInput:
+    """A request's input as a ``ModelInput`` (tests and callers may hand bare tensors)."""
+    return item if isinstance(item, ModelInput) else ModelInput(tuple(item))

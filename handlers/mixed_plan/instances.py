@@ -34,9 +34,9 @@ from typing import Any
 
 import torch
 
-from handlers.codecs import ModelInput
+from handlers.codecs import ModelInput, collate
 from handlers.errors import ServiceUnavailable
-from handlers.runtime.engine import Engine, Ticket, drain_then_stop, fail_unanswered, input_key
+from handlers.runtime.engine import Engine, Ticket, drain_then_stop, fail_unanswered, input_key, settle_batch
 from handlers.runtime.lanes import CpuLanes
 
 logger = logging.getLogger(__name__)
@@ -171,7 +171,7 @@ class InstancePool:
         for ticket in tickets:
             ticket.times.started = started
         try:
-            stacked = tuple(torch.stack(parts) for parts in zip(*(item.tensors for item, _ in taken), strict=True))
+            stacked = collate([item for item, _ in taken])
             outputs = self._run(instance, stacked)
             error = None
         except Exception as exc:  # this batch fails, the instance serves on
@@ -185,9 +185,9 @@ class InstancePool:
                 self._on_batch(instance, len(tickets), finished - started)
             except Exception:  # bookkeeping must not cost the instance its place
                 logger.exception("recording a batch of instance %d failed", index)
-        for i, ticket in enumerate(tickets):
+        for ticket in tickets:
             ticket.times.finished = finished
-            ticket.settle(result=None if error else outputs[i], error=error)
+        settle_batch(tickets, outputs, error)
         with self._cond:
             self._outstanding.difference_update(tickets)
             self._idle.add(index)

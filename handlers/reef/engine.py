@@ -43,6 +43,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -52,7 +53,7 @@ from handlers.errors import ServiceUnavailable, bad_request
 from handlers.reef.config import BEST_EFFORT, PRIORITIES, REALTIME, ReefConfig
 from handlers.reef.preemption import Preemption, PreemptionGate
 from handlers.runtime.device import ExecutionDevice
-from handlers.runtime.engine import Engine, Ticket, drain_then_stop, layout_of
+from handlers.runtime.engine import Engine, Ticket, drain_then_stop, layout_of, settle_batch
 from handlers.runtime.metrics import HandlerMetrics
 from handlers.runtime.segments import SegmentedModel
 
@@ -65,12 +66,30 @@ RT_STREAM_PRIORITY = -1
 BE_STREAM_PRIORITY = 0
 
 
-@dataclass(frozen=True)
 class RoutedInput(ModelInput):
     """A decoded request plus where it goes: which of the archive's models, at which priority."""
 
-    model: str = ""
-    priority: str = BEST_EFFORT
+    __slots__ = ("model", "priority")
+
+    def __init__(
+        self,
+        tensors: tuple[torch.Tensor, ...] | None = None,
+        v2: Any = None,
+        *,
+        rows: tuple[list[int], ...] | None = None,
+        model: str = "",
+        priority: str = BEST_EFFORT,
+    ) -> None:
+        super().__init__(tensors, v2, rows=rows)
+        self.model = model
+        self.priority = priority
+
+    @classmethod
+    def routing(cls, item: ModelInput, model: str, priority: str) -> RoutedInput:
+        """``item`` (tensors or token rows, as decoded) bound for ``model`` at ``priority``."""
+        if item.rows is not None:
+            return cls(v2=item.v2, rows=item.rows, model=model, priority=priority)
+        return cls(item.tensors, item.v2, model=model, priority=priority)
 
 
 @dataclass(frozen=True)
@@ -155,7 +174,7 @@ class ReefEngine(Engine):
         if item.priority not in PRIORITIES:
             raise bad_request(f"unknown priority {item.priority!r}")
         if layout_of(item) != self.members[item.model].layout:
-            raise bad_request(f"input shapes {[list(t.shape) for t in item.tensors]} do not fit {item.model}")
+            raise bad_request(f"input shapes {[list(shape) for shape in item.shapes]} do not fit {item.model}")
         with self._cond:
             if len(self._outstanding) >= self.config.max_inflight:
                 return None
@@ -278,15 +297,15 @@ class ReefEngine(Engine):
                 if isinstance(output, tuple):
                     output = output[0]
                 output = output.float().cpu()
-            rows, error = list(output), None
+            error = None
         except Exception as exc:  # this batch fails, the executor serves on
             logger.exception("a %d-request batch failed", len(batch))
-            rows, error = [None] * len(batch), ServiceUnavailable(f"inference failed: {type(exc).__name__}: {exc}")
+            output, error = None, ServiceUnavailable(f"inference failed: {type(exc).__name__}: {exc}")
         finished = time.monotonic()
         self.metrics.batch_finished(finished - started)
-        for ticket, row in zip(tickets, rows, strict=True):
+        for ticket in tickets:
             ticket.times.finished = finished
-            ticket.settle(result=row, error=error)
+        settle_batch(tickets, output, error)  # the batch's answers encoded in one call
         with self._cond:
             self._outstanding.difference_update(tickets)
             self._cond.notify_all()

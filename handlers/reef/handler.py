@@ -123,7 +123,7 @@ class ReefHandler(AsyncModelHandler):
             raise RequestError(404, f"unknown model {name!r} (X-Model); this archive serves {', '.join(self.codecs)}")
         priority = self.config.priority(name, headers.get(PRIORITY_HEADER))
         item = await self.decoder(row, self.codecs[name].decode)
-        return RoutedInput(item.tensors, item.v2, model=name, priority=priority)
+        return RoutedInput.routing(item, name, priority)
 
     def v2_signature(self) -> dict[str, Any]:
         """One signature per member model (a request names its member with the X-Model header)."""

@@ -40,15 +40,24 @@ from typing import Any
 
 import torch
 
-from handlers.codecs import DEFAULT_MAX_PAYLOAD_BYTES, InputCodec, ModelInput, answer_bytes, encode_output, is_describe
+from handlers.codecs import (
+    DEFAULT_MAX_PAYLOAD_BYTES,
+    InputCodec,
+    ModelInput,
+    answer_bytes,
+    encode_output,
+    encode_outputs,
+    is_describe,
+)
 from handlers.errors import ResponseError, ServiceUnavailable, bad_request
 from handlers.pinning.worker import PackratWorkerMixin
 from handlers.runtime import worker_pump
 from handlers.runtime.arrivals import Arrivals
 from handlers.runtime.batched_decode import BatchedJpegDecoder
+from handlers.runtime.deadlines import Deadlines
 from handlers.runtime.decode import BATCHED, LANE, RequestDecoder, default_decode_placement, parse_decode_threads
 from handlers.runtime.device import ExecutionDevice
-from handlers.runtime.engine import Engine, StageTimes, input_key
+from handlers.runtime.engine import Engine, RowsEncoder, StageTimes, input_key
 from handlers.runtime.lanes import CpuLanes
 from handlers.runtime.loop_mailbox import mailbox_for
 from handlers.runtime.metrics import HandlerMetrics
@@ -181,6 +190,8 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
         # Per event loop: TorchServe runs one for the worker's life, but a
         # handler driven directly (tests) may see several.
         self._admissions: dict[tuple[int, Any], _Admission] = {}
+        self._rows_encoder = RowsEncoder(self.postprocess_rows)
+        self._deadlines: dict[int, Deadlines] = {}  # per event loop, as ``_admissions``
 
     # -- hooks ---------------------------------------------------------------
 
@@ -221,10 +232,18 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
             return self.codec_for(item).answer(item, output)
         return answer_bytes(encode_output(output))
 
+    def postprocess_rows(self, outputs: torch.Tensor) -> list[Any]:
+        """The answers to several requests in the handler's own JSON, from their output rows at once
+        (``codecs.encode_outputs``: the torch work once for the batch)."""
+        return [answer_bytes(answer) for answer in encode_outputs(outputs)]
+
     def encoder_for(self, item: ModelInput) -> Any:
-        """The callable that turns ``item``'s output row into its answer: ``postprocess`` itself for
-        the handler's own JSON, bound to the request for an Open Inference Protocol one."""
-        return self.postprocess if item.v2 is None else functools.partial(self.postprocess, item=item)
+        """What turns ``item``'s output row into its answer: for the handler's own JSON, an encoder
+        of whole batches (``RowsEncoder``, unless a subclass answers in its own ``postprocess``);
+        for an Open Inference Protocol request, ``postprocess`` bound to it."""
+        if item.v2 is not None:
+            return functools.partial(self.postprocess, item=item)
+        return self._rows_encoder if type(self).postprocess is AsyncModelHandler.postprocess else self.postprocess
 
     def codec_for(self, item: ModelInput) -> InputCodec:
         """The codec that decoded ``item`` (a handler serving several models overrides this)."""
@@ -334,6 +353,8 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
         # this worker, and a set being drained must not be stopped under it.
         self._count_unanswered(len(data))
         try:
+            if len(data) == 1:  # async mode's usual message: no task and gather around one request
+                return [await self._serve(0, data[0], context)]
             answers = await asyncio.gather(*(self._serve(index, row, context) for index, row in enumerate(data)))
         finally:
             self._count_unanswered(-len(data))
@@ -382,7 +403,7 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
         """
         key = self.engine_key(item)
         if key not in self.engines:
-            shapes = [list(t.shape) for t in item.tensors]
+            shapes = [list(shape) for shape in item.shapes]
             raise bad_request(f"input shape {shapes} is not one this archive declares")
         loop = asyncio.get_running_loop()
         admission = self._admissions.get((id(loop), key))
@@ -398,14 +419,24 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
         self.metrics.request_admitted()
         try:
             answer = mailbox_for(loop).wrap(future)
-            output = await asyncio.wait_for(answer, max(deadline - loop.time(), 0.0))
+            self._deadlines_on(loop).watch(answer, deadline)
+            output = await answer
             encoded = getattr(future, "encoded", False)
             return output, getattr(future, "times", None), admitted, time.monotonic(), encoded
-        except TimeoutError:
-            limit = self.response_timeout_s
-            raise ServiceUnavailable(f"no result within the response timeout of {limit:g} s") from None
         finally:
             self.metrics.request_answered()
+
+    def _deadlines_on(self, loop: asyncio.AbstractEventLoop) -> Deadlines:
+        """The response timeout's watch on ``loop`` (one timer for every request waiting there)."""
+        deadlines = self._deadlines.get(id(loop))
+        if deadlines is None or deadlines.loop is not loop:
+            limit = self.response_timeout_s
+
+            def timed_out() -> ServiceUnavailable:
+                return ServiceUnavailable(f"no result within the response timeout of {limit:g} s")
+
+            deadlines = self._deadlines[id(loop)] = Deadlines(loop, timed_out)
+        return deadlines
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Finish admitted requests (up to ``timeout_s``), answer the rest with 503, stop engine threads."""

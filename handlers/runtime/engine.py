@@ -13,7 +13,7 @@ import concurrent.futures
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +21,7 @@ import torch
 
 from handlers.codecs import ModelInput
 from handlers.errors import ServiceUnavailable
+from handlers.runtime.loop_mailbox import one_wakeup
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +42,22 @@ class StageTimes:
     encode_seconds: float = 0.0  # spent encoding its answer before settling (``TicketFuture.encode``)
 
 
+class RowsEncoder:
+    """Turns several output rows into their answers in one call: a batch's torch work once.
+
+    The handler sets one as a ticket's ``encode`` for requests that share a
+    wire format; ``settle_batch`` then encodes every such ticket of a batch
+    together (``codecs.encode_outputs``).  Called with one row, it encodes
+    that row alone.
+    """
+
+    def __init__(self, encode_rows: Callable[[torch.Tensor], list[Any]]) -> None:
+        self.encode_rows = encode_rows
+
+    def __call__(self, row: torch.Tensor) -> Any:
+        return self.encode_rows(row.unsqueeze(0))[0]
+
+
 class TicketFuture(concurrent.futures.Future):
     """A request's future, carrying its ``StageTimes`` to whoever awaits it.
 
@@ -55,7 +72,7 @@ class TicketFuture(concurrent.futures.Future):
     def __init__(self, times: StageTimes) -> None:
         super().__init__()
         self.times = times
-        self.encode: Callable[[Any], Any] | None = None
+        self.encode: Callable[[Any], Any] | RowsEncoder | None = None
         self.encoded = False
 
 
@@ -85,6 +102,15 @@ class Ticket:
                 logger.exception("encoding an answer failed")
                 error = ServiceUnavailable(f"could not encode the answer: {type(exc).__name__}: {exc}")
             self.times.encode_seconds = time.monotonic() - started
+        return self._answer(result, error)
+
+    def settle_encoded(self, answer: Any, encode_seconds: float) -> bool:
+        """Answer with what ``settle_batch`` encoded for it (``encode_seconds``: its share of that)."""
+        self.future.encoded = True
+        self.times.encode_seconds = encode_seconds
+        return self._answer(answer, None)
+
+    def _answer(self, result: Any, error: BaseException | None) -> bool:
         self.times.settled = time.monotonic()
         try:
             if error is not None:
@@ -94,6 +120,45 @@ class Ticket:
             return True
         except concurrent.futures.InvalidStateError:
             return False
+
+
+def settle_batch(tickets: Sequence[Ticket], outputs: Any, error: BaseException | None = None) -> None:
+    """Answer a batch's tickets from its output rows (``outputs[i]`` is ticket i's), or all with ``error``.
+
+    Tickets whose ``encode`` is a ``RowsEncoder`` are encoded together, one
+    call per encoder for the whole batch; the others one by one, as
+    ``Ticket.settle`` does.
+    """
+    with one_wakeup():  # the batch's hand-offs to the event loop wake it once
+        _settle_batch(tickets, outputs, error)
+
+
+def _settle_batch(tickets: Sequence[Ticket], outputs: Any, error: BaseException | None) -> None:
+    if error is not None or outputs is None:
+        failure = error or ServiceUnavailable("inference produced no output")
+        for ticket in tickets:
+            ticket.settle(error=failure)
+        return
+    together: dict[int, tuple[RowsEncoder, list[int]]] = {}
+    for i, ticket in enumerate(tickets):
+        encode = ticket.future.encode
+        if isinstance(encode, RowsEncoder) and not ticket.future.done():
+            together.setdefault(id(encode), (encode, []))[1].append(i)
+        else:
+            ticket.settle(result=outputs[i])
+    for encoder, indices in together.values():
+        started = time.monotonic()
+        try:
+            answers = encoder.encode_rows(outputs if len(indices) == len(tickets) else outputs[indices])
+        except Exception as exc:  # these requests fail, the engine serves on
+            logger.exception("encoding a batch's answers failed")
+            failure = ServiceUnavailable(f"could not encode the answer: {type(exc).__name__}: {exc}")
+            for i in indices:
+                tickets[i].settle(error=failure)
+            continue
+        share = (time.monotonic() - started) / len(indices)
+        for i, answer in zip(indices, answers, strict=True):
+            tickets[i].settle_encoded(answer, share)
 
 
 class Engine(abc.ABC):
@@ -171,8 +236,8 @@ def warm_up_sizes(sizes: list[int], run: Callable[[int], Any], lanes: Any | None
 
 def input_key(item: ModelInput) -> tuple[tuple[int, ...], ...]:
     """Shapes of one input's tensors: which preallocated memory it fits."""
-    return tuple(tuple(t.shape) for t in item.tensors)
+    return item.shapes
 
 
 def layout_of(item: ModelInput) -> tuple[tuple[tuple[int, ...], torch.dtype], ...]:
-    return tuple((tuple(t.shape), t.dtype) for t in item.tensors)
+    return tuple(zip(item.shapes, item.dtypes, strict=True))
