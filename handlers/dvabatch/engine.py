@@ -36,6 +36,7 @@ import torch
 from handlers.codecs import ModelInput, collate
 from handlers.dvabatch.batch_table import BatchEntry, BatchTable
 from handlers.dvabatch.policy import DvaBatchConfig, DvaPolicy
+from handlers.dvabatch.stage_programs import StagePrograms, bucket_sizes
 from handlers.errors import ServiceUnavailable, bad_request
 from handlers.runtime.device import ExecutionDevice
 from handlers.runtime.engine import Engine, Ticket, drain_then_stop, layout_of, settle_batch, warm_up_sizes
@@ -87,6 +88,8 @@ class DvaBatchEngine(Engine):
         self._cond = threading.Condition()
         self._closing = False
         self._stopping = False
+        # CUDA with ``cuda_graphs``: each stage a captured graph per batch bucket (built in ``warm_up``).
+        self.programs: StagePrograms | None = None
         self._scheduler = threading.Thread(target=self._schedule_loop, name="dvabatch-scheduler", daemon=True)
         self._scheduler.start()
 
@@ -189,7 +192,7 @@ class DvaBatchEngine(Engine):
 
     def _run_stage(self, stage: int, state: State) -> State:
         with torch.inference_mode(), self.device.on(self._streams[stage]):
-            out = self.sliced[stage](state)
+            out = self.sliced[stage](state) if self.programs is None else self.programs.run(stage, state)
             if self.device.is_cuda:
                 self.device.synchronize(self.device.record(self._streams[stage]))
         return out
@@ -247,6 +250,22 @@ class DvaBatchEngine(Engine):
                 self.sliced(*(z.expand(rows, *z.shape[1:]).contiguous() for z in zeros))
 
         warm_up_sizes([1, self.config.max_batch], through_all, self._lanes, self.device)
+        if self.device.is_cuda and self.config.cuda_graphs:
+            self._capture_stages(zeros)
+
+    def _capture_stages(self, zeros: tuple[torch.Tensor, ...]) -> None:
+        """One CUDA graph per (stage, bucket); a model whose stages cannot be captured runs eagerly."""
+        started = time.perf_counter()
+        buckets = bucket_sizes(self.config.max_batch)
+        try:
+            self.programs = StagePrograms(self.sliced, zeros, buckets, graphs=True)
+        except Exception:  # capture is an optimisation: the eager stages serve the same answers
+            logger.warning("DVABatch: could not capture the stages as CUDA graphs; running them eagerly", exc_info=True)
+            return
+        logger.info(
+            "DVABatch: captured %d stages × %d batch buckets %s as CUDA graphs in %.1f s",
+            len(self.sliced), len(buckets), buckets, time.perf_counter() - started,
+        )  # fmt: skip
 
     def _stop(self) -> None:
         self._stopping = True

@@ -47,6 +47,8 @@ class DvaBatchConfig:
     # cores split among the stages; 1: every stage on all the cores, one at
     # a time).  See ``DvaBatchHandler.cpu_lane_count``.
     cpu_lanes: int | None = None
+    # CUDA only: each stage replays a captured graph per batch bucket (``stage_programs.py``).
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         for name in ("segments", "max_batch", "max_inflight"):
@@ -57,7 +59,7 @@ class DvaBatchConfig:
             raise DvaBatchConfigError(f"t_comp_wait_ms must be a number, got {self.t_comp_wait_ms!r}")
         if self.t_comp_wait_ms < 0:
             raise DvaBatchConfigError(f"t_comp_wait_ms must be ≥ 0, got {self.t_comp_wait_ms}")
-        for name in ("stretch", "split"):
+        for name in ("stretch", "split", "cuda_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise DvaBatchConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.cpu_lanes is not None:
