@@ -5,12 +5,14 @@
 #   bash bench/gpu_session.sh OUT_DIR TIER|STEP...     # e.g. `1`, `2`, `tests ebird`, `all`
 #   DRY=1 bash bench/gpu_session.sh /tmp/dry all       # the same steps on this CPU, tiny runs
 #
-# Tier 0 (about 11 minutes; prepared 2026-11-28, when the loan was paused
-# before it started): the host path after the loop mailbox, lane decode jobs
-# per burst, the bench's lean per-message context, and Orca's one attention
-# call per layer per decode iteration (docs/benchmarks/host_path.md): Ebird
-# against NO Wait with the same execution (ebird_same), DVABatch on BERT-base,
-# Orca on GPT-2, REEF workload A.
+# Tier 0 (about 11 minutes; prepared 2026-11-28/29, no loan since): the host
+# path after the loop mailbox, lane decode jobs per burst, torch work and
+# loop wake-ups once per batch (docs/benchmarks/host_path.md), DVABatch's
+# stages as CUDA graphs per batch bucket, and Orca's one attention call per
+# layer per decode iteration: the host-bound regime on the card (Ebird and
+# DVABatch against NO Wait on the one-layer BERT, twin beside: hostbound),
+# Ebird against NO Wait with the same execution (ebird_same), DVABatch on
+# BERT-base, Orca on GPT-2 against generate and continuous batching.
 # The older tiers follow what was unmeasured after the H200 session of
 # 2026-11-27 (commits eac5868/eba1994; docs/benchmarks/reading/gpu.md):
 # Tier 1 (about 7 minutes): the CUDA tests (the plain handler's batched
@@ -40,7 +42,7 @@ work=$(mktemp -d)
 export PYTHONPATH="$PWD/.site:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
 
-tier0="ebird_same dvabatch orca reef_a"
+tier0="hostbound ebird_same dvabatch orca"
 tier1="tests ebird ebird_same jpeg nimble_effnet"
 tier2="dvabatch reef_c reef_a"
 tier3="orca nimble_inception nimble_resnet50 nimble_fault"
@@ -82,6 +84,13 @@ step() {  # step NAME SECONDS COMMAND...
   echo "cores $(nproc)"; echo "commit ${BENCH_COMMIT:-$(git rev-parse --short HEAD)} (tree copied from it)"; } >"$work/machine.txt" 2>&1
 cat "$work/machine.txt"
 echo "steps:$steps"
+
+# -- tier 0's own --------------------------------------------------------
+# The host-bound regime (a one-layer BERT: each batch's compute in microseconds, the host's work per request
+# decides): Ebird and DVABatch against NO Wait at the same largest batch, with host CPU per request by thread.
+step hostbound 200 bash -c "for h in ebird dvabatch; do $py -m bench.ebird_direct --handler \$h --model bert-tiny1 \
+    --device $dev --twin --max-batch 32 --fractions 0.3,0.85 --seconds $secs --repeats 1 --capacity-seconds $cap \
+    --warmup-seconds $warm --suffix _hostbound --out-dir $work || exit 1; done"
 
 # -- tier 1 ---------------------------------------------------------------
 # Every test that skips without CUDA: tests/gpu, and the device-parametrized tests whose cuda case sits
