@@ -42,9 +42,9 @@ if __package__ in (None, ""):  # `python bench/NAME.py` from the repository root
 
 from archiver.options import ServingOptions
 from bench.direct import call, group_load_context
-from bench.direct_systems import play
+from bench.direct_systems import cpu_seconds_by_role, play
 from bench.reef import WORKLOADS, members_of, plot, render, run_row, summarise, workload_settings
-from bench.report import add_output_arguments, run_benchmark
+from bench.report import add_output_arguments, markdown_table, run_benchmark
 from handlers.reef.handler import ENGINE_KEY, ReefHandler
 from model_store.catalog import ModelSpec, get_spec
 from model_store.samples import client_payload, request_body
@@ -53,8 +53,16 @@ from serving_harness.loadgen import LoadResult, Sample
 PADDED = "reef-pad"
 
 
+_BODIES: dict[tuple[str, int], dict[str, Any]] = {}
+
+
 def body(spec: ModelSpec, seed: int) -> dict[str, Any]:
-    return {"body": request_body(client_payload(spec, seed))}
+    """A client's request for ``spec`` (one of a few per seed, made once: building a token payload makes a
+    model config, ~1 ms of the event loop that the handler under test would be charged for)."""
+    key = (spec.name, seed % 64)
+    if key not in _BODIES:
+        _BODIES[key] = {"body": request_body(client_payload(spec, key[1]))}
+    return _BODIES[key]
 
 
 class Worker:
@@ -118,6 +126,25 @@ async def one_run(
     return merged, list(results[len(rt) :])
 
 
+def rt_capacity(worker: Worker, spec: ModelSpec, clients: int, seconds: float) -> dict[str, Any]:
+    """REEF's RT path at capacity: ``clients`` RT clients in closed loop, answers/s and the host CPU each
+    answer cost by thread role (the host-bound regime's measure, ``bench/ebird_direct.py``)."""
+
+    async def run() -> list[LoadResult]:
+        return await asyncio.gather(*(closed_loop(worker, spec, "realtime", seconds, k) for k in range(clients)))
+
+    before = cpu_seconds_by_role()
+    results = asyncio.run(run())
+    after = cpu_seconds_by_role()
+    answered = max(sum(len(r.ok) for r in results), 1)
+    return {
+        "model": spec.name,
+        "clients": clients,
+        "throughput": answered / max(r.wall_s for r in results),
+        "cpu_us_per_answer": {role: 1e6 * (after[role] - before.get(role, 0.0)) / answered for role in after},
+    }
+
+
 def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     import torch
 
@@ -139,6 +166,7 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         alone = asyncio.run(closed_loop(workers["reef"], specs[name], "realtime", args.calibrate_seconds, 0))
         l1_ms[name] = alone.mean_latency_ms()
     rt_rates = {n: args.rt_load / len(l1_ms) / (ms / 1e3) for n, ms in l1_ms.items()}
+    host = rt_capacity(workers["reef"], specs[workload["rt"][0]], args.capacity_clients, args.calibrate_seconds)
     systems = ["rt-only", *policies]
     rows: dict[str, list[dict[str, Any]]] = {p: [] for p in systems}
     with tqdm(total=args.repeats * len(systems), desc=f"workload {args.workload} on {device}", unit="run") as bar:
@@ -168,9 +196,32 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         rt_mean_within_5pct_of_rt_only=statistics.median(reef["rt_mean_vs_rt_only"]) <= 1.05,
         throughput_at_least_3x_rt_only=statistics.median(reef["throughput_vs_rt_only"]) >= 3.0,
     )
+    data["rt_capacity"] = host
     data["where"] = f"handlers driven in-process on {device}, no TorchServe frontend (`bench/reef_direct.py`)"
     data["device"] = device
     return data
+
+
+def render_with_host(data: dict[str, Any], stem: str) -> str:
+    """``bench.reef``'s table, and the RT path at capacity with its host CPU per answer by thread role."""
+    text = render(data, stem)
+    cap = data.get("rt_capacity")
+    if cap is None:  # runs before the measure existed
+        return text
+    cpu = cap["cpu_us_per_answer"]
+    roles = [role for role, us in cpu.items() if us >= 0.5]
+    python = sum(us for role, us in cpu.items() if role != "OpenMP")
+    table = markdown_table(
+        ["RT model", "clients", "answers/s", *roles, "Python"],
+        [[cap["model"], str(cap["clients"]), f"{cap['throughput']:.0f}", *(f"{cpu[r]:.0f}" for r in roles),
+          f"{python:.0f}"]],
+    )  # fmt: skip
+    return text + (
+        "\n\nREEF's real-time path at capacity (RT clients alone in closed loop, before the runs above): answers/s "
+        "and host CPU per answer, µs by thread role, from each thread's CPU time in /proc (the event loop also runs "
+        "the load generator; other: REEF's executor threads; Python: every thread but the OpenMP team's):\n\n"
+        f"{table}\n"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -187,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--padding", action="store_true", help="also run REEF with padding on (reef-pad)")
     parser.add_argument("--warmup-seconds", type=float, default=2.0)
     parser.add_argument("--calibrate-seconds", type=float, default=4.0)
+    parser.add_argument("--capacity-clients", type=int, default=32, help="RT clients in the capacity run")
     parser.add_argument("--suffix", default="", help="appended to the output files' name")
     add_output_arguments(parser)
     args = parser.parse_args(argv)
@@ -202,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     def stem_of(data: dict[str, Any]) -> str:
         return f"reef_direct_workload{args.workload}_{args.device}{args.suffix}"
 
-    return run_benchmark("bench.reef_direct", args, measure, lambda d: None, stem_of, render, plot)
+    return run_benchmark("bench.reef_direct", args, measure, lambda d: None, stem_of, render_with_host, plot)
 
 
 if __name__ == "__main__":

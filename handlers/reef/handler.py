@@ -21,7 +21,12 @@ from handlers.codecs import DEFAULT_MAX_PAYLOAD_BYTES, InputCodec, ModelInput
 from handlers.errors import RequestError, bad_request
 from handlers.reef.config import MODEL_HEADER, PRIORITY_HEADER, ReefConfig
 from handlers.reef.engine import Member, ReefEngine, RoutedInput
-from handlers.runtime.async_handler import DEFAULT_RESPONSE_TIMEOUT_S, AsyncModelHandler, declared_inputs
+from handlers.runtime.async_handler import (
+    DEFAULT_RESPONSE_TIMEOUT_S,
+    AsyncModelHandler,
+    declared_inputs,
+    parse_encode_answers,
+)
 from handlers.runtime.decode import LANE, RequestDecoder, default_decode_placement, parse_decode_threads
 from handlers.runtime.device import ExecutionDevice
 from handlers.runtime.metrics import HandlerMetrics
@@ -88,6 +93,7 @@ class ReefHandler(AsyncModelHandler):
             torch.set_num_threads(1)  # this thread runs the event loop; the executors own the cores
         self.spec, self.codec = specs[0], self.codecs[specs[0].name]
         self.decoder = self._reef_decoder(handler_config.get("decode_threads"))
+        self.encode_on_engine = self._encode_on_engine(parse_encode_answers(handler_config.get("encode_answers")))
         self.metrics = HandlerMetrics.for_worker(context, handler_config)
         engine = ReefEngine(members, self.device, self.config, self.metrics, self.cpu_threads)
         engine.warm_up()

@@ -318,9 +318,13 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
         return "the lean" if worker_pump.install(setting, gate) else "TorchServe's"
 
     def _encode_on_engine(self, setting: str | None) -> bool:
+        """Where answers are encoded: by default on a CPU, where each batch ends (its answers in one
+        ``settle_batch`` call, on the lane or executor thread that ran it, between two batches; on the
+        event loop each answer would be its own torch calls, each waiting for the GIL); on CUDA on the
+        event loop, so the engine's thread launches its next batch at once."""
         if setting is None:
-            return self.lanes is not None
-        if setting == ENGINE and self.lanes is None:
+            return not self.device.is_cuda
+        if setting == ENGINE and self.device.is_cuda and self.lanes is None:
             logger.warning("no CPU lanes on %s: encode_answers 'engine' becomes 'loop'", self.device)
             return False
         return setting == ENGINE
