@@ -243,7 +243,9 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
         for an Open Inference Protocol request, ``postprocess`` bound to it."""
         if item.v2 is not None:
             return functools.partial(self.postprocess, item=item)
-        return self._rows_encoder if type(self).postprocess is AsyncModelHandler.postprocess else self.postprocess
+        postprocess = self.postprocess  # a subclass's, or one set on this handler, answers row by row
+        own = getattr(postprocess, "__func__", None) is AsyncModelHandler.postprocess
+        return self._rows_encoder if own else postprocess
 
     def codec_for(self, item: ModelInput) -> InputCodec:
         """The codec that decoded ``item`` (a handler serving several models overrides this)."""
@@ -318,13 +320,14 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
         return "the lean" if worker_pump.install(setting, gate) else "TorchServe's"
 
     def _encode_on_engine(self, setting: str | None) -> bool:
-        """Where answers are encoded: by default on a CPU, where each batch ends (its answers in one
-        ``settle_batch`` call, on the lane or executor thread that ran it, between two batches; on the
-        event loop each answer would be its own torch calls, each waiting for the GIL); on CUDA on the
-        event loop, so the engine's thread launches its next batch at once."""
+        """Where answers are encoded: by default on CPU lanes, where each batch ends (its answers in one
+        ``settle_batch`` call, between two batches); elsewhere on the event loop.  REEF's CPU executors
+        are not lanes: a best-effort batch's answers encoded on its executor (GPT-2's 50k logits a row)
+        start an OpenMP team beside the real-time batch's, and on 2 vCPUs two teams stalled RT answers
+        to a 350 ms p99 in two of three quick workload-T runs (``docs/benchmarks/host_path.md``)."""
         if setting is None:
-            return not self.device.is_cuda
-        if setting == ENGINE and self.device.is_cuda and self.lanes is None:
+            return self.lanes is not None
+        if setting == ENGINE and self.lanes is None:
             logger.warning("no CPU lanes on %s: encode_answers 'engine' becomes 'loop'", self.device)
             return False
         return setting == ENGINE
