@@ -154,3 +154,36 @@ def test_the_models_route_names_the_served_model_and_an_unknown_route_is_a_404(s
     with pytest.raises(openai.NotFoundError) as caught:
         client.embeddings.create(model=NAME, input="the quick")
     assert caught.value.body["code"] == "unknown_url" and "/v1/completions" in caught.value.body["message"]
+
+
+@pytest.fixture(scope="module")
+def chunked(served, torchserve, model_store_dir, tmp_path_factory):
+    """The same checkpoint archived with chunked prefill (prompts computed 3 tokens per iteration) and KV
+    blocks of 4 positions, few enough that long prompts are split across iterations beside decodes."""
+    _, model, tokenizer = served
+    folder = tmp_path_factory.mktemp("users_chat_chunked")
+    model.save_pretrained(folder)
+    save_small_tokenizer(folder)
+    name = f"{NAME}-chunked"
+    settings = {"max_batch": 4, "kv_slots": 4, "block_size": 4, "prefill_chunk": 3}
+    mar = user_archive(model_store_dir, folder / "work", name, "orca", {**ASYNC, "handler": {"orca": settings}},
+                       folder / "model.safetensors", [folder / "config.json", *tokenizer_files(folder)])  # fmt: skip
+    torchserve.management().register(mar, model_name=name)
+    client = openai.OpenAI(base_url=f"{torchserve.inference_url}/predictions/{name}/1.0/v1", api_key="unused",
+                           max_retries=0, timeout=60)  # fmt: skip
+    yield client, name
+    torchserve.management().unregister(name)
+
+
+def test_chunked_prefill_answers_prompts_of_every_length_served_together_as_generate_does(served, chunked):
+    _, model, tokenizer = served
+    client, name = chunked
+    prompts = [*PROMPTS, "a", "a longer prompt across chunks and blocks"]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        answers = list(pool.map(lambda p: client.completions.create(model=name, prompt=p, max_tokens=10,
+                                                                    temperature=0), prompts))  # fmt: skip
+    assert len(tokenizer.encode(prompts[-1])) > 3 * 3  # the long one takes several prefill iterations
+    for prompt, answer in zip(prompts, answers, strict=True):
+        ids = tokenizer.encode(prompt)
+        assert answer.choices[0].text == text_of(tokenizer, greedy(model, ids, 10)), prompt
+        assert answer.usage.prompt_tokens == len(ids)

@@ -1,0 +1,34 @@
+"""The direct benches' host-CPU reading: threads sorted into the roles a table reports, CPU time per role."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from bench.direct_systems import cpu_seconds_by_role, thread_role
+
+
+def test_threads_are_named_into_roles() -> None:
+    assert thread_role("MainThread") == "event loop"
+    assert thread_role("worker_0") == "worker"
+    assert thread_role("lane_1") == "lanes"
+    assert thread_role(None) == "OpenMP"  # not a Python thread: an intra-op team's
+    assert thread_role("ebird-scheduler") == "other"
+
+
+def test_a_busy_lane_thread_shows_its_cpu_under_lanes() -> None:
+    before = cpu_seconds_by_role()
+
+    def spin() -> None:
+        ends = time.process_time() + 0.3
+        while time.process_time() < ends:
+            pass
+
+    lane = threading.Thread(target=spin, name="lane_0")
+    lane.start()
+    while lane.is_alive():  # read while it runs: an ended thread leaves /proc/self/task
+        during = cpu_seconds_by_role()
+        time.sleep(0.02)
+    lane.join()
+    assert during.get("lanes", 0.0) - before.get("lanes", 0.0) > 0.05
+    assert during["event loop"] >= before["event loop"]
