@@ -152,6 +152,10 @@ class HandlerMetrics:
         self.stage_seconds: collections.defaultdict[str, float] = collections.defaultdict(float)
         self.stage_counts: collections.Counter[str] = collections.Counter()
         self.operations: collections.Counter[str] = collections.Counter()
+        self._inflight_changed = False  # moved since the last flush
+        self._stages_changed = False
+        self._flushed_seconds: dict[str, float] = {}  # stage totals TorchServe has been handed
+        self._flushed_counts: dict[str, int] = {}
 
     @classmethod
     def for_worker(cls, context: Any, handler_config: dict[str, Any]) -> HandlerMetrics:
@@ -164,16 +168,19 @@ class HandlerMetrics:
 
     # -- events ------------------------------------------------------------
 
+    # Per-request events only update in-process state; what TorchServe gets from them (the in-flight
+    # gauge, the stage counters' increments) is worked out once per flush (``_fold_requests``).
+
     def request_admitted(self) -> None:
         with self._lock:
             self.inflight += 1
-            self._pending.set(series("HandlerInflight", "count"), self.inflight)
+            self._inflight_changed = True
         self._emit_now_if_unbatched()
 
     def request_answered(self) -> None:
         with self._lock:
             self.inflight -= 1
-            self._pending.set(series("HandlerInflight", "count"), self.inflight)
+            self._inflight_changed = True
         self._emit_now_if_unbatched()
 
     def admission_waited(self) -> None:
@@ -216,9 +223,25 @@ class HandlerMetrics:
             for stage, value in seconds.items():
                 self.stage_seconds[stage] += value * requests
                 self.stage_counts[stage] += requests
-                self._pending.count(series("HandlerStageSeconds", "s", Stage=stage), value * requests)
-                self._pending.count(series("HandlerStageCount", "count", Stage=stage), requests)
+            self._stages_changed = True
         self._emit_now_if_unbatched()
+
+    def _fold_requests(self) -> None:
+        """Put the per-request state's changes since the last flush into the pending emission (lock held)."""
+        if self._inflight_changed:
+            self._inflight_changed = False
+            self._pending.set(series("HandlerInflight", "count"), self.inflight)
+        if not self._stages_changed:
+            return
+        self._stages_changed = False
+        for stage, total in self.stage_seconds.items():
+            seconds = total - self._flushed_seconds.get(stage, 0.0)
+            count = self.stage_counts[stage] - self._flushed_counts.get(stage, 0)
+            if count:
+                self._pending.count(series("HandlerStageSeconds", "s", Stage=stage), seconds)
+                self._pending.count(series("HandlerStageCount", "count", Stage=stage), count)
+        self._flushed_seconds = dict(self.stage_seconds)
+        self._flushed_counts = dict(self.stage_counts)
 
     def operation(self, name: str) -> None:
         """A scheduler did ``name`` once (see ``HandlerOperations``)."""
@@ -264,7 +287,10 @@ class HandlerMetrics:
         one TorchServe keeps.
         """
         with self._lock:
-            if self._cache is None or not self._pending:
+            if self._cache is None:
+                return
+            self._fold_requests()
+            if not self._pending:
                 return
             pending, self._pending = self._pending, _PendingEmission()
             for (name, unit, labels), value, kind in pending.items():
