@@ -34,16 +34,14 @@ from __future__ import annotations
 
 import bisect
 import collections
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from handlers.runtime.cuda_graphs import capture
 from handlers.runtime.segments import SegmentedModel, State, batch_rows, state_rows
-
-logger = logging.getLogger(__name__)
 
 
 def bucket_sizes(max_batch: int) -> list[int]:
@@ -136,28 +134,19 @@ class StagePrograms:
         for bucket in reversed(self.buckets):
             state = self.sliced.start(*batch_rows(example, bucket))
             for stage in range(len(self.sliced)):
-                captured = capture_stage(self.sliced, stage, state, pools[stage])
+                captured = self._capture(stage, state, bucket, pools[stage])
                 self.graphs[(stage, bucket)] = captured
                 state = {k: v.clone() for k, v in captured.outputs.items()}
         torch.cuda.synchronize(device)
 
+    def _capture(self, stage: int, state: State, bucket: int, pool: Any) -> StageGraph:
+        """Stage ``stage`` captured on states shaped like ``state`` (``bucket`` rows), by the runtime's
+        ``cuda_graphs.capture`` (side-stream warm-up, then capture), the state passed as positional tensors."""
+        names = tuple(state)
+        segment = self.sliced[stage]
 
-def capture_stage(sliced: SegmentedModel, stage: int, example: State, pool: Any, warmup: int = 3) -> StageGraph:
-    """Capture stage ``stage`` on states shaped like ``example`` (its own static copy of them).
+        def program(*tensors: torch.Tensor) -> State:
+            return segment(dict(zip(names, tensors, strict=True)))
 
-    Warm-up runs on a side stream first, as CUDA graphs need: lazy
-    initialisation (cuBLAS workspaces, autotuning) must not happen inside
-    the capture.
-    """
-    device = next(iter(example.values())).device
-    static = {k: v.clone() for k, v in example.items()}
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.inference_mode(), torch.cuda.stream(side):
-        for _ in range(warmup):
-            sliced[stage](static)
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.inference_mode(), torch.cuda.graph(graph, pool=pool):
-        outputs = sliced[stage](static)
-    return StageGraph(state_rows(example), graph, static, outputs)
+        captured = capture(program, tuple(state[name] for name in names), bucket, pool)
+        return StageGraph(bucket, captured.graph, dict(zip(names, captured.inputs, strict=True)), captured.output)

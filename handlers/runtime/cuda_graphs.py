@@ -36,7 +36,7 @@ import torch
 
 from handlers.runtime.segments import batch_rows
 
-Program = Callable[..., torch.Tensor]
+Program = Callable[..., Any]  # tensors in; a tensor out (a model), or a state dict (a DVABatch stage)
 
 
 @dataclass
@@ -44,7 +44,7 @@ class CapturedBucket:
     batch: int
     graph: Any  # torch.cuda.CUDAGraph
     inputs: tuple[torch.Tensor, ...]
-    output: torch.Tensor
+    output: Any  # what the program returned while captured: its static output buffers
 
     def replay(self, inputs: Sequence[torch.Tensor]) -> torch.Tensor:
         """The program's answer for ``inputs`` (n ≤ batch rows), as a view of the static output."""
