@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import multiprocessing as mp
+import os
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -276,9 +278,6 @@ def thread_role(name: str | None) -> str:
 
 def cpu_seconds_by_role() -> dict[str, float]:
     """CPU seconds (user + system) each role's threads of this process have used so far (Linux /proc)."""
-    import os
-    import threading
-
     names = {t.native_id: t.name for t in threading.enumerate()}
     ticks = os.sysconf("SC_CLK_TCK")
     out: dict[str, float] = {}
@@ -291,6 +290,12 @@ def cpu_seconds_by_role() -> dict[str, float]:
         role = thread_role(names.get(int(tid)))
         out[role] = out.get(role, 0.0) + (int(fields[11]) + int(fields[12])) / ticks
     return out
+
+
+def cpu_us_per_answer(before: dict[str, float], after: dict[str, float], answered: int) -> dict[str, float]:
+    """Each role's CPU between two ``cpu_seconds_by_role`` readings, in µs per answer (roles under 0.5 µs left out)."""
+    per = {role: 1e6 * (after[role] - before.get(role, 0.0)) / max(answered, 1) for role in after}
+    return {role: us for role, us in per.items() if us >= 0.5}
 
 
 async def closed_loop(driver: Any, rows: list[dict], clients: int, seconds: float) -> dict[str, Any]:
@@ -313,9 +318,8 @@ async def closed_loop(driver: Any, rows: list[dict], clients: int, seconds: floa
     result = LoadResult(samples, time.perf_counter() - t0)
     cpu_after = cpu_seconds_by_role()
     await driver.stop()
-    answered = max(len(samples), 1)
-    cpu_us = {role: 1e6 * (cpu_after[role] - cpu_before.get(role, 0.0)) / answered for role in cpu_after}
-    return {"throughput": result.throughput(), "cpu_us_per_request": {k: v for k, v in cpu_us.items() if v >= 0.5}}
+    cpu_us = cpu_us_per_answer(cpu_before, cpu_after, len(samples))
+    return {"throughput": result.throughput(), "cpu_us_per_request": cpu_us}
 
 
 def stage_totals(metrics: Any) -> dict[str, Any]:

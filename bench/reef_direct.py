@@ -42,7 +42,7 @@ if __package__ in (None, ""):  # `python bench/NAME.py` from the repository root
 
 from archiver.options import ServingOptions
 from bench.direct import call, group_load_context
-from bench.direct_systems import cpu_seconds_by_role, play
+from bench.direct_systems import cpu_seconds_by_role, cpu_us_per_answer, play
 from bench.reef import WORKLOADS, members_of, plot, render, run_row, summarise, workload_settings
 from bench.report import add_output_arguments, markdown_table, run_benchmark
 from handlers.reef.handler import ENGINE_KEY, ReefHandler
@@ -136,12 +136,12 @@ def rt_capacity(worker: Worker, spec: ModelSpec, clients: int, seconds: float) -
     before = cpu_seconds_by_role()
     results = asyncio.run(run())
     after = cpu_seconds_by_role()
-    answered = max(sum(len(r.ok) for r in results), 1)
+    answered = sum(len(r.ok) for r in results)
     return {
         "model": spec.name,
         "clients": clients,
         "throughput": answered / max(r.wall_s for r in results),
-        "cpu_us_per_answer": {role: 1e6 * (after[role] - before.get(role, 0.0)) / answered for role in after},
+        "cpu_us_per_answer": cpu_us_per_answer(before, after, answered),
     }
 
 
@@ -209,7 +209,7 @@ def render_with_host(data: dict[str, Any], stem: str) -> str:
     if cap is None:  # runs before the measure existed
         return text
     cpu = cap["cpu_us_per_answer"]
-    roles = [role for role, us in cpu.items() if us >= 0.5]
+    roles = list(cpu)
     python = sum(us for role, us in cpu.items() if role != "OpenMP")
     table = markdown_table(
         ["RT model", "clients", "answers/s", *roles, "Python"],
