@@ -41,6 +41,7 @@ from handlers.runtime.batched_decode import JpegBatchDecode
 from handlers.runtime.cuda_graphs import GraphBuckets
 from handlers.runtime.decode import BATCHED
 from handlers.runtime.device import ExecutionDevice
+from handlers.runtime.heap import freeze_startup_heap
 from handlers.runtime.metrics import HandlerMetrics
 from handlers.runtime.model_loading import load_model
 from model_store.catalog import ModelSpec
@@ -132,6 +133,7 @@ class PlainModelHandler(PackratWorkerMixin):
             warmed = time.perf_counter()
         self.metrics = HandlerMetrics.for_worker(context, handler_cfg)
         self.record_startup({"spawn_s": spawn_s, "load_s": loaded - started, "warmup_s": warmed - loaded})
+        freeze_startup_heap()
         self.initialized = True
         logger.info(
             "serving %s in %s mode on %s with %d intra-op threads (start-up: %.2f s spawn+imports, %.2f s load, "

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from handlers.pinning.worker import PackratWorkerMixin, process_age_s, startup_priority
+from handlers.runtime.heap import freeze_startup_heap
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +95,7 @@ class PackratWrappedHandler(PackratWorkerMixin):
             initialize(context)
         self.record_startup({"spawn_s": spawn_s, "load_s": time.perf_counter() - started, "warmup_s": 0.0})
         self.keep_slot_threads()
+        freeze_startup_heap()
         self.initialized = True
         claim = self.packrat_claim
         logger.info(

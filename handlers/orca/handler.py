@@ -50,6 +50,7 @@ from handlers.orca.openai_api import parse_request as parse_openai_request
 from handlers.orca.sampling import Sampling, SamplingError
 from handlers.orca.text import TextCodec, TextStream, TokenizerError
 from handlers.runtime.device import ExecutionDevice
+from handlers.runtime.heap import freeze_startup_heap
 from handlers.runtime.model_loading import load_model
 from model_store.catalog import ModelSpec
 
@@ -134,6 +135,7 @@ class OrcaHandler:
                                  iteration_level=c.policy == "orca", block_size=c.block_size,
                                  prefill_chunk=c.prefill_chunk)  # fmt: skip
         self.engine.submit([0], 1).result()  # warm-up: the first iteration pays lazy initialisation
+        freeze_startup_heap()
         self.initialized = True
         logger.info("Orca serving %s on %s: %s", spec.name, device, c)
 

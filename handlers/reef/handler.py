@@ -29,6 +29,7 @@ from handlers.runtime.async_handler import (
 )
 from handlers.runtime.decode import LANE, RequestDecoder, default_decode_placement, parse_decode_threads
 from handlers.runtime.device import ExecutionDevice
+from handlers.runtime.heap import freeze_startup_heap
 from handlers.runtime.metrics import HandlerMetrics
 from handlers.runtime.model_loading import load_model
 from handlers.runtime.segments import dynamic_dims_for, slice_model
@@ -99,6 +100,7 @@ class ReefHandler(AsyncModelHandler):
         engine.warm_up()
         self.engines = {ENGINE_KEY: engine}
         pump = self.install_worker_pump(handler_config.get("worker_pump"))
+        freeze_startup_heap()
         self.initialized = True
         logger.info(
             "ReefHandler serving %s on %s (%s; real-time by default: %s), decoding %s, %s message pump",

@@ -58,6 +58,7 @@ from handlers.runtime.deadlines import Deadlines
 from handlers.runtime.decode import BATCHED, LANE, RequestDecoder, default_decode_placement, parse_decode_threads
 from handlers.runtime.device import ExecutionDevice
 from handlers.runtime.engine import Engine, RowsEncoder, StageTimes, input_key
+from handlers.runtime.heap import freeze_startup_heap
 from handlers.runtime.lanes import CpuLanes
 from handlers.runtime.loop_mailbox import mailbox_for
 from handlers.runtime.metrics import HandlerMetrics
@@ -293,6 +294,7 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
             engine.warm_up()
             self.engines[self.engine_key(example)] = engine
         pump_in_use = self.install_worker_pump(pump)
+        freeze_startup_heap()
         self.initialized = True
         logger.info(
             "%s serving %s (%s mode) on %s%s with %d input layout(s), decoding %s, encoding answers %s, "
@@ -385,6 +387,7 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
             item = await self.decode_request(row, context, index)
             decoded = time.monotonic()
             output, times, admitted, woken, encoded = await self._infer_timed(item, arrival)
+            arrival = None  # released at admission (``_infer_timed``)
             answer = output if encoded else self.encoder_for(item)(output)
             self.metrics.stages(stage_breakdown(received, decoded, admitted, times, woken, time.monotonic()))
             return answer
