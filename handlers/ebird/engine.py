@@ -137,9 +137,13 @@ class EbirdEngine(Engine):
         if slot is None:
             return None
         ticket = Ticket()
-        with self._cond:
+        with self._cond:  # the ticket is in place before ``write`` makes its slot ready for a batch
             self._tickets[slot] = ticket
             self._outstanding.add(ticket)
+            if self._lanes is not None:  # on a CPU ``write`` keeps a reference: no copy held under the lock
+                self.pool.write(slot, item)
+                self._wake_scheduler_if_it_may_act()
+                return ticket.future
         self.pool.write(slot, item)
         with self._cond:
             self._wake_scheduler_if_it_may_act()

@@ -55,6 +55,7 @@ class InputPool:
             raise ValueError(f"pool capacity must be ≥ 1, got {capacity}")
         self.capacity = capacity
         self.layout = tuple((tuple(shape), dtype) for shape, dtype in layout)
+        self._row_shapes = tuple(shape for shape, _ in self.layout)
         self.device = torch.device(device)
         self.storage = tuple(
             torch.empty((capacity, *shape), dtype=dtype, device=self.device) for shape, dtype in self.layout
@@ -95,11 +96,12 @@ class InputPool:
             raise RuntimeError(f"slot {slot} was not reserved")
         item = as_input(item)
         shapes = item.shapes
-        if len(shapes) != len(self.storage):
-            raise ValueError(f"expected {len(self.storage)} tensors, got {len(shapes)}")
-        for buf, shape in zip(self.storage, shapes, strict=True):
-            if shape != tuple(buf.shape[1:]):
-                raise ValueError(f"input shape {list(shape)} does not match the pool's {list(buf.shape[1:])}")
+        if shapes != self._row_shapes:  # Python tuples: no torch attribute read per request on the event loop
+            if len(shapes) != len(self._row_shapes):
+                raise ValueError(f"expected {len(self._row_shapes)} tensors, got {len(shapes)}")
+            wrong = next(i for i, shape in enumerate(shapes) if shape != self._row_shapes[i])
+            raise ValueError(f"input shape {list(shapes[wrong])} does not match the pool's "
+                             f"{list(self._row_shapes[wrong])}")  # fmt: skip
         if self._copy_stream is None:
             # Kept by reference and copied in with its batch (``wait_copied``), on the lane that
             # runs it: torch calls once per input tensor per batch, not per request on the event

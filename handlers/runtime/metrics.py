@@ -171,17 +171,21 @@ class HandlerMetrics:
     # Per-request events only update in-process state; what TorchServe gets from them (the in-flight
     # gauge, the stage counters' increments) is worked out once per flush (``_fold_requests``).
 
+    # The in-flight count has one writer, the event loop (``request_admitted`` and ``request_answered``),
+    # so it takes no lock there.  The count is written before the flag: a flush that clears the flag and
+    # then reads the count reports this change or the next flush does.
+
     def request_admitted(self) -> None:
-        with self._lock:
-            self.inflight += 1
-            self._inflight_changed = True
-        self._emit_now_if_unbatched()
+        self.inflight += 1
+        self._inflight_changed = True
+        if self._flush_interval_s == 0:
+            self.flush()
 
     def request_answered(self) -> None:
-        with self._lock:
-            self.inflight -= 1
-            self._inflight_changed = True
-        self._emit_now_if_unbatched()
+        self.inflight -= 1
+        self._inflight_changed = True
+        if self._flush_interval_s == 0:
+            self.flush()
 
     def admission_waited(self) -> None:
         with self._lock:
