@@ -427,12 +427,12 @@ def render(data: dict) -> str:
             swap_rows.append([
                 name, f"{format_instances(s['before'])} → {format_instances(s['after'])}",
                 "warm" if s["warm"] else "cold", f"{s['serving_after_s']:.2f}", f"{s['seconds']:.2f}",
-                *(f"{ph.get(k, 0.0):.2f}" for k in ("bring_up", "switch", "drain", "retire")),
+                *(f"{ph.get(k, 0.0):.2f}" for k in ("bring_up", "switch", "drain", "settle", "retire")),
                 " / ".join(f"{start[k]:.1f}" for k in ("spawn_s", "load_s", "warmup_s") if k in start) or "-",
             ])  # fmt: skip
     phase_table = markdown_table(
-        ["load", "swap", "kind", "new plan serving (s)", "done (s)", "bring up", "switch", "drain", "retire",
-         "worker start-up: spawn+imports / load / warm-up (s)"], swap_rows,
+        ["load", "swap", "kind", "new plan serving (s)", "done (s)", "bring up", "switch", "drain (held)", "settle",
+         "retire", "worker start-up: spawn+imports / load / warm-up (s)"], swap_rows,
     )  # fmt: skip
     reaction_rows = []
     for name in data["loads"]:

@@ -97,9 +97,11 @@ class SwapReport:
     active_version: str
     # Seconds per step of a swap: "bring_up" (register + workers READY; near
     # zero when the target was warm), "switch" (set-default), "drain" (old
-    # version empties), "retire" (old version scaled down).  The new plan
-    # serves after bring_up + switch; drain and retire finish requests
-    # already queued on the old one.
+    # version empties; the new set's workers on its cores hold their batches
+    # until then), "settle" (the old version stays empty for the settle
+    # window), "retire" (old version scaled down).  The new plan takes
+    # requests after bring_up + switch; drain, settle and retire finish
+    # requests already queued on the old one.
     phases: dict[str, float] = field(default_factory=dict)
     error: str | None = None
     warm: bool = False  # the target version's workers were already running
@@ -124,10 +126,11 @@ class SwapperConfig:
     ready_timeout_s: float = 300.0
     drain_timeout_s: float = 300.0
     poll_s: float = 0.02
-    # A drained version's zeros must hold this long (plus the batch delay where it batches) before the new set,
-    # holding its batches meanwhile, may start: a job TorchServe has taken off the queue is in transit to the
-    # worker for milliseconds before the worker counts it in service.  Every 0.1 s of it is 0.1 s in which the
-    # new plan serves nothing (1.4 requests at 14/s) after a rise.
+    # A drained version's zeros must hold this long (plus the batch delay where it batches) before its workers
+    # are stopped: a job TorchServe has taken off the queue is in transit to the worker for milliseconds before
+    # the worker counts it in service.  The new set's hold ends at the first zero, not after this window: every
+    # 0.1 s of hold is 0.1 s in which the new plan serves nothing (1.4 requests at 14/s) after a rise, and a job
+    # that lands on the old set after the hold only shares the cores for its one batch.
     drain_settle_s: float = 0.1
     # Off (the default): every new worker on the old set's cores holds its batches until the drain ends, and the
     # old set drains at full strength.  On: the old set's multi-thread workers drain on one thread and core each
@@ -329,10 +332,12 @@ class ActivePassiveSwapper:
         self.store.set_draining(self.model, old, True, narrow=self.config.narrow_drains)
         try:
             failpoints.reach("draining")
-            self._drain(old)
+            self._drain(old, settle=False)  # the new set holds its batches until the old one is first empty
         finally:
             self.store.set_draining(self.model, old, False)
         phase("drain")
+        self._drain(old)  # empty for the settle window before its workers stop: a job in transit is served
+        phase("settle")
         failpoints.reach("drained")
         kept = self.standby if standby is None else {self.version_for(i): i for i in standby}
         keep = kept.get(old)
@@ -435,8 +440,13 @@ class ActivePassiveSwapper:
                                 f"{self.config.ready_timeout_s:.0f} s")  # fmt: skip
             time.sleep(0.1)
 
-    def _drain(self, version: str) -> None:
+    def _drain(self, version: str, settle: bool = True) -> None:
         """Wait until ``version`` has nothing queued or in service, stably.
+
+        ``settle``: the zeros must also hold for ``drain_settle_s`` (before
+        its workers stop); without it, for the batch delay alone where the
+        version batches, or the first zero where it does not (the end of the
+        new set's hold).
 
         TorchServe's batch aggregator takes jobs off the queue up to
         ``max_batch_delay`` before the worker starts on them (a version of
@@ -447,7 +457,9 @@ class ActivePassiveSwapper:
         plan = self.store.read(self.model, version)
         # A version whose plan file is gone is treated as batching (the longer, safe window).
         batches = max((slot.batch for slot in plan.slots), default=1) if plan else 2
-        stable_s = self.config.drain_settle_s + (self.config.max_batch_delay_ms / 1000 if batches > 1 else 0.0)
+        stable_s = (self.config.drain_settle_s if settle else 0.0) + (
+            self.config.max_batch_delay_ms / 1000 if batches > 1 else 0.0
+        )
         deadline = time.monotonic() + self.config.drain_timeout_s
         zero_since: float | None = None
         while True:

@@ -1,14 +1,23 @@
 """Taking over a running worker set: which TorchServe versions are Packrat's, and what the adopted plan is
-(plain describe answers; the kill-and-restart itself runs in tests/serving/test_packrat_restart.py)."""
+(plain describe answers; the kill-and-restart itself runs in tests/serving/test_packrat_restart.py); and how
+long a swap's drain holds the new set, on scripted queue lengths."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
 
+from handlers.pinning.slots import PlanStore
 from packrat_plugin.plan_types import PlanItem
-from packrat_plugin.swapper import ActivePassiveSwapper, SwapError, parse_version_name, version_name
+from packrat_plugin.swapper import (
+    ActivePassiveSwapper,
+    SwapError,
+    parse_version_name,
+    version_name,
+    version_slots,
+)
 from serving_harness.topology import CpuTopology
 
 
@@ -52,3 +61,33 @@ def test_a_worker_set_packrat_did_not_make_is_refused_untouched(versions, defaul
     with pytest.raises(SwapError, match=says):
         s.adopt(versions, default)
     assert s.active is None and s.registered == set()
+
+
+class _ScriptedQueue:
+    """TorchServe's describe answers for one version, its queue length taken from a script (then 0)."""
+
+    def __init__(self, pending: list[int]) -> None:
+        self.pending = list(pending)
+        self.calls = 0
+
+    def describe(self, model: str, version: str) -> list[dict]:
+        self.calls += 1
+        queued = self.pending.pop(0) if self.pending else 0
+        return [{"modelVersion": version, "jobQueueStatus": {"pendingRequests": queued}, "workers": []}]
+
+
+@pytest.mark.parametrize("settle", [False, True])
+def test_the_new_sets_hold_ends_at_the_first_empty_reading_and_retiring_waits_for_the_settle(tmp_path, settle):
+    # A version of batch 1 whose queue empties on the third reading (no worker counts requests in service).
+    queue = _ScriptedQueue([3, 1, 0, 0, 0])
+    s = swapper()
+    s.management, s.store = queue, PlanStore(tmp_path)
+    s.store.write(version_slots("resnet50", "t2b1", PlanItem(1, 2, 1), s.topology))
+    s.config.poll_s = 0.001
+    started = time.monotonic()
+    s._drain("t2b1", settle=settle)
+    waited = time.monotonic() - started
+    if settle:
+        assert waited >= s.config.drain_settle_s and queue.calls > 3  # zeros held for the settle window
+    else:
+        assert queue.calls == 3 and waited < s.config.drain_settle_s  # released at the first zero
