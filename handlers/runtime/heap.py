@@ -18,10 +18,10 @@ start-up heap frozen and ~37 with collection off altogether; the plain
 handler under batching went from 69 to 66 µs.  ``docs/benchmarks/host_path.md``
 has the bench run.
 
-With BERT-base loaded a worker tracks ~420,000 objects, so one full
-collection takes about as long as the collection before the freeze below:
-~0.18 s on that VM, paid once here at start-up instead of again and again
-while serving.
+With BERT-base loaded a worker tracks ~420,000 objects; walking them once
+(the collection before the freeze, below) took 0.18 s on that VM, which
+every full collection paid again while serving and which is now paid once,
+at start-up.
 
 ``gc.freeze`` moves every object tracked now into a permanent generation
 that no later collection visits.  A collection first clears what start-up
