@@ -44,10 +44,15 @@ logger = logging.getLogger(__name__)
 def freeze_startup_heap() -> int:
     """Collect start-up garbage, then exempt every surviving object from future collections.
 
-    Called once, at the end of a handler's ``initialize``: what the worker
-    loaded is then never walked again.  Returns how many objects were frozen
-    (the start-up log says it).
+    Called at the end of a handler's ``initialize``: what the worker loaded
+    is then never walked again.  Only the first call in a process freezes
+    (a TorchServe worker serves one handler).  Returns how many objects are
+    frozen (the start-up log says it).
     """
+    if gc.get_freeze_count():
+        # Frozen already: a process that initialises several handlers (tests, in-process benchmarks) freezes
+        # once, so what later handlers leave as cyclic garbage is still collected.
+        return gc.get_freeze_count()
     started = time.perf_counter()
     gc.collect()
     gc.freeze()

@@ -40,6 +40,17 @@ def test_freezing_exempts_what_lives_now_and_still_collects_cycles_made_later(th
     assert gone() is None
 
 
+def test_a_process_freezes_once_so_later_handlers_garbage_stays_collectable(thawed):
+    first = freeze_startup_heap()
+    later = _Node()
+    later.me = later  # what a second handler in the same process (a test, a benchmark) would leave behind
+    gone = weakref.ref(later)
+    assert freeze_startup_heap() == first  # no second freeze: ``later`` is not exempted
+    del later
+    gc.collect()
+    assert gone() is None
+
+
 def test_startup_garbage_is_collected_before_the_freeze_not_kept(thawed):
     dead = _Node()
     dead.me = dead
