@@ -49,10 +49,10 @@ def freeze_startup_heap() -> int:
     (a TorchServe worker serves one handler).  Returns how many objects are
     frozen (the start-up log says it).
     """
-    if gc.get_freeze_count():
+    if frozen := gc.get_freeze_count():
         # Frozen already: a process that initialises several handlers (tests, in-process benchmarks) freezes
         # once, so what later handlers leave as cyclic garbage is still collected.
-        return gc.get_freeze_count()
+        return frozen
     started = time.perf_counter()
     gc.collect()
     gc.freeze()

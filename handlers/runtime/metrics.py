@@ -178,14 +178,12 @@ class HandlerMetrics:
     def request_admitted(self) -> None:
         self.inflight += 1
         self._inflight_changed = True
-        if self._flush_interval_s == 0:
-            self.flush()
+        self._emit_now_if_unbatched()
 
     def request_answered(self) -> None:
         self.inflight -= 1
         self._inflight_changed = True
-        if self._flush_interval_s == 0:
-            self.flush()
+        self._emit_now_if_unbatched()
 
     def admission_waited(self) -> None:
         with self._lock:
