@@ -183,6 +183,9 @@ def test_a_closed_loop_rise_on_a_users_archive_swaps_to_a_plan_pinned_per_slot_w
         assert (
             controller.server.inference().predict(model, payload, content_type="application/octet-stream").status == 200
         )
+        # Every worker that served (the fat one, then the split set) froze its start-up heap once the user's
+        # handler had initialised (handlers/runtime/heap.py), as the wrapper does for any archive.
+        assert len(controller.server.model_log_lines("start-up objects frozen")) >= 3
     finally:
         controller.stop()
 
