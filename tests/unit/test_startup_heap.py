@@ -30,7 +30,9 @@ def test_freezing_exempts_what_lives_now_and_still_collects_cycles_made_later(th
     startup = _Node()
     startup.me = startup  # a cycle alive at start-up: frozen with the rest
     frozen = freeze_startup_heap()
-    assert frozen == gc.get_freeze_count() > 1000  # the interpreter's and the test run's own objects
+    # The interpreter's and the test run's own objects.  A frozen object that dies later (a temporary another
+    # thread held) leaves the permanent generation, so the count can only fall after the freeze, never rise.
+    assert 1000 < gc.get_freeze_count() <= frozen
     assert startup not in gc.get_objects()  # frozen objects are in no generation a collection walks
     later = _Node()
     later.me = later  # garbage made while serving: a cycle only the collector can free
@@ -45,7 +47,7 @@ def test_a_process_freezes_once_so_later_handlers_garbage_stays_collectable(thaw
     later = _Node()
     later.me = later  # what a second handler in the same process (a test, a benchmark) would leave behind
     gone = weakref.ref(later)
-    assert freeze_startup_heap() == first  # no second freeze: ``later`` is not exempted
+    assert freeze_startup_heap() <= first  # no second freeze (frozen objects may die since, none are added)
     del later
     gc.collect()
     assert gone() is None
