@@ -76,7 +76,14 @@ WORKLOADS: dict[str, dict[str, Any]] = {
     "T": {"rt": ["bert-tiny1"], "be": ["gpt2-tiny1"], "poisson": False},
 }
 POLICIES = ("rt-only", "seq", "concurrent", "reef")
-LABELS = {"rt-only": "RT only", "seq": "SEQ", "concurrent": "concurrent", "reef": "REEF", "reef-pad": "REEF (padding)"}
+LABELS = {
+    "rt-only": "RT only",
+    "seq": "SEQ",
+    "concurrent": "concurrent",
+    "reef": "REEF",
+    "reef-pad": "REEF (padding)",
+    "reef-green": "REEF (split SMs)",
+}
 CLAIMS = {
     "rt_mean_within_10pct_of_rt_only": "REEF's RT mean within 10 % of RT-only (bar)",
     "throughput_at_least_2x_rt_only": "overall throughput ≥ 2× RT-only (bar)",

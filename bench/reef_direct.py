@@ -22,6 +22,10 @@ the RT admission until no BE unit was in flight).
 ``--padding`` adds ``reef-pad``: REEF with ``padding: true`` (best-effort
 units keep running beside real-time work while the RT stream leaves the GPU
 room; ``handlers/reef/config.py``), against plain priority streams.
+``--green`` adds ``reef-green``: REEF with ``rt_sms: auto`` (real-time and
+best-effort work on disjoint SMs, CUDA green contexts, no preemption gate;
+``handlers/runtime/sm_partition.py``).  On a CPU the setting is ignored, so
+there it is REEF again (a dry run of the script, not a measurement).
 """
 
 from __future__ import annotations
@@ -51,6 +55,8 @@ from model_store.samples import client_payload, request_body
 from serving_harness.loadgen import LoadResult, Sample
 
 PADDED = "reef-pad"
+GREEN = "reef-green"
+VARIANTS = {PADDED: {"padding": True}, GREEN: {"rt_sms": "auto"}}  # REEF with one setting changed
 
 
 _BODIES: dict[tuple[str, int], dict[str, Any]] = {}
@@ -69,9 +75,7 @@ class Worker:
     """One policy's handler, as its TorchServe worker would hold it."""
 
     def __init__(self, policy: str, specs: list[ModelSpec], settings: dict[str, Any], workdir: Path, gpu: int | None):
-        reef_settings = {**settings, "policy": "reef" if policy == PADDED else policy}
-        if policy == PADDED:
-            reef_settings["padding"] = True
+        reef_settings = {**settings, "policy": "reef" if policy in VARIANTS else policy, **VARIANTS.get(policy, {})}
         options = ServingOptions(handler="reef", handler_settings=tuple(reef_settings.items()))
         self.ctx = group_load_context(specs, workdir / "weights", options, gpu)
         self.handler = ReefHandler()
@@ -153,7 +157,7 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     specs = {n: get_spec(n) for n in names}
     settings = workload_settings(args, workload)
     gpu = 0 if args.device == "cuda" else None
-    policies = ["seq", "concurrent", "reef", *([PADDED] if args.padding else [])]
+    policies = ["seq", "concurrent", "reef", *([PADDED] if args.padding else []), *([GREEN] if args.green else [])]
     workers = {}
     for policy in tqdm(policies, desc="REEF workers", unit="worker"):
         workers[policy] = Worker(policy, list(specs.values()), settings, workdir, gpu)
@@ -186,6 +190,11 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                 row.update(preemptions=engine.counts["preempt"] - preempted, padded_units=engine.counts["pad"] - padded)
                 rows[system].append(row)
                 bar.update()
+    split = workers[GREEN].engine if GREEN in workers else None
+    if split is not None:
+        data_split = repr(split.partition) if split.partition is not None else "not split (rt_sms is ignored off CUDA)"
+        if split.sizing is not None:
+            data_split += f"; sized at start-up: {split.sizing.describe()}"
     for worker in workers.values():
         worker.handler.close()
     if args.device == "cuda":
@@ -199,12 +208,16 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     data["rt_capacity"] = host
     data["where"] = f"handlers driven in-process on {device}, no TorchServe frontend (`bench/reef_direct.py`)"
     data["device"] = device
+    if split is not None:
+        data["green_split"] = data_split
     return data
 
 
 def render_with_host(data: dict[str, Any], stem: str) -> str:
     """``bench.reef``'s table, and the RT path at capacity with its host CPU per answer by thread role."""
     text = render(data, stem)
+    if "green_split" in data:
+        text += f"\n\nREEF (split SMs): {data['green_split']}.\n"
     cap = data.get("rt_capacity")
     if cap is None:  # runs before the measure existed
         return text
@@ -236,6 +249,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rt-max-batch", type=int, default=4)
     parser.add_argument("--be-max-batch", type=int, default=1)
     parser.add_argument("--padding", action="store_true", help="also run REEF with padding on (reef-pad)")
+    parser.add_argument(
+        "--green", action="store_true", help="also run REEF on split SMs, rt_sms: auto (reef-green; CUDA)"
+    )
     parser.add_argument("--warmup-seconds", type=float, default=2.0)
     parser.add_argument("--calibrate-seconds", type=float, default=4.0)
     parser.add_argument("--capacity-clients", type=int, default=32, help="RT clients in the capacity run")

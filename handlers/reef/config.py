@@ -61,6 +61,15 @@ class ReefConfig:
     # real-time mode (plain priority streams).  The CPU ignores it (a BE unit
     # there takes cores from the RT batch).
     padding: bool = False
+    # CUDA, policy reef: RT isolation in space as well as time.  An integer
+    # reserves that many SMs for real-time work on a CUDA green context and
+    # runs best-effort work on a second one over the rest (the driver rounds
+    # a count up to the sizes it can split); "auto" sizes RT's share at
+    # start-up, the fewest SMs on which the RT models' batch runs within 5 %
+    # of its time on the whole GPU (``handlers/runtime/sm_partition.py``).
+    # None (the default): both on the whole GPU, priority streams alone.
+    # Needs CUDA driver 12.8+ and cuda-bindings; the CPU ignores it.
+    rt_sms: int | str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.realtime, str) or not all(isinstance(n, str) for n in self.realtime):
@@ -71,6 +80,12 @@ class ReefConfig:
             raise ReefConfigError(f"padding must be true or false, got {self.padding!r}")
         if not isinstance(self.priority_header, bool):
             raise ReefConfigError(f"priority_header must be true or false, got {self.priority_header!r}")
+        if self.rt_sms is not None and self.rt_sms != "auto":
+            value = self.rt_sms
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ReefConfigError(f'rt_sms must be "auto" or a number of SMs ≥ 1, got {value!r}')
+        if self.rt_sms is not None and self.policy != "reef":
+            raise ReefConfigError(f"rt_sms splits the GPU for policy reef only, not {self.policy!r}")
         if self.policy not in POLICIES:
             raise ReefConfigError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         if self.max_inflight < max(self.rt_max_batch, self.be_max_batch):

@@ -8,7 +8,8 @@ executor thread per queue:
   requests for one model run as one batch, up to ``rt_max_batch``), waits
   until no BE unit is in flight (the preemption, ``PreemptionGate``), and
   runs the whole model: on CPU with every core's intra-op threads, on CUDA on
-  a high-priority stream;
+  a high-priority stream (with ``rt_sms``, on a green context of SMs that
+  best-effort work never uses: ``handlers/runtime/sm_partition.py``);
 - each **BE executor** takes up to ``be_max_batch`` requests of its model
   and runs them through the model's segments (``SegmentedModel``), asking
   the gate before each one.  From an RT admission until the RT queue is
@@ -56,6 +57,7 @@ from handlers.runtime.device import ExecutionDevice
 from handlers.runtime.engine import Engine, Ticket, drain_then_stop, layout_of, settle_batch
 from handlers.runtime.metrics import HandlerMetrics
 from handlers.runtime.segments import SegmentedModel
+from handlers.runtime.sm_partition import GreenPartition, RtSizing, measure_rt_sms, unavailable_reason
 
 logger = logging.getLogger(__name__)
 
@@ -148,14 +150,46 @@ class ReefEngine(Engine):
         # concurrent runs them all.
         bounded = config.policy == "reef" and not device.is_cuda
         self._be_slots = threading.Semaphore(self._rt_threads) if bounded else contextlib.nullcontext()
-        self._rt_stream = device.new_stream(RT_STREAM_PRIORITY)
-        self._be_streams = {name: device.new_stream(BE_STREAM_PRIORITY) for name in self.members}
-        self._gated = config.policy != "concurrent"
+        self.partition: GreenPartition | None = None
+        self.sizing: RtSizing | None = None
+        if config.rt_sms is not None and device.is_cuda:
+            self._rt_stream, self._be_streams = self._partitioned_streams()
+        else:
+            if config.rt_sms is not None:
+                logger.info("REEF: rt_sms splits a GPU's SMs; on %s it is ignored", device.device)
+            self._rt_stream = device.new_stream(RT_STREAM_PRIORITY)
+            self._be_streams = {name: device.new_stream(BE_STREAM_PRIORITY) for name in self.members}
+        # With the SMs split (``rt_sms``) BE kernels are never on RT's SMs, so RT has nothing to wait for and BE
+        # no reason to stop: space isolation replaces the preemption gate.  (The memory system is still shared.)
+        self._gated = config.policy != "concurrent" and self.partition is None
         self._padding = config.padding and config.policy == "reef" and device.is_cuda
         self._serial = threading.Lock() if config.policy == "seq" else contextlib.nullcontext()
         self._warm: list[concurrent.futures.Future] = []
         self._threads = [self._start("reef-rt", self._realtime_loop)]
         self._threads += [self._start(f"reef-be-{name}", self._best_effort_loop, name) for name in self.members]
+
+    def _partitioned_streams(self) -> tuple[torch.cuda.Stream, dict[str, torch.cuda.Stream]]:
+        """RT's stream on a green context of its own SMs, each BE queue's on one over the rest (``rt_sms``)."""
+        if reason := unavailable_reason(self.device.device):
+            raise RuntimeError(f"rt_sms needs CUDA green contexts, and {reason}; unset it for priority streams")
+        index = self.device.device.index if self.device.device.index is not None else torch.cuda.current_device()
+        rt_sms = self.config.rt_sms
+        if rt_sms == "auto":
+            realtime = [self.members[n] for n in self.config.realtime] or list(self.members.values())
+
+            def rt_batch() -> None:
+                with torch.inference_mode():
+                    for member in realtime:
+                        member.model(*self._zeros(member, self.config.rt_max_batch))
+
+            self.sizing = measure_rt_sms(index, rt_batch)
+            rt_sms = self.sizing.rt_sms
+            logger.info("REEF: %s", self.sizing.describe())
+        self.partition = GreenPartition(index, rt_sms)
+        logger.info("REEF: real-time work on %d SMs, best-effort on the other %d of %d (green contexts)",
+                    self.partition.rt_sms, self.partition.be_sms, self.partition.total_sms)  # fmt: skip
+        be = {name: self.partition.stream("be", BE_STREAM_PRIORITY) for name in self.members}
+        return self.partition.stream("rt", RT_STREAM_PRIORITY), be
 
     def _start(self, name: str, target, *args) -> threading.Thread:  # noqa: ANN001 - a loop method
         warm: concurrent.futures.Future = concurrent.futures.Future()
@@ -362,8 +396,13 @@ class ReefEngine(Engine):
         for thread in self._threads:
             thread.join(timeout=max(deadline - time.monotonic(), 0.1))
         self._notify_space()
+        if self.partition is not None and not any(thread.is_alive() for thread in self._threads):
+            torch.cuda.synchronize(self.device.device)
+            self.partition.close()  # its streams die with it; an executor still running keeps them
 
     def __repr__(self) -> str:
+        if self.partition is not None:
+            return f"ReefEngine({', '.join(self.members)}; {self.partition!r})"
         return (
             f"ReefEngine({', '.join(self.members)}; RT on {self._rt_threads} thread(s), "
             "BE on an even share among the busy queues)"

@@ -15,17 +15,21 @@ from model_store.factory import outputs_close
 from tests.unit.test_reef_engine import WAIT_S, Held, Small, request  # noqa: F401 (fixtures are used by name)
 
 
+def cuda_member(name: str, model: torch.nn.Module, shape: tuple[int, ...], device: ExecutionDevice) -> Member:
+    """``model`` on the GPU, cut into three segments, as the engine's tests serve it."""
+    torch.manual_seed(0)
+    model = model.eval().to(device.device)
+    example = (torch.randn(2, *shape, device=device.device),)
+    sliced = slice_model(model, example, 3, repeats=1, check=lambda g, e: outputs_close(g, e, 1e-5))
+    return Member(name, model, sliced, ModelInput((torch.zeros(shape),)))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("padding", [False, True])
 def test_on_cuda_rt_gets_the_higher_priority_stream_and_every_answer_is_the_models(padding):
     device = ExecutionDevice("cuda:0")
-    members = []
-    for name, model, shape in (("held", Held(), (3, 8, 8)), ("small", Small(), (6,))):
-        torch.manual_seed(0)
-        model = model.eval().to(device.device)
-        example = (torch.randn(2, *shape, device=device.device),)
-        sliced = slice_model(model, example, 3, repeats=1, check=lambda g, e: outputs_close(g, e, 1e-5))
-        members.append(Member(name, model, sliced, ModelInput((torch.zeros(shape),))))
+    members = [cuda_member(name, model, shape, device) for name, model, shape in
+               (("held", Held(), (3, 8, 8)), ("small", Small(), (6,)))]  # fmt: skip
     config = ReefConfig(segments=3, c=2, be_max_batch=2, padding=padding)
     eng = ReefEngine(members, device, config, HandlerMetrics(None, "test"))
     eng.warm_up()

@@ -235,6 +235,9 @@ def test_config_is_validated_and_a_header_outranks_the_models_default():
         ({"rt_max_batch": 8, "max_inflight": 4}, "max_inflight"),
         ({"colour": 1}, "unknown reef settings"),
         ({"padding": "on"}, "padding must be true or false"),
+        ({"rt_sms": 0}, 'rt_sms must be "auto" or a number of SMs'),
+        ({"rt_sms": "half"}, 'rt_sms must be "auto" or a number of SMs'),
+        ({"rt_sms": 16, "policy": "seq"}, "policy reef only"),
     ]:
         with pytest.raises(ReefConfigError, match=message):
             ReefConfig.from_dict(bad)

@@ -1,0 +1,63 @@
+"""REEF with the GPU's SMs split between real-time and best-effort work (CUDA green contexts); needs CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from handlers.reef.config import BEST_EFFORT, REALTIME, ReefConfig
+from handlers.reef.engine import ReefEngine
+from handlers.runtime.device import ExecutionDevice
+from handlers.runtime.metrics import HandlerMetrics
+from handlers.runtime.sm_partition import GreenPartition, sm_grid, unavailable_reason
+from model_store.factory import outputs_close
+from tests.gpu.test_reef_engine_cuda import cuda_member
+from tests.unit.test_reef_engine import WAIT_S, Held, Small, request  # noqa: F401
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_split_gives_disjoint_parts_whose_streams_compute_like_the_default_stream():
+    assert unavailable_reason(torch.device("cuda", 0)) is None
+    grid = sm_grid(0)
+    partition = GreenPartition(0, grid.rounded(grid.total // 4))
+    try:
+        assert partition.rt_sms >= grid.total // 4 and partition.rt_sms + partition.be_sms <= grid.total
+        a = torch.randn(512, 512, device="cuda")
+        want = a @ a
+        for side in ("rt", "be"):
+            stream = partition.stream(side, priority=-1 if side == "rt" else 0)
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                got = a @ a
+            stream.synchronize()
+            assert torch.allclose(got, want, atol=1e-3)
+    finally:
+        torch.cuda.synchronize()
+        partition.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("rt_sms", ["auto", 16])
+def test_reef_on_split_sms_answers_every_request_with_the_models_output_and_drops_the_gate(rt_sms):
+    device = ExecutionDevice("cuda:0")
+    members = [cuda_member(name, model, shape, device) for name, model, shape in
+               (("held", Held(), (3, 8, 8)), ("small", Small(), (6,)))]  # fmt: skip
+    config = ReefConfig(segments=3, c=2, be_max_batch=2, rt_sms=rt_sms, realtime=("small",))
+    eng = ReefEngine(members, device, config, HandlerMetrics(None, "test"))
+    eng.warm_up()
+    try:
+        assert eng.partition is not None and not eng._gated
+        assert eng.partition.rt_sms >= 8 and eng.partition.be_sms >= 1
+        if rt_sms == "auto":
+            assert eng.sizing is not None and eng.sizing.rt_sms == eng.partition.rt_sms
+        sent = []
+        for i in range(16):
+            model = "held" if i % 3 else "small"
+            sent.append((model, *request(eng, model, REALTIME if i % 4 == 0 else BEST_EFFORT, seed=500 + i)))
+        for model, x, future in sent:
+            with torch.inference_mode():
+                want = eng.members[model].model(x.unsqueeze(0).to(device.device))[0].float().cpu()
+            assert outputs_close(future.result(WAIT_S), want, 1e-4)
+    finally:
+        eng.close(5.0)
+    assert not eng.partition._contexts  # closed with the engine
