@@ -21,10 +21,11 @@
 # (ebird_same) and against the stock systems (ebird); JPEG decode ways
 # beside a launching model (the contended run has not finished in 60 s);
 # Nimble against torch.compile on EfficientNet-B0 (measured: 1.62-2.26x).
-# Tier 2 (about 7 minutes): DVABatch on BERT-base (9x below NO Wait's
+# Tier 2 (about 9 minutes): DVABatch on BERT-base (9x below NO Wait's
 # capacity on the H100, unchanged since); REEF workloads C and A, each with
-# the split-SM variant beside priority streams (rt_sms: auto, never run on
-# a GPU yet; its tests run in tier 1's `tests`).
+# the split-SM variant (rt_sms: auto) and BE units as CUDA graphs
+# (be_graphs) beside priority streams, neither run on a GPU yet (their tests
+# run in tier 1's `tests`).
 # Tier 3: Orca on GPT-2; Nimble on Inception-v3 and ResNet-50 again; the
 # torch.compile fault beside Nimble's multi-stream capture (reproduced).
 # The next GPU session starts with whatever tier is still unmeasured.
@@ -129,9 +130,9 @@ step dvabatch 180 "$py" -m bench.ebird_direct --handler dvabatch --model bert-ba
     --out-dir "$work"
 
 # REEF workloads C (six models in four handlers; 146 s on the H100) and A.
-step reef_c 180 "$py" -m bench.reef_direct --device "$dev" --workload C --padding --green \
+step reef_c 260 "$py" -m bench.reef_direct --device "$dev" --workload C --padding --green --graphs \
     --seconds $((secs + 3)) --repeats 1 --out-dir "$work"
-step reef_a 160 "$py" -m bench.reef_direct --device "$dev" --workload A --padding --green \
+step reef_a 220 "$py" -m bench.reef_direct --device "$dev" --workload A --padding --green --graphs \
     --seconds $((secs + 3)) --repeats "$reps" --out-dir "$work"
 
 # -- tier 3 ---------------------------------------------------------------

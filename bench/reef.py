@@ -83,6 +83,7 @@ LABELS = {
     "reef": "REEF",
     "reef-pad": "REEF (padding)",
     "reef-green": "REEF (split SMs)",
+    "reef-graphs": "REEF (BE units as graphs)",
 }
 CLAIMS = {
     "rt_mean_within_10pct_of_rt_only": "REEF's RT mean within 10 % of RT-only (bar)",

@@ -26,6 +26,8 @@ room; ``handlers/reef/config.py``), against plain priority streams.
 best-effort work on disjoint SMs, CUDA green contexts, no preemption gate;
 ``handlers/runtime/sm_partition.py``).  On a CPU the setting is ignored, so
 there it is REEF again (a dry run of the script, not a measurement).
+``--graphs`` adds ``reef-graphs``: REEF with ``be_graphs: true`` (each
+best-effort unit a CUDA graph per batch bucket; ignored on a CPU too).
 """
 
 from __future__ import annotations
@@ -56,7 +58,8 @@ from serving_harness.loadgen import LoadResult, Sample
 
 PADDED = "reef-pad"
 GREEN = "reef-green"
-VARIANTS = {PADDED: {"padding": True}, GREEN: {"rt_sms": "auto"}}  # REEF with one setting changed
+GRAPHS = "reef-graphs"
+VARIANTS = {PADDED: {"padding": True}, GREEN: {"rt_sms": "auto"}, GRAPHS: {"be_graphs": True}}  # one setting changed
 
 
 _BODIES: dict[tuple[str, int], dict[str, Any]] = {}
@@ -157,7 +160,14 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     specs = {n: get_spec(n) for n in names}
     settings = workload_settings(args, workload)
     gpu = 0 if args.device == "cuda" else None
-    policies = ["seq", "concurrent", "reef", *([PADDED] if args.padding else []), *([GREEN] if args.green else [])]
+    policies = [
+        "seq",
+        "concurrent",
+        "reef",
+        *([PADDED] if args.padding else []),
+        *([GREEN] if args.green else []),
+        *([GRAPHS] if args.graphs else []),
+    ]
     workers = {}
     for policy in tqdm(policies, desc="REEF workers", unit="worker"):
         workers[policy] = Worker(policy, list(specs.values()), settings, workdir, gpu)
@@ -251,6 +261,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--padding", action="store_true", help="also run REEF with padding on (reef-pad)")
     parser.add_argument(
         "--green", action="store_true", help="also run REEF on split SMs, rt_sms: auto (reef-green; CUDA)"
+    )
+    parser.add_argument(
+        "--graphs", action="store_true", help="also run REEF with BE units as CUDA graphs (reef-graphs; CUDA)"
     )
     parser.add_argument("--warmup-seconds", type=float, default=2.0)
     parser.add_argument("--calibrate-seconds", type=float, default=4.0)

@@ -36,7 +36,6 @@ import torch
 from handlers.codecs import ModelInput, collate
 from handlers.dvabatch.batch_table import BatchEntry, BatchTable
 from handlers.dvabatch.policy import DvaBatchConfig, DvaPolicy
-from handlers.dvabatch.stage_programs import StagePrograms, bucket_sizes
 from handlers.errors import ServiceUnavailable, bad_request
 from handlers.runtime.device import ExecutionDevice
 from handlers.runtime.engine import Engine, Ticket, drain_then_stop, layout_of, settle_batch, warm_up_sizes
@@ -44,6 +43,7 @@ from handlers.runtime.lanes import CpuLanes
 from handlers.runtime.metrics import HandlerMetrics
 from handlers.runtime.segment_profile import SegmentProfile
 from handlers.runtime.segments import SegmentedModel, State, merge_states, split_state
+from handlers.runtime.stage_programs import StagePrograms, bucket_sizes
 
 logger = logging.getLogger(__name__)
 

@@ -47,7 +47,7 @@ class DvaBatchConfig:
     # cores split among the stages; 1: every stage on all the cores, one at
     # a time).  See ``DvaBatchHandler.cpu_lane_count``.
     cpu_lanes: int | None = None
-    # CUDA only: each stage replays a captured graph per batch bucket (``stage_programs.py``).
+    # CUDA only: each stage replays a captured graph per batch bucket (``runtime/stage_programs.py``).
     cuda_graphs: bool = True
 
     def __post_init__(self) -> None:

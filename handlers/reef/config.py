@@ -70,12 +70,19 @@ class ReefConfig:
     # None (the default): both on the whole GPU, priority streams alone.
     # Needs CUDA driver 12.8+ and cuda-bindings; the CPU ignores it.
     rt_sms: int | str | None = None
+    # CUDA: each best-effort launch unit replays a CUDA graph captured per batch
+    # bucket (1, 2, 4, … ``be_max_batch``; ``runtime/stage_programs.py``), so a
+    # unit is one copy in and one launch, and a preemption point one graph
+    # boundary.  Off until measured on a GPU; the CPU ignores it.
+    be_graphs: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.realtime, str) or not all(isinstance(n, str) for n in self.realtime):
             raise ReefConfigError(f"realtime must be a list of model names, got {self.realtime!r}")
         for name in ("segments", "c", "rt_max_batch", "be_max_batch", "max_inflight"):
             _positive_int(name, getattr(self, name))
+        if not isinstance(self.be_graphs, bool):
+            raise ReefConfigError(f"be_graphs must be true or false, got {self.be_graphs!r}")
         if not isinstance(self.padding, bool):
             raise ReefConfigError(f"padding must be true or false, got {self.padding!r}")
         if not isinstance(self.priority_header, bool):

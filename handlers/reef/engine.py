@@ -58,6 +58,7 @@ from handlers.runtime.engine import Engine, Ticket, drain_then_stop, layout_of, 
 from handlers.runtime.metrics import HandlerMetrics
 from handlers.runtime.segments import SegmentedModel
 from handlers.runtime.sm_partition import GreenPartition, RtSizing, measure_rt_sms, unavailable_reason
+from handlers.runtime.stage_programs import StagePrograms, bucket_sizes
 
 logger = logging.getLogger(__name__)
 
@@ -162,6 +163,12 @@ class ReefEngine(Engine):
         # With the SMs split (``rt_sms``) BE kernels are never on RT's SMs, so RT has nothing to wait for and BE
         # no reason to stop: space isolation replaces the preemption gate.  (The memory system is still shared.)
         self._gated = config.policy != "concurrent" and self.partition is None
+        # CUDA, ``be_graphs``: each member's launch units as captured graphs per batch bucket, on its BE stream.
+        self.be_programs: dict[str, StagePrograms] = {}
+        if config.be_graphs and config.policy == "reef" and device.is_cuda:
+            for name, member in self.members.items():
+                if (programs := self._captured_units(member)) is not None:
+                    self.be_programs[name] = programs
         self._padding = config.padding and config.policy == "reef" and device.is_cuda
         self._serial = threading.Lock() if config.policy == "seq" else contextlib.nullcontext()
         self._warm: list[concurrent.futures.Future] = []
@@ -190,6 +197,21 @@ class ReefEngine(Engine):
                     self.partition.rt_sms, self.partition.be_sms, self.partition.total_sms)  # fmt: skip
         be = {name: self.partition.stream("be", BE_STREAM_PRIORITY) for name in self.members}
         return self.partition.stream("rt", RT_STREAM_PRIORITY), be
+
+    def _captured_units(self, member: Member) -> StagePrograms | None:
+        """``member``'s launch units captured at every BE batch bucket; None (eager units) where capture fails."""
+        started = time.perf_counter()
+        buckets = bucket_sizes(self.config.be_max_batch)
+        try:
+            with torch.inference_mode(), self.device.on(self._be_streams[member.name]):
+                programs = StagePrograms(member.sliced, self._zeros(member, 1), buckets, graphs=True)
+        except Exception:  # capture is an optimisation: the eager units serve the same answers
+            logger.warning("REEF: could not capture %s's launch units as CUDA graphs; running them eagerly",
+                           member.name, exc_info=True)  # fmt: skip
+            return None
+        logger.info("REEF: %s's %d launch units captured at batches %s in %.1f s", member.name, len(member.sliced),
+                    buckets, time.perf_counter() - started)  # fmt: skip
+        return programs
 
     def _start(self, name: str, target, *args) -> threading.Thread:  # noqa: ANN001 - a loop method
         warm: concurrent.futures.Future = concurrent.futures.Future()
@@ -295,19 +317,20 @@ class ReefEngine(Engine):
             with self._serial, self.gate.unit():
                 return member.model(*inputs)
         state = member.sliced.start(*inputs)
+        programs = self.be_programs.get(member.name)
         launched: deque = deque()
-        for segment in member.sliced:
+        for index, segment in enumerate(member.sliced):
             if self._padding and self.gate.realtime_mode:
                 # Padding (``ReefConfig.padding``): one unit at a time beside the RT
                 # stream, none queued ahead of it; RT does not wait for these.
                 while launched:
                     self.device.synchronize(launched.popleft())
-                state = segment(state)
+                state = segment(state) if programs is None else programs.run(index, state)
                 self.device.synchronize(self.device.record(stream))
                 self._count("pad")
                 continue
             with self.gate.unit() as waited:
-                state = segment(state)
+                state = segment(state) if programs is None else programs.run(index, state)
                 event = self.device.record(stream)
             if waited:
                 self._count("resume")

@@ -1,4 +1,10 @@
-"""DVABatch's stages as static-shape programs, one per batch bucket.
+"""A segmented model's pieces as static-shape programs, one per batch bucket.
+
+Two handlers run a model piece by piece: DVABatch's stages and REEF's
+best-effort launch units (its preemption points), both ``SegmentedModel``
+segments.  On a fast GPU each piece run eagerly is one Python call per
+operator, and a preemption point then sits between two long runs of
+launches; captured, a piece is one copy in and one graph replay.
 
 DVABatch moves batches between stages and reshapes them on the way (a
 newcomer joins, a catch-up batch merges, a batch splits in halves), so a

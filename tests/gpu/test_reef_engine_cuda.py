@@ -26,16 +26,20 @@ def cuda_member(name: str, model: torch.nn.Module, shape: tuple[int, ...], devic
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("padding", [False, True])
-def test_on_cuda_rt_gets_the_higher_priority_stream_and_every_answer_is_the_models(padding):
+@pytest.mark.parametrize("be_graphs", [False, True])
+def test_on_cuda_rt_gets_the_higher_priority_stream_and_every_answer_is_the_models(padding, be_graphs):
     device = ExecutionDevice("cuda:0")
     members = [cuda_member(name, model, shape, device) for name, model, shape in
                (("held", Held(), (3, 8, 8)), ("small", Small(), (6,)))]  # fmt: skip
-    config = ReefConfig(segments=3, c=2, be_max_batch=2, padding=padding)
+    config = ReefConfig(segments=3, c=2, be_max_batch=2, padding=padding, be_graphs=be_graphs)
     eng = ReefEngine(members, device, config, HandlerMetrics(None, "test"))
     eng.warm_up()
     try:
         assert eng._rt_stream.priority < eng._be_streams["held"].priority
         assert eng._padding is padding  # padded BE units (in real-time mode) must answer as the model, too
+        # be_graphs: every member's three units captured at BE batches 1 and 2 (a failed capture would run eagerly)
+        assert {name: len(p.graphs) for name, p in eng.be_programs.items()} == ({"held": 6, "small": 6} if be_graphs
+                                                                              else {})  # fmt: skip
         sent = []
         for i in range(16):
             model = "held" if i % 3 else "small"

@@ -37,17 +37,18 @@ def test_a_split_gives_disjoint_parts_whose_streams_compute_like_the_default_str
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("rt_sms", ["auto", 16])
-def test_reef_on_split_sms_answers_every_request_with_the_models_output_and_drops_the_gate(rt_sms):
+@pytest.mark.parametrize(("rt_sms", "be_graphs"), [("auto", False), (16, True)])
+def test_reef_on_split_sms_answers_every_request_with_the_models_output_and_drops_the_gate(rt_sms, be_graphs):
     device = ExecutionDevice("cuda:0")
     members = [cuda_member(name, model, shape, device) for name, model, shape in
                (("held", Held(), (3, 8, 8)), ("small", Small(), (6,)))]  # fmt: skip
-    config = ReefConfig(segments=3, c=2, be_max_batch=2, rt_sms=rt_sms, realtime=("small",))
+    config = ReefConfig(segments=3, c=2, be_max_batch=2, rt_sms=rt_sms, realtime=("small",), be_graphs=be_graphs)
     eng = ReefEngine(members, device, config, HandlerMetrics(None, "test"))
     eng.warm_up()
     try:
         assert eng.partition is not None and not eng._gated
         assert eng.partition.rt_sms >= 8 and eng.partition.be_sms >= 1
+        assert bool(eng.be_programs) is be_graphs  # graphs captured for, and replayed on, the BE green context
         if rt_sms == "auto":
             assert eng.sizing is not None and eng.sizing.rt_sms == eng.partition.rt_sms
         sent = []

@@ -11,11 +11,11 @@ import torch
 from handlers.codecs import InputCodec, collate
 from handlers.dvabatch.engine import DvaBatchEngine
 from handlers.dvabatch.policy import DvaBatchConfig
-from handlers.dvabatch.stage_programs import StagePrograms, bucket_sizes, padded
 from handlers.runtime.device import ExecutionDevice
 from handlers.runtime.lanes import CpuLanes
 from handlers.runtime.metrics import HandlerMetrics
 from handlers.runtime.segments import slice_model
+from handlers.runtime.stage_programs import StagePrograms, bucket_sizes, padded
 from model_store.catalog import get_spec
 from model_store.factory import build_model
 from tests.unit.test_dvabatch_engine import model  # noqa: F401 (a fixture, used by name)

@@ -16,6 +16,7 @@ from handlers.reef.engine import Member, ReefEngine, RoutedInput
 from handlers.runtime.device import ExecutionDevice
 from handlers.runtime.metrics import HandlerMetrics
 from handlers.runtime.segments import batch_nodes, classify, cut, slice_model, trace
+from handlers.runtime.stage_programs import StagePrograms, bucket_sizes
 from model_store.factory import outputs_close
 
 WAIT_S = 30.0  # bounds waits that must end; not a timing assertion
@@ -101,12 +102,17 @@ def member(name: str, model: nn.Module, shape: tuple[int, ...], segments: int = 
     return Member(name, model, sliced, ModelInput((torch.zeros(shape),)))
 
 
-@pytest.fixture
-def engine():
+@pytest.fixture(params=["units", "programs"])
+def engine(request):
+    """A two-model engine on CPU.  ``programs``: its best-effort units run as ``StagePrograms`` per batch bucket,
+    as ``be_graphs`` makes them on CUDA (here the same padded shapes run eagerly: the engine's side of it)."""
     torch.manual_seed(0)
     members = [member("held", Held(), (3, 8, 8)), member("small", Small(), (6,))]
     eng = ReefEngine(members, ExecutionDevice("cpu"), ReefConfig(segments=3, rt_max_batch=2, be_max_batch=2),
                      HandlerMetrics(None, "test"), cpu_threads=2)  # fmt: skip
+    if request.param == "programs":
+        for m in members:
+            eng.be_programs[m.name] = StagePrograms(m.sliced, eng._zeros(m, 1), bucket_sizes(2))
     eng.warm_up()
     yield eng
     HOLD.set()
@@ -152,6 +158,8 @@ def test_a_real_time_request_preempts_a_best_effort_batch_which_restores_with_th
     [preemption] = engine.preemptions
     assert preemption.interrupted == 1 and preemption.latency_s > 0
     assert not engine.gate.realtime_mode  # normal mode once the RT queue is empty
+    if engine.be_programs:  # the BE batch ran each of its three units as one program of its bucket
+        assert engine.be_programs["held"].calls == {(0, 1): 1, (1, 1): 1, (2, 1): 1}
 
 
 def test_a_mixed_stream_answers_every_request_once_with_its_own_result(engine):
@@ -235,6 +243,7 @@ def test_config_is_validated_and_a_header_outranks_the_models_default():
         ({"rt_max_batch": 8, "max_inflight": 4}, "max_inflight"),
         ({"colour": 1}, "unknown reef settings"),
         ({"padding": "on"}, "padding must be true or false"),
+        ({"be_graphs": 1}, "be_graphs must be true or false"),
         ({"rt_sms": 0}, 'rt_sms must be "auto" or a number of SMs'),
         ({"rt_sms": "half"}, 'rt_sms must be "auto" or a number of SMs'),
         ({"rt_sms": 16, "policy": "seq"}, "policy reef only"),
