@@ -87,3 +87,35 @@ def test_an_iteration_mixing_prompts_and_increments_matches_each_alone(tiny):
         else:
             alone = tiny.iterate(prefill(tiny, alone_kv, [ask]), alone_kv)
         torch.testing.assert_close(mixed[row], alone[0], atol=1e-5, rtol=1e-5)
+
+
+def test_an_iteration_of_new_prompts_dispatches_the_same_operators_for_1_4_and_16_of_them(tiny):
+    """Initiations attend together too: a burst of new requests costs one call per layer, not one per prompt."""
+    counts = {}
+    for n in (1, 4, 16):
+        kv = cache(tiny)
+        steps = [Step(ask, 0, kv.table_for(len(ask))) for ask in prompts(n)]
+        with CountOps() as ops:
+            tiny.iterate(steps, kv)
+        counts[n] = ops.count
+    assert counts[1] == counts[4] == counts[16], counts
+
+
+def test_prompts_of_different_lengths_and_a_chunk_resumed_mid_prompt_match_each_alone(tiny):
+    """One padded causal call over prompts of 3-7 tokens, one of them the second chunk of a longer prompt
+    (its first positions cached by an earlier iteration), beside an increment: every row as computed alone."""
+    asks = prompts(5)
+    long = asks[0] + asks[1]  # 7-14 tokens, computed in two chunks
+    kv = cache(tiny)
+    [decoding] = prefill(tiny, kv, [asks[2]])
+    long_table = kv.table_for(len(long))
+    tiny.iterate([Step(long[:4], 0, long_table)], kv)  # the first chunk, an iteration earlier
+    fresh = [Step(ask, 0, kv.table_for(len(ask))) for ask in asks[3:]]
+    mixed = tiny.iterate([fresh[0], Step(long[4:], 4, long_table), decoding, fresh[1]], kv)
+    for row, ask, kind in ((0, asks[3], "prompt"), (1, long, "prompt"), (2, asks[2], "decode"), (3, asks[4], "prompt")):
+        alone_kv = cache(tiny)
+        if kind == "prompt":
+            alone = tiny.iterate([Step(ask, 0, alone_kv.table_for(len(ask)))], alone_kv)
+        else:
+            alone = tiny.iterate(prefill(tiny, alone_kv, [ask]), alone_kv)
+        torch.testing.assert_close(mixed[row], alone[0], atol=1e-5, rtol=1e-5)
