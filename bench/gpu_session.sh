@@ -5,14 +5,15 @@
 #   bash bench/gpu_session.sh OUT_DIR TIER|STEP...     # e.g. `1`, `2`, `tests ebird`, `all`
 #   DRY=1 bash bench/gpu_session.sh /tmp/dry all       # the same steps on this CPU, tiny runs
 #
-# Tier 0 (about 11 minutes; prepared 2026-11-28/29, no loan since): the host
+# Tier 0 (about 12 minutes; prepared 2026-11-28/29, no loan since): the host
 # path after the loop mailbox, lane decode jobs per burst, torch work and
 # loop wake-ups once per batch (docs/benchmarks/host_path.md), DVABatch's
 # stages as CUDA graphs per batch bucket, and Orca's one attention call per
-# layer per decode iteration: the host-bound regime on the card (Ebird and
-# DVABatch against NO Wait on the one-layer BERT, twin beside: hostbound),
-# Ebird against NO Wait with the same execution (ebird_same), DVABatch on
-# BERT-base, Orca on GPT-2 against generate and continuous batching.
+# layer per iteration with its decode iterations as CUDA graphs: the
+# host-bound regime on the card (Ebird and DVABatch against NO Wait on the
+# one-layer BERT, twin beside: hostbound), Ebird against NO Wait with the
+# same execution (ebird_same), DVABatch on BERT-base, Orca on GPT-2 (graphs
+# on) against generate, continuous batching, its twin and itself eager.
 # The older tiers follow what was unmeasured after the H200 session of
 # 2026-11-27 (commits eac5868/eba1994; docs/benchmarks/reading/gpu.md):
 # Tier 1 (about 7 minutes): the CUDA tests (the plain handler's batched
@@ -137,8 +138,9 @@ step reef_a 220 "$py" -m bench.reef_direct --device "$dev" --workload A --paddin
 
 # -- tier 3 ---------------------------------------------------------------
 # Orca against generate and transformers' continuous batching (the issue's two GPU rows), its twin beside.
-step orca 150 "$py" -m bench.orca --device "$dev" --fractions 0.3,0.7 --seconds $((secs * 2)) \
-    --capacity-seconds "$cap" --max-batches 16 --baselines generate,continuous,twin --out-dir "$work"
+step orca 200 "$py" -m bench.orca --device "$dev" --fractions 0.3,0.7 --seconds $((secs * 2)) \
+    --capacity-seconds "$cap" --max-batches 16 --cuda-graphs --baselines generate,continuous,twin,eager \
+    --out-dir "$work"
 step nimble_inception 150 "$py" -m bench.nimble --device "$dev" --models inception_v3 \
     --batches "$batches" --repeats 3 --runs 10 --suffix _inception_v3 --out-dir "$work"
 step nimble_resnet50 150 "$py" -m bench.nimble --device "$dev" --models resnet50 --batches "$batches" \

@@ -35,7 +35,13 @@ it alike):
   iteration-level with a paged KV cache), the in-ecosystem baseline, given
   the same KV memory;
 - ``twin`` (asked for in ``--baselines``): a second Orca engine with the
-  same settings, so the run carries its own A/A band.
+  same settings, so the run carries its own A/A band;
+- ``eager`` (with ``--cuda-graphs``, on a GPU): Orca without its decode
+  graphs, so the run shows what the graphs are worth.
+
+``--cuda-graphs`` runs Orca (and its twin) with ``cuda_graphs: true``:
+decode iterations replayed as CUDA graphs per (batch, context) bucket
+(``handlers/orca/decode_programs.py``); a CPU ignores it.
 
 The run also counts KV memory: the same requests with blocks for all of
 them and for a third (preemption by recompute; the answers must not
@@ -87,6 +93,7 @@ BASELINES = {
     "generate": "request-level batching through transformers' generate (padded, every row runs to the batch's end)",
     "continuous": "transformers' own continuous batching (init_continuous_batching: iteration-level, paged KV)",
     "twin": "a second Orca engine, the same settings: the A/A band of this run",
+    "eager": "Orca without CUDA graphs (each decode iteration launched operator by operator)",
 }
 MODELS = ("gpt2", "gpt2-tiny1", "llama-tiny")
 
@@ -263,7 +270,8 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                                                 slots=max(args.max_batches))  # fmt: skip
         return OrcaEngine(model, slots=max(args.max_batches), max_tokens=max_tokens, max_batch=b,
                           max_new_tokens=args.output[1], device=args.device,
-                          iteration_level=policy != "request")  # fmt: skip
+                          iteration_level=policy != "request",
+                          cuda_graphs=args.cuda_graphs and policy in ("orca", "twin"))  # fmt: skip
 
     engines = {(policy, b): engine_for(policy, b) for policy, b in systems}
     rows = []
@@ -450,6 +458,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="gpt2", choices=MODELS,
                         help="the catalog's GPT-2 small, its one-layer GPT-2 (the host-bound regime), or its small "
                              "Llama-family model (grouped-query attention)")  # fmt: skip
+    parser.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="Orca's decode iterations as CUDA graphs (add the eager baseline to compare)",
+    )
     parser.add_argument("--baselines", default="request,generate,continuous",
                         help=f"comma-separated, from {', '.join(BASELINES)}")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="loads 0.3 and 0.7, 8 s runs")

@@ -59,6 +59,11 @@ class IterationModel(Protocol):
 
     def iterate(self, steps: Sequence[Step], kv: KVCache) -> torch.Tensor: ...
 
+    def run_layout(
+        self, ids: torch.Tensor, positions: torch.Tensor, layout: IterationLayout, kv: KVCache,
+        last: torch.Tensor | None,
+    ) -> torch.Tensor: ...  # fmt: skip
+
 
 def _rows(table: Sequence[int], start: int, end: int, size: int) -> list[int]:
     """The cache rows of positions ``start .. end`` of a request with block table ``table``."""
@@ -179,7 +184,6 @@ def attend(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    steps: Sequence[Step],
     layer: int,
     kv: KVCache,
     layout: IterationLayout,
@@ -187,7 +191,7 @@ def attend(
     """Store the iteration's new keys/values in ``kv`` and attend over everything cached.
 
     ``q``: ``[tokens, heads, dim]``; ``k``, ``v``: ``[tokens, kv_heads, dim]``,
-    the rows in the order of ``steps``.  Returns ``[tokens, heads * dim]``.
+    the rows in the iteration's order.  Returns ``[tokens, heads * dim]``.
     """
     keys, values = kv.keys[layer], kv.values[layer]
     keys[layout.write_rows] = k  # every new token's key and value, one store each

@@ -29,12 +29,19 @@ class OrcaConfig:
     # "orca": iteration-level scheduling; "request": the paper's baseline,
     # request-level batching in the same engine (``scheduler.py``), for benchmarks.
     policy: str = "orca"
+    # CUDA: decode iterations replay a CUDA graph per (batch, context) bucket (``decode_programs.py``).
+    # Off until measured on a GPU; a CPU ignores it.
+    cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise OrcaConfigError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         for f in fields(self):
             if f.name == "policy" or (f.name == "prefill_chunk" and getattr(self, f.name) == 0):
+                continue
+            if f.name == "cuda_graphs":
+                if not isinstance(self.cuda_graphs, bool):
+                    raise OrcaConfigError(f"cuda_graphs must be true or false, got {self.cuda_graphs!r}")
                 continue
             value = getattr(self, f.name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from handlers.orca.attention import IterationModel, Step
+from handlers.orca.decode_programs import DecodePrograms
 from handlers.orca.kv_cache import KVCache, blocks_for
 from handlers.orca.sampling import GREEDY, Sampling, TokenChooser, choose_tokens
 from handlers.orca.scheduler import GenerationRequest, IterationScheduler
@@ -83,14 +84,17 @@ class OrcaEngine:
     def __init__(
         self, model: IterationModel, slots: int, max_tokens: int, max_batch: int, max_new_tokens: int,
         device: str | torch.device = "cpu", iteration_level: bool = True, block_size: int = DEFAULT_BLOCK_SIZE,
-        kv_blocks: int | None = None, prefill_chunk: int = 0,
+        kv_blocks: int | None = None, prefill_chunk: int = 0, cuda_graphs: bool = False,
     ) -> None:  # fmt: skip
         """KV memory holds ``slots`` requests of ``max_tokens`` tokens, in blocks of ``block_size`` positions
         (``kv_blocks`` blocks instead when given: tests and benchmarks make memory scarce with it).
 
         ``prefill_chunk`` > 0: a prompt is computed at most that many tokens per iteration (chunked prefill),
         so a long prompt shares its iterations with the running requests' decode steps instead of stalling
-        them for one long iteration; its first token comes after its last chunk.  0: whole prompts."""
+        them for one long iteration; its first token comes after its last chunk.  0: whole prompts.
+
+        ``cuda_graphs`` (CUDA only): decode iterations replay a CUDA graph per (batch, context) bucket
+        (``decode_programs.py``); one KV block more is allocated, the padding rows' scratch."""
         if prefill_chunk < 0:
             raise ValueError(f"prefill_chunk must be ≥ 0 (0: whole prompts), got {prefill_chunk}")
         self.prefill_chunk = prefill_chunk
@@ -105,7 +109,17 @@ class OrcaEngine:
         self.device = device
         self.max_tokens = max_tokens
         self.max_new_tokens = max_new_tokens
-        self.kv = KVCache(model.kv_shape(blocks, block_size), dtype=model.dtype, device=device)
+        graphs = cuda_graphs and torch.device(device).type == "cuda"
+        self.kv = KVCache(model.kv_shape(blocks + (1 if graphs else 0), block_size), dtype=model.dtype, device=device)
+        self.decode: DecodePrograms | None = None
+        if graphs:
+            scratch = self.kv.blocks.allocate(1)[0]  # held for the engine's life: no request ever gets it
+            try:
+                self.decode = DecodePrograms(model, self.kv, max_batch, max_tokens, scratch, graphs=True)
+                logger.info("Orca: decode iterations captured as CUDA graphs: %s", self.decode.describe())
+            except Exception:  # graphs are an optimisation: the eager iterations serve the same tokens
+                logger.warning("Orca: could not capture decode iterations as CUDA graphs; running them eagerly",
+                               exc_info=True)  # fmt: skip
         self.scheduler = IterationScheduler(max_batch, self.kv.blocks, iteration_level=iteration_level)
         self.peak_blocks = 0  # the most blocks in use at once (a counter, for tests and benchmarks)
         self._held: list[GenerationRequest] = []  # request-level batching: done, answered with their batch
@@ -186,7 +200,9 @@ class OrcaEngine:
             # A request whose prompt is still being computed in chunks makes no token this iteration.
             done = [r.cached + len(s.tokens) >= r.length for r, s in zip(batch, steps, strict=True)]
             try:
-                logits = self.model.iterate(steps, self.kv)
+                logits = self.decode.iterate(steps) if self.decode is not None else None
+                if logits is None:  # not a decode iteration, or larger than every captured bucket
+                    logits = self.model.iterate(steps, self.kv)
             except Exception as exc:  # noqa: BLE001 - fails this iteration's requests, not the engine
                 logger.exception("Orca iteration failed for %d requests", len(batch))
                 with self._cond:

@@ -8,7 +8,7 @@ Orca's *selective batching* follows from that: the tokens of all requests
 are flattened to one ``[ΣL, H]`` tensor for the embeddings, layer norms, the
 QKV projection, the output projection and the MLP, and attention reads each
 request's own keys and values from the KV cache (``attention.py``: the
-increments in one call per layer, prompts one by one).
+increments in one call per layer, the prompts in another).
 
 The weights are the catalog GPT-2's (``transformers.GPT2LMHeadModel`` with
 seeded weights), taken as they are, so greedy decoding here can be checked
@@ -61,19 +61,28 @@ class SelectiveGPT2(nn.Module):
         """One iteration for ``steps``: the next-token logits of each request, ``[len(steps), vocab]``."""
         if not steps:
             raise ValueError("an iteration needs at least one request")
-        t = self.transformer
-        device = t.wte.weight.device
+        device = self.transformer.wte.weight.device
         ids, positions = flat_tokens(steps, self.positions, device)
-        x = t.wte(ids) + t.wpe(positions)  # [ΣL, H]: every request's new tokens, flattened
         layout = IterationLayout.of(steps, kv.block_size, device)
+        return self.run_layout(ids, positions, layout, kv, last_rows(steps, device))
+
+    def run_layout(
+        self, ids: torch.Tensor, positions: torch.Tensor, layout: IterationLayout, kv: KVCache,
+        last: torch.Tensor | None,
+    ) -> torch.Tensor:  # fmt: skip
+        """The iteration from its tensors alone (``decode_programs.py`` captures this): the logits of the rows
+        ``last`` picks (None: every row, a decode iteration's)."""
+        t = self.transformer
+        x = t.wte(ids) + t.wpe(positions)  # [ΣL, H]: every request's new tokens, flattened
         for layer, block in enumerate(t.h):
             h = F.layer_norm(x, (self.hidden,), block.ln_1.weight, block.ln_1.bias, self.eps)
             qkv = torch.addmm(block.attn.c_attn.bias, h, block.attn.c_attn.weight)  # batched over all tokens
             q, k, v = (t.view(-1, self.heads, self.head_dim) for t in qkv.split(self.hidden, dim=1))
-            a = attend(q, k, v, steps, layer, kv, layout)
+            a = attend(q, k, v, layer, kv, layout)
             x = x + torch.addmm(block.attn.c_proj.bias, a, block.attn.c_proj.weight)
             h = F.layer_norm(x, (self.hidden,), block.ln_2.weight, block.ln_2.bias, self.eps)
             h = _gelu_new(torch.addmm(block.mlp.c_fc.bias, h, block.mlp.c_fc.weight))
             x = x + torch.addmm(block.mlp.c_proj.bias, h, block.mlp.c_proj.weight)
-        x = F.layer_norm(x[last_rows(steps, device)], (self.hidden,), t.ln_f.weight, t.ln_f.bias, self.eps)
+        x = x if last is None else x[last]
+        x = F.layer_norm(x, (self.hidden,), t.ln_f.weight, t.ln_f.bias, self.eps)
         return F.linear(x, self.lm_head.weight)  # GPT-2 ties it to the token embedding; no bias

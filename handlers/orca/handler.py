@@ -133,7 +133,7 @@ class OrcaHandler:
         self.engine = OrcaEngine(model, c.kv_slots, c.max_tokens, c.max_batch,
                                  c.max_new_tokens, device=device.device,
                                  iteration_level=c.policy == "orca", block_size=c.block_size,
-                                 prefill_chunk=c.prefill_chunk)  # fmt: skip
+                                 prefill_chunk=c.prefill_chunk, cuda_graphs=c.cuda_graphs)  # fmt: skip
         self.engine.submit([0], 1).result()  # warm-up: the first iteration pays lazy initialisation
         freeze_startup_heap()
         self.initialized = True

@@ -66,13 +66,21 @@ class SelectiveLlama(nn.Module):
         """One iteration for ``steps``: the next-token logits of each request, ``[len(steps), vocab]``."""
         if not steps:
             raise ValueError("an iteration needs at least one request")
-        m = self.model
-        device = m.embed_tokens.weight.device
+        device = self.model.embed_tokens.weight.device
         ids, positions = flat_tokens(steps, self.positions, device)
+        layout = IterationLayout.of(steps, kv.block_size, device)
+        return self.run_layout(ids, positions, layout, kv, last_rows(steps, device))
+
+    def run_layout(
+        self, ids: torch.Tensor, positions: torch.Tensor, layout: IterationLayout, kv: KVCache,
+        last: torch.Tensor | None,
+    ) -> torch.Tensor:  # fmt: skip
+        """The iteration from its tensors alone (``decode_programs.py`` captures this): the logits of the rows
+        ``last`` picks (None: every row, a decode iteration's)."""
+        m = self.model
         x = m.embed_tokens(ids)  # [ΣL, H]
         cos, sin = m.rotary_emb(x, positions.unsqueeze(0))  # [1, ΣL, head_dim]: each token at its own position
         cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # broadcast over heads
-        layout = IterationLayout.of(steps, kv.block_size, device)
         for layer, block in enumerate(m.layers):
             h = block.input_layernorm(x)
             a = block.self_attn
@@ -81,8 +89,8 @@ class SelectiveLlama(nn.Module):
             v = a.v_proj(h).view(-1, self.kv_heads, self.head_dim)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
-            x = x + a.o_proj(attend(q, k, v, steps, layer, kv, layout))
+            x = x + a.o_proj(attend(q, k, v, layer, kv, layout))
             h = block.post_attention_layernorm(x)
             mlp = block.mlp
             x = x + mlp.down_proj(F.silu(mlp.gate_proj(h)) * mlp.up_proj(h))
-        return self.lm_head(m.norm(x[last_rows(steps, device)]))
+        return self.lm_head(m.norm(x if last is None else x[last]))
