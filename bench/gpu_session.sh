@@ -5,7 +5,9 @@
 #   bash bench/gpu_session.sh OUT_DIR TIER|STEP...     # e.g. `1`, `2`, `tests ebird`, `all`
 #   DRY=1 bash bench/gpu_session.sh /tmp/dry all       # the same steps on this CPU, tiny runs
 #
-# Tier 0 (about 12 minutes; prepared 2026-11-28/29, no loan since): the host
+# Tier 0 (about 13 minutes; prepared 2026-11-28/29, no loan since): the new
+# CUDA code's tests (new_cuda: REEF green contexts and BE graphs, Orca decode
+# graphs, never run on a GPU), the host
 # path after the loop mailbox, lane decode jobs per burst, torch work and
 # loop wake-ups once per batch (docs/benchmarks/host_path.md), DVABatch's
 # stages as CUDA graphs per batch bucket, and Orca's one attention call per
@@ -46,7 +48,7 @@ work=$(mktemp -d)
 export PYTHONPATH="$PWD/.site:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
 
-tier0="hostbound ebird_same dvabatch orca"
+tier0="new_cuda hostbound ebird_same dvabatch orca"
 tier1="tests ebird ebird_same jpeg nimble_effnet"
 tier2="dvabatch reef_c reef_a"
 tier3="orca nimble_inception nimble_resnet50 nimble_fault"
@@ -90,6 +92,11 @@ cat "$work/machine.txt"
 echo "steps:$steps"
 
 # -- tier 0's own --------------------------------------------------------
+# The CUDA code built since the last loan and never run on a GPU, first (a minute): REEF's split SMs (green
+# contexts) and best-effort units as graphs, Orca's decode graphs.  Their benchmarks run later in the tiers.
+step new_cuda 90 "$py" -m pytest -q -p no:cacheprovider -rs tests/gpu/test_reef_green_cuda.py \
+    tests/gpu/test_reef_engine_cuda.py tests/gpu/test_orca_decode_graphs_cuda.py
+
 # The host-bound regime (a one-layer BERT: each batch's compute in microseconds, the host's work per request
 # decides): Ebird and DVABatch against NO Wait at the same largest batch, with host CPU per request by thread.
 step hostbound 200 bash -c "for h in ebird dvabatch; do $py -m bench.ebird_direct --handler \$h --model bert-tiny1 \
