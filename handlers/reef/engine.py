@@ -57,7 +57,7 @@ from handlers.runtime.device import ExecutionDevice
 from handlers.runtime.engine import Engine, Ticket, drain_then_stop, layout_of, settle_batch
 from handlers.runtime.metrics import HandlerMetrics
 from handlers.runtime.segments import SegmentedModel
-from handlers.runtime.sm_partition import GreenPartition, RtSizing, measure_rt_sms, unavailable_reason
+from handlers.runtime.sm_partition import GreenPartition, RtSizing, measure_rt_sms, sm_grid, unavailable_reason
 from handlers.runtime.stage_programs import StagePrograms, bucket_sizes
 
 logger = logging.getLogger(__name__)
@@ -192,6 +192,12 @@ class ReefEngine(Engine):
             self.sizing = measure_rt_sms(index, rt_batch)
             rt_sms = self.sizing.rt_sms
             logger.info("REEF: %s", self.sizing.describe())
+        else:
+            grid = sm_grid(index)
+            most = grid.rt_counts()[-1] if grid.rt_counts() else 0
+            if rt_sms > most:
+                raise RuntimeError(f"rt_sms {rt_sms} leaves best-effort work too few of this GPU's {grid.total} SMs "
+                                   f"(groups of ≥ {grid.minimum}): at most {most}")  # fmt: skip
         self.partition = GreenPartition(index, rt_sms)
         logger.info("REEF: real-time work on %d SMs, best-effort on the other %d of %d (green contexts)",
                     self.partition.rt_sms, self.partition.be_sms, self.partition.total_sms)  # fmt: skip

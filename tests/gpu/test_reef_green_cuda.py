@@ -62,3 +62,11 @@ def test_reef_on_split_sms_answers_every_request_with_the_models_output_and_drop
     finally:
         eng.close(5.0)
     assert not eng.partition._contexts  # closed with the engine
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_more_sms_than_a_split_can_give_is_refused_at_start_naming_the_limit():
+    device = ExecutionDevice("cuda:0")
+    members = [cuda_member("small", Small(), (6,), device)]
+    with pytest.raises(RuntimeError, match="leaves best-effort work too few"):
+        ReefEngine(members, device, ReefConfig(rt_sms=100_000), HandlerMetrics(None, "test"))
