@@ -48,17 +48,6 @@ from handlers.runtime.stage_programs import StagePrograms, bucket_sizes
 logger = logging.getLogger(__name__)
 
 
-class _Rows(list):
-    """A batch's decoded requests before its first stage, in row order (kept as Python objects until then)."""
-
-    def split(self, sizes: list[int]) -> list[_Rows]:
-        out, start = [], 0
-        for size in sizes:
-            out.append(_Rows(self[start : start + size]))
-            start += size
-        return out
-
-
 class DvaBatchEngine(Engine):
     def __init__(
         self,
@@ -87,9 +76,7 @@ class DvaBatchEngine(Engine):
             if device.is_cuda
             else []
         )
-        # A batch's state once it ran a stage; before that, its requests' decoded inputs (``_Rows``): they are
-        # collated once, on the lane that runs its first stage, not at each placement on the scheduler thread.
-        self._states: dict[int, State | _Rows] = {}
+        self._states: dict[int, State] = {}
         # Meta operations done (new, join, stretch, split, merge); also
         # reported to TorchServe as HandlerOperations.
         self.counts: Counter[str] = Counter()
@@ -155,7 +142,7 @@ class DvaBatchEngine(Engine):
             placement = self.policy.place(self.table, len(self._pending), now)
             items = [self._pending.popleft() for _ in range(placement.count)]
             tickets = [t for t, _ in items]
-            inputs = _Rows(i for _, i in items)
+            inputs = self.sliced.start(*(t.to(self.device.device) for t in collate([i for _, i in items])))
             self._count(placement.kind)
             if placement.kind == "join":
                 entry = self.table.join(placement.target, tickets)
@@ -167,7 +154,7 @@ class DvaBatchEngine(Engine):
                 entry = self.table.new(tickets, now)
             # Joined a batch that had not started: its rows go after the batch's, as in the table.
             previous = self._states.get(entry.id)
-            self._states[entry.id] = inputs if previous is None else self._joined(previous, inputs)
+            self._states[entry.id] = inputs if previous is None else merge_states([previous, inputs])
 
     def _dispatch(self) -> list[tuple[int, int, State]]:
         runs = []
@@ -180,9 +167,7 @@ class DvaBatchEngine(Engine):
             if sizes is not None:
                 self._count("split")
                 parts = self.table.split(entry.id, sizes)
-                whole = self._states.pop(entry.id)
-                pieces = whole.split(sizes) if isinstance(whole, _Rows) else split_state(whole, sizes)
-                for part, state in zip(parts, pieces, strict=True):
+                for part, state in zip(parts, split_state(self._states.pop(entry.id), sizes), strict=True):
                     self._states[part.id] = state
                 entry = parts[0]
             self.table.start(entry.id)
@@ -205,19 +190,8 @@ class DvaBatchEngine(Engine):
             future = self._stage_threads[stage].submit(self._run_stage, stage, state)
         future.add_done_callback(lambda f: self._stage_done(batch_id, stage, f))
 
-    def _joined(self, previous: State | _Rows, rows: _Rows) -> State | _Rows:
-        if isinstance(previous, _Rows):
-            return _Rows([*previous, *rows])
-        return merge_states([previous, self._start_state(rows)])  # not reached: joins target unstarted batches
-
-    def _start_state(self, rows: _Rows) -> State:
-        """The first stage's input state: the batch's requests collated once (one tensor per input)."""
-        return self.sliced.start(*(t.to(self.device.device) for t in collate(rows)))
-
-    def _run_stage(self, stage: int, state: State | _Rows) -> State:
+    def _run_stage(self, stage: int, state: State) -> State:
         with torch.inference_mode(), self.device.on(self._streams[stage]):
-            if isinstance(state, _Rows):
-                state = self._start_state(state)
             out = self.sliced[stage](state) if self.programs is None else self.programs.run(stage, state)
             if self.device.is_cuda:
                 self.device.synchronize(self.device.record(self._streams[stage]))
