@@ -2,8 +2,12 @@
 # One lent GPU session's checks, in tiers ordered by value, for a machine with
 # PyTorch but no Java or TorchServe frontend (so handlers are driven in-process).
 #
-#   bash bench/gpu_session.sh OUT_DIR TIER|STEP...     # e.g. `1`, `2`, `tests ebird`, `all`
+#   bash bench/gpu_session.sh OUT_DIR TIER|STEP...     # e.g. `0a`, `1`, `2`, `tests ebird`, `all`
 #   DRY=1 bash bench/gpu_session.sh /tmp/dry all       # the same steps on this CPU, tiny runs
+#
+# A device call runs ten minutes at most, so tier 0 comes as two calls, `0a`
+# (new_cuda hostbound ebird_same: step limits 490 s in all) and then `0b`
+# (dvabatch orca: 380 s); each call packs its own results.tar.
 #
 # Tier 0 (about 13 minutes; prepared 2026-11-28/29, no loan since): the new
 # CUDA code's tests (new_cuda: REEF green contexts and BE graphs, Orca decode
@@ -56,6 +60,8 @@ steps=" "
 for arg in "${@:-1}"; do
     case $arg in
         0) steps+="$tier0 " ;;
+        0a) steps+="new_cuda hostbound ebird_same " ;;
+        0b) steps+="dvabatch orca " ;;
         1) steps+="$tier1 " ;;
         2) steps+="$tier2 " ;;
         3) steps+="$tier3 " ;;
