@@ -156,6 +156,16 @@ class PromptLayout:
         )
 
 
+def run_steps(model: IterationModel, steps: Sequence[Step], kv: KVCache, device: torch.device) -> torch.Tensor:
+    """One iteration of ``model`` for ``steps`` (the families' ``iterate``): the next-token logits of each
+    request, ``[len(steps), vocab]``, from the tokens flattened, the layout built once and the model run on them."""
+    if not steps:
+        raise ValueError("an iteration needs at least one request")
+    ids, positions = flat_tokens(steps, model.positions, device)
+    layout = IterationLayout.of(steps, kv.block_size, device)
+    return model.run_layout(ids, positions, layout, kv, last_rows(steps, device))
+
+
 def flat_tokens(steps: Sequence[Step], positions: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Every request's new tokens flattened in step order, and each token's position (``[ΣL]`` each);
     refused when a position reaches past the model's ``positions``."""

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from handlers.orca.attention import IterationLayout, Step, attend, flat_tokens, last_rows
+from handlers.orca.attention import IterationLayout, Step, attend, run_steps
 from handlers.orca.kv_cache import KVCache, KVShape
 
 
@@ -59,12 +59,7 @@ class SelectiveGPT2(nn.Module):
     @torch.inference_mode()
     def iterate(self, steps: Sequence[Step], kv: KVCache) -> torch.Tensor:
         """One iteration for ``steps``: the next-token logits of each request, ``[len(steps), vocab]``."""
-        if not steps:
-            raise ValueError("an iteration needs at least one request")
-        device = self.transformer.wte.weight.device
-        ids, positions = flat_tokens(steps, self.positions, device)
-        layout = IterationLayout.of(steps, kv.block_size, device)
-        return self.run_layout(ids, positions, layout, kv, last_rows(steps, device))
+        return run_steps(self, steps, kv, self.transformer.wte.weight.device)
 
     def run_layout(
         self, ids: torch.Tensor, positions: torch.Tensor, layout: IterationLayout, kv: KVCache,

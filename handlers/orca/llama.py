@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from handlers.orca.attention import IterationLayout, Step, attend, flat_tokens, last_rows
+from handlers.orca.attention import IterationLayout, Step, attend, run_steps
 from handlers.orca.kv_cache import KVCache, KVShape
 from model_store.user_models import UnsupportedCheckpoint, check_llama_config
 
@@ -64,12 +64,7 @@ class SelectiveLlama(nn.Module):
     @torch.inference_mode()
     def iterate(self, steps: Sequence[Step], kv: KVCache) -> torch.Tensor:
         """One iteration for ``steps``: the next-token logits of each request, ``[len(steps), vocab]``."""
-        if not steps:
-            raise ValueError("an iteration needs at least one request")
-        device = self.model.embed_tokens.weight.device
-        ids, positions = flat_tokens(steps, self.positions, device)
-        layout = IterationLayout.of(steps, kv.block_size, device)
-        return self.run_layout(ids, positions, layout, kv, last_rows(steps, device))
+        return run_steps(self, steps, kv, self.model.embed_tokens.weight.device)
 
     def run_layout(
         self, ids: torch.Tensor, positions: torch.Tensor, layout: IterationLayout, kv: KVCache,
