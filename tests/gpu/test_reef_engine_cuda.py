@@ -24,6 +24,18 @@ def cuda_member(name: str, model: torch.nn.Module, shape: tuple[int, ...], devic
     return Member(name, model, sliced, ModelInput((torch.zeros(shape),)))
 
 
+def assert_every_answer_is_the_models(eng: ReefEngine, seed: int) -> None:
+    """Sixteen requests over both models, every fourth real-time, each answered with its model's own output."""
+    sent = []
+    for i in range(16):
+        model = "held" if i % 3 else "small"
+        sent.append((model, *request(eng, model, REALTIME if i % 4 == 0 else BEST_EFFORT, seed=seed + i)))
+    for model, x, future in sent:
+        with torch.inference_mode():
+            want = eng.members[model].model(x.unsqueeze(0).to(eng.device.device))[0].float().cpu()
+        assert outputs_close(future.result(WAIT_S), want, 1e-4)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("padding", [False, True])
 @pytest.mark.parametrize("be_graphs", [False, True])
@@ -40,13 +52,6 @@ def test_on_cuda_rt_gets_the_higher_priority_stream_and_every_answer_is_the_mode
         # be_graphs: every member's three units captured at BE batches 1 and 2 (a failed capture would run eagerly)
         assert {name: len(p.graphs) for name, p in eng.be_programs.items()} == ({"held": 6, "small": 6} if be_graphs
                                                                               else {})  # fmt: skip
-        sent = []
-        for i in range(16):
-            model = "held" if i % 3 else "small"
-            sent.append((model, *request(eng, model, REALTIME if i % 4 == 0 else BEST_EFFORT, seed=300 + i)))
-        for model, x, future in sent:
-            with torch.inference_mode():
-                want = eng.members[model].model(x.unsqueeze(0).to(device.device))[0].float().cpu()
-            assert outputs_close(future.result(WAIT_S), want, 1e-4)
+        assert_every_answer_is_the_models(eng, seed=300)
     finally:
         eng.close(5.0)

@@ -5,14 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from handlers.reef.config import BEST_EFFORT, REALTIME, ReefConfig
+from handlers.reef.config import ReefConfig
 from handlers.reef.engine import ReefEngine
 from handlers.runtime.device import ExecutionDevice
 from handlers.runtime.metrics import HandlerMetrics
 from handlers.runtime.sm_partition import GreenPartition, sm_grid, unavailable_reason
-from model_store.factory import outputs_close
-from tests.gpu.test_reef_engine_cuda import cuda_member
-from tests.unit.test_reef_engine import WAIT_S, Held, Small, request  # noqa: F401
+from tests.gpu.test_reef_engine_cuda import assert_every_answer_is_the_models, cuda_member
+from tests.unit.test_reef_engine import Held, Small
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -51,14 +50,7 @@ def test_reef_on_split_sms_answers_every_request_with_the_models_output_and_drop
         assert bool(eng.be_programs) is be_graphs  # graphs captured for, and replayed on, the BE green context
         if rt_sms == "auto":
             assert eng.sizing is not None and eng.sizing.rt_sms == eng.partition.rt_sms
-        sent = []
-        for i in range(16):
-            model = "held" if i % 3 else "small"
-            sent.append((model, *request(eng, model, REALTIME if i % 4 == 0 else BEST_EFFORT, seed=500 + i)))
-        for model, x, future in sent:
-            with torch.inference_mode():
-                want = eng.members[model].model(x.unsqueeze(0).to(device.device))[0].float().cpu()
-            assert outputs_close(future.result(WAIT_S), want, 1e-4)
+        assert_every_answer_is_the_models(eng, seed=500)
     finally:
         eng.close(5.0)
     assert not eng.partition._contexts  # closed with the engine

@@ -52,6 +52,15 @@ def prefill(model: SelectiveGPT2, kv: KVCache, asks: list[list[int]]) -> list[St
     return steps
 
 
+def alone(model: SelectiveGPT2, ask: list[int], kind: str) -> torch.Tensor:
+    """``ask``'s logits computed with nothing beside it: as a ``"prompt"`` (its initiation) or as its first
+    ``"decode"`` step after one."""
+    kv = cache(model)
+    if kind == "prompt":
+        return model.iterate([Step(ask, 0, kv.table_for(len(ask)))], kv)[0]
+    return model.iterate(prefill(model, kv, [ask]), kv)[0]
+
+
 def test_a_decode_iteration_dispatches_the_same_operators_for_1_4_and_16_requests(tiny):
     counts = {}
     for n in (1, 4, 16):
@@ -74,19 +83,14 @@ def test_decoding_together_gives_each_request_the_logits_it_gets_alone(tiny):
 
 
 def test_an_iteration_mixing_prompts_and_increments_matches_each_alone(tiny):
-    """Increments attend together, prompts one by one, and the rows go back in the iteration's order."""
+    """Increments attend in one call, the prompt in another, and the rows go back in the iteration's order."""
     asks = prompts(3)
     kv = cache(tiny)
     decoding = prefill(tiny, kv, asks[:2])
     newcomer = Step(asks[2], 0, kv.table_for(len(asks[2])))
     mixed = tiny.iterate([decoding[0], newcomer, decoding[1]], kv)
-    for row, ask, step in ((0, asks[0], None), (1, asks[2], "prompt"), (2, asks[1], None)):
-        alone_kv = cache(tiny)
-        if step == "prompt":
-            alone = tiny.iterate([Step(ask, 0, alone_kv.table_for(len(ask)))], alone_kv)
-        else:
-            alone = tiny.iterate(prefill(tiny, alone_kv, [ask]), alone_kv)
-        torch.testing.assert_close(mixed[row], alone[0], atol=1e-5, rtol=1e-5)
+    for row, ask, kind in ((0, asks[0], "decode"), (1, asks[2], "prompt"), (2, asks[1], "decode")):
+        torch.testing.assert_close(mixed[row], alone(tiny, ask, kind), atol=1e-5, rtol=1e-5)
 
 
 def test_an_iteration_of_new_prompts_dispatches_the_same_operators_for_1_4_and_16_of_them(tiny):
@@ -113,9 +117,4 @@ def test_prompts_of_different_lengths_and_a_chunk_resumed_mid_prompt_match_each_
     fresh = [Step(ask, 0, kv.table_for(len(ask))) for ask in asks[3:]]
     mixed = tiny.iterate([fresh[0], Step(long[4:], 4, long_table), decoding, fresh[1]], kv)
     for row, ask, kind in ((0, asks[3], "prompt"), (1, long, "prompt"), (2, asks[2], "decode"), (3, asks[4], "prompt")):
-        alone_kv = cache(tiny)
-        if kind == "prompt":
-            alone = tiny.iterate([Step(ask, 0, alone_kv.table_for(len(ask)))], alone_kv)
-        else:
-            alone = tiny.iterate(prefill(tiny, alone_kv, [ask]), alone_kv)
-        torch.testing.assert_close(mixed[row], alone[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(mixed[row], alone(tiny, ask, kind), atol=1e-5, rtol=1e-5)
