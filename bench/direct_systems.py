@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from archiver.options import ServingOptions
-from bench.direct import call, call_batch, load_context
+from bench.direct import as_client_sees, call_batch, load_context, request_context
 from handlers.dvabatch.handler import DvaBatchHandler
 from handlers.ebird.handler import EbirdHandler
 from handlers.ebird.scheduler import default_worker_batches
@@ -112,30 +112,50 @@ def label(system: str) -> str:
 
 
 class AsyncDriver:
-    """An async handler (Ebird, DVABatch): one ``handle`` call per request.
+    """An async handler (Ebird, DVABatch), driven as the handlers' own message pump drives it.
 
-    As the handlers' own message pump does inside TorchServe
-    (``handlers/runtime/worker_pump.py``), no request is handed over while
-    every CPU lane runs a quiet batch: requests that arrive then wait, like
-    messages left in the socket, for one wait on the lanes that they all
-    share, and are handed over together when it ends.
+    Inside TorchServe the pump (``handlers/runtime/worker_pump.py``) reads
+    every message waiting on the socket at once and hands them to the
+    handler's ``serve_burst`` together; here the requests that arrive while
+    the event loop is busy are one burst, handed over on its next turn.  As
+    the pump's read gate does, no burst is handed over while every CPU lane
+    runs a quiet batch: requests that arrive then wait, like messages left
+    in the socket, and join the burst handed over when it ends.
     """
 
     def __init__(self, handler: Any, load_ctx: Any) -> None:
         self.handler, self.load_ctx = handler, load_ctx
-        self._gate: asyncio.Future | None = None  # the shared wait for a loud lane, while one runs
+        self._pending: list[tuple[dict, asyncio.Future]] = []  # arrived, not yet handed over
 
     async def start(self) -> None:
-        self._gate = None
+        self._pending = []
 
     async def request(self, row: dict) -> int:
+        loop = asyncio.get_running_loop()
+        answered: asyncio.Future[int] = loop.create_future()
+        self._pending.append((row, answered))
+        if len(self._pending) == 1:
+            loop.call_soon(self._flush)
+        return await answered
+
+    def _flush(self) -> None:
         lanes = getattr(self.handler, "lanes", None)
         if lanes is not None and lanes.all_quiet():
-            if self._gate is None or self._gate.done():
-                self._gate = asyncio.get_running_loop().run_in_executor(None, lanes.wait_for_a_loud_lane)
-            await self._gate
-        status, _ = await call(self.handler, self.load_ctx, row)
-        return status
+            gate = asyncio.get_running_loop().run_in_executor(None, lanes.wait_for_a_loud_lane)
+            gate.add_done_callback(lambda _: self._hand_over())
+        else:
+            self._hand_over()
+
+    def _hand_over(self) -> None:
+        burst, self._pending = self._pending, []
+        calls = [([row], request_context(self.load_ctx, 1, lean=True)) for row, _ in burst]
+
+        def done(index: int, answers: list[Any]) -> None:
+            [answer] = answers
+            as_client_sees(answer)  # as ``call`` does: the client parses every answer
+            burst[index][1].set_result(calls[index][1].get_response_status(0)[0])
+
+        self.handler.serve_burst(calls, done)
 
     async def stop(self) -> None:
         pass

@@ -36,6 +36,7 @@ import functools
 import logging
 import os
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -54,10 +55,11 @@ from handlers.pinning.worker import PackratWorkerMixin
 from handlers.runtime import worker_pump
 from handlers.runtime.arrivals import Arrivals
 from handlers.runtime.batched_decode import BatchedJpegDecoder
+from handlers.runtime.burst import BurstServer, Call, Done
 from handlers.runtime.deadlines import Deadlines
 from handlers.runtime.decode import BATCHED, LANE, RequestDecoder, default_decode_placement, parse_decode_threads
 from handlers.runtime.device import ExecutionDevice
-from handlers.runtime.engine import Engine, RowsEncoder, StageTimes, input_key
+from handlers.runtime.engine import Engine, RowsEncoder, StageTimes, input_key, stage_breakdown
 from handlers.runtime.heap import freeze_startup_heap
 from handlers.runtime.lanes import CpuLanes
 from handlers.runtime.loop_mailbox import mailbox_for
@@ -91,31 +93,6 @@ def declared_inputs(codec: InputCodec) -> list[ModelInput]:
     return [
         ModelInput((torch.zeros(n, dtype=torch.long), torch.ones(n, dtype=torch.long))) for n in codec.token_lengths
     ]
-
-
-def stage_breakdown(
-    received: float, decoded: float, admitted: float, times: StageTimes | None, woken: float, answered: float
-) -> dict[str, float]:
-    """One request's seconds per stage, from its timestamps (see ``HandlerMetrics``).
-
-    An engine that does not report its inner times gets them as one
-    ``engine`` stage (admitted → woken).
-    An answer encoded where its batch finished (``TicketFuture.encode``)
-    counts that time as ``encode``, not ``release``.
-    """
-    stages = {"decode": decoded - received, "admission": admitted - decoded}
-    encoded = times.encode_seconds if times is not None else 0.0
-    if times is None or None in (times.started, times.finished, times.settled):
-        stages["engine"] = woken - admitted - encoded
-    else:
-        stages.update(
-            queue=times.started - times.arrived,
-            batch=times.finished - times.started,
-            release=times.settled - times.finished - encoded,
-            wakeup=woken - times.settled,
-        )
-    stages["encode"] = answered - woken + encoded
-    return {k: max(0.0, v) for k, v in stages.items()}
 
 
 class _Admission:
@@ -162,6 +139,14 @@ class _Admission:
                     ) from None
 
 
+class _ThroughHandle(BurstServer):
+    """``serve_burst`` for a handler whose requests take ``handle``: a task per message."""
+
+    def serve(self, calls: Sequence[Call], done: Done) -> None:
+        for index, (data, context) in enumerate(calls):
+            self._spawn(self._through_handle(index, data, context, done))
+
+
 class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
     """Base class; a subclass supplies ``configure`` and ``create_engine``."""
 
@@ -193,6 +178,7 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
         self._admissions: dict[tuple[int, Any], _Admission] = {}
         self._rows_encoder = RowsEncoder(self.postprocess_rows)
         self._deadlines: dict[int, Deadlines] = {}  # per event loop, as ``_admissions``
+        self._burst: BurstServer | _ThroughHandle | None = None  # ``serve_burst``'s path, chosen at its first call
 
     # -- hooks ---------------------------------------------------------------
 
@@ -369,6 +355,27 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
             self._count_unanswered(-len(data))
         return list(answers)
 
+    def serve_burst(self, calls: Sequence[Call], done: Done) -> None:
+        """Answer several messages that arrived together, each as ``handle(data, context)`` would, through
+        ``done(index, answers)`` on the running loop (the lean message pump's entry: ``burst.py``).
+
+        One-request messages take the callback path, without a coroutine
+        each, when this handler decodes with the runtime's ``RequestDecoder``
+        and its own ``decode_request``; every other message, and every
+        message of a handler that overrides how a request is decoded (REEF
+        routes by header), goes through ``handle`` in a task of its own.
+        """
+        if self._burst is None:
+            self._burst = BurstServer(self) if self._takes_bursts() else _ThroughHandle(self)
+        self._burst.serve(calls, done)
+
+    def _takes_bursts(self) -> bool:
+        return (
+            isinstance(self.decoder, RequestDecoder)
+            and type(self).decode_request is AsyncModelHandler.decode_request
+            and type(self).handle is AsyncModelHandler.handle
+        )
+
     def _count_unanswered(self, change: int) -> None:
         self.unanswered += change
         try:
@@ -416,9 +423,7 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
             shapes = [list(shape) for shape in item.shapes]
             raise bad_request(f"input shape {shapes} is not one this archive declares")
         loop = asyncio.get_running_loop()
-        admission = self._admissions.get((id(loop), key))
-        if admission is None:
-            admission = self._admissions[(id(loop), key)] = _Admission(self.engines[key], self.metrics)
+        admission = self.admission_for(loop, key)
         deadline = loop.time() + self.response_timeout_s
         future = await admission.admit(item, deadline)
         admitted = time.monotonic()
@@ -429,14 +434,21 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
         self.metrics.request_admitted()
         try:
             answer = mailbox_for(loop).wrap(future)
-            self._deadlines_on(loop).watch(answer, deadline)
+            self.deadlines_on(loop).watch(answer, deadline)
             output = await answer
             encoded = getattr(future, "encoded", False)
             return output, getattr(future, "times", None), admitted, time.monotonic(), encoded
         finally:
             self.metrics.request_answered()
 
-    def _deadlines_on(self, loop: asyncio.AbstractEventLoop) -> Deadlines:
+    def admission_for(self, loop: asyncio.AbstractEventLoop, key: Any) -> _Admission:
+        """The admission line into engine ``key`` on ``loop`` (one per loop and engine)."""
+        admission = self._admissions.get((id(loop), key))
+        if admission is None:
+            admission = self._admissions[(id(loop), key)] = _Admission(self.engines[key], self.metrics)
+        return admission
+
+    def deadlines_on(self, loop: asyncio.AbstractEventLoop) -> Deadlines:
         """The response timeout's watch on ``loop`` (one timer for every request waiting there)."""
         deadlines = self._deadlines.get(id(loop))
         if deadlines is None or deadlines.loop is not loop:

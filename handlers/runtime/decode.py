@@ -66,6 +66,17 @@ def default_decode_placement(is_cuda: bool) -> DecodePlacement:
     return min(CUDA_DECODE_THREADS, os.cpu_count() or 1) if is_cuda else LANE
 
 
+Decoded = tuple[ModelInput | None, BaseException | None]  # a row's input, or why it has none
+
+
+def _decode_one(decode: Callable[[dict[str, Any]], ModelInput], row: dict[str, Any]) -> Decoded:
+    """A row's outcome: its input, or the error its decode raised (that request's 4xx or 503)."""
+    try:
+        return decode(row), None
+    except Exception as exc:
+        return None, exc
+
+
 Submit = Callable[[Callable[[dict[str, Any]], ModelInput], dict[str, Any]], Future]
 
 
@@ -89,8 +100,10 @@ class RequestDecoder:
             else None
         )
         self._submit = submit or (self._own_pool.submit if self._own_pool else None)
-        # On the lanes, requests waiting for a decode job (``_decode_waiting``).
-        self._waiting: list[tuple[Callable[[dict[str, Any]], ModelInput], dict[str, Any], asyncio.Future]] = []
+        # On the lanes, rows waiting for a decode job (``_decode_waiting``), with where their outcomes go.
+        self._waiting: list[
+            tuple[Callable[[dict[str, Any]], ModelInput], list[dict[str, Any]], Callable[[list[Decoded]], None]]
+        ] = []
         self._waiting_lock = threading.Lock()
 
     @property
@@ -113,21 +126,70 @@ class RequestDecoder:
             return decode(row)
         if not self.on_lanes:
             return await wait_for_future(self._submit(decode, row))
-        loop = asyncio.get_running_loop()
-        decoded: asyncio.Future[ModelInput] = loop.create_future()
-        with self._waiting_lock:
-            self._waiting.append((decode, row, decoded))
-            first = len(self._waiting) == 1
-        if first:  # else a decode job is queued on the lanes already, and takes this request too
-            try:
-                self._submit(self._decode_waiting, mailbox_for(loop))
-            except Exception as exc:  # lanes closed: every request waiting for this job fails now
-                with self._waiting_lock:
-                    waiting, self._waiting = self._waiting, []
-                for _, _, pending in waiting:
-                    if not pending.done():
-                        pending.set_exception(exc)
+        decoded: asyncio.Future[ModelInput] = asyncio.get_running_loop().create_future()
+
+        def deliver(outcomes: list[Decoded]) -> None:
+            [(item, error)] = outcomes
+            if decoded.cancelled():
+                return
+            if error is not None:
+                decoded.set_exception(error)
+            else:
+                decoded.set_result(item)
+
+        self._queue_on_lanes(decode, [row], deliver)
         return await decoded
+
+    def decode_burst(self, rows: list[dict[str, Any]], deliver: Callable[[int, list[Decoded]], None]) -> None:
+        """Decode ``rows`` without a coroutine or future per row: ``deliver(first, outcomes)`` runs on the
+        event loop with ``(item, error)`` for ``rows[first:first + len(outcomes)]``, once per part.
+
+        Inline, the one part is delivered before this returns.  On the lanes,
+        the burst is one entry of the shared decode job (one lane job and one
+        loop wake-up for everything waiting); on decode threads, it is split
+        into one part per thread, each delivered when its thread is done.
+        Called on the event loop.
+        """
+        if self._submit is None:
+            deliver(0, [_decode_one(self._decode, row) for row in rows])
+            return
+        if self.on_lanes:
+            self._queue_on_lanes(self._decode, rows, lambda outcomes: deliver(0, outcomes))
+            return
+        mailbox = mailbox_for(asyncio.get_running_loop())
+        step = -(-len(rows) // max(1, min(self.threads, len(rows))))
+        for first in range(0, len(rows), step):
+            part = rows[first : first + step]
+
+            def job(part: list[dict[str, Any]] = part, first: int = first) -> None:
+                outcomes = [_decode_one(self._decode, row) for row in part]
+                mailbox.post(lambda: deliver(first, outcomes))
+
+            try:
+                self._submit(job)
+            except Exception as exc:  # the pool is shut down: this part fails now
+                deliver(first, [(None, exc)] * len(part))
+
+    def _queue_on_lanes(
+        self,
+        decode: Callable[[dict[str, Any]], ModelInput],
+        rows: list[dict[str, Any]],
+        deliver: Callable[[list[Decoded]], None],
+    ) -> None:
+        """Add ``rows`` to the decode job queued on the lanes, queueing one if none is (called on the loop)."""
+        loop = asyncio.get_running_loop()
+        with self._waiting_lock:
+            self._waiting.append((decode, rows, deliver))
+            first = len(self._waiting) == 1
+        if not first:  # a decode job is queued on the lanes already, and takes these rows too
+            return
+        try:
+            self._submit(self._decode_waiting, mailbox_for(loop))
+        except Exception as exc:  # lanes closed: everything waiting for this job fails now
+            with self._waiting_lock:
+                waiting, self._waiting = self._waiting, []
+            for _, pending_rows, pending_deliver in waiting:
+                pending_deliver([(None, exc)] * len(pending_rows))
 
     def _decode_waiting(self, mailbox: LoopMailbox) -> None:
         """A lane job: decode every request waiting when it starts, and hand all of them to the loop at once.
@@ -139,23 +201,13 @@ class RequestDecoder:
         """
         with self._waiting_lock:
             waiting, self._waiting = self._waiting, []
-        outcomes: list[tuple[asyncio.Future, ModelInput | None, BaseException | None]] = []
-        for decode, row, decoded in waiting:
-            try:
-                outcomes.append((decoded, decode(row), None))
-            except Exception as exc:  # that request's own 4xx (or 503); the others decode on
-                outcomes.append((decoded, None, exc))
+        done = [(deliver, [_decode_one(decode, row) for row in rows]) for decode, rows, deliver in waiting]
 
-        def deliver() -> None:
-            for decoded, item, error in outcomes:
-                if decoded.cancelled():
-                    continue
-                if error is not None:
-                    decoded.set_exception(error)
-                else:
-                    decoded.set_result(item)
+        def deliver_all() -> None:
+            for deliver, outcomes in done:
+                deliver(outcomes)
 
-        mailbox.post(deliver)
+        mailbox.post(deliver_all)
 
     def close(self) -> None:
         if self._own_pool is not None:

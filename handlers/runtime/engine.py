@@ -42,6 +42,31 @@ class StageTimes:
     encode_seconds: float = 0.0  # spent encoding its answer before settling (``TicketFuture.encode``)
 
 
+def stage_breakdown(
+    received: float, decoded: float, admitted: float, times: StageTimes | None, woken: float, answered: float
+) -> dict[str, float]:
+    """One request's seconds per stage, from its timestamps (see ``HandlerMetrics``).
+
+    An engine that does not report its inner times gets them as one
+    ``engine`` stage (admitted → woken).
+    An answer encoded where its batch finished (``TicketFuture.encode``)
+    counts that time as ``encode``, not ``release``.
+    """
+    stages = {"decode": decoded - received, "admission": admitted - decoded}
+    encoded = times.encode_seconds if times is not None else 0.0
+    if times is None or None in (times.started, times.finished, times.settled):
+        stages["engine"] = woken - admitted - encoded
+    else:
+        stages.update(
+            queue=times.started - times.arrived,
+            batch=times.finished - times.started,
+            release=times.settled - times.finished - encoded,
+            wakeup=woken - times.settled,
+        )
+    stages["encode"] = answered - woken + encoded
+    return {k: max(0.0, v) for k, v in stages.items()}
+
+
 class RowsEncoder:
     """Turns several output rows into their answers in one call: a batch's torch work once.
 

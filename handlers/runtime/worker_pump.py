@@ -24,8 +24,11 @@ the worker 1.08 ms of CPU per message and this one 0.21
 (``bench/worker_pump.py``, ``docs/benchmarks/worker_pump.md``).
 
 ``WorkerPump`` speaks the same protocol with one reader thread that hands
-each message straight to the loop and one writer thread fed by a plain
-queue.  Per message it keeps TorchServe's contract: a context of its own
+the loop every message already waiting on the socket in one wake-up, and
+one writer thread fed by a plain queue.  A handler with ``serve_burst``
+(the async handlers, ``burst.py``) takes such a burst in one call and
+answers each message through a callback, without a task per message; any
+other entry point gets a ``predict`` task per message.  Per message it keeps TorchServe's contract: a context of its own
 (``message_context``: concurrent requests must not share request ids or
 response statuses and headers), the entry point awaited once, ``PredictionTime``
 recorded, the answer framed by TorchServe's own ``create_predict_response``,
@@ -73,6 +76,9 @@ LEAN = "lean"
 TORCHSERVE = "torchserve"
 PUMPS = (LEAN, TORCHSERVE)
 CHECKED_TORCHSERVE = ("0.12.0",)
+# At most this many waiting messages are read before the loop gets them: a burst's decode and
+# admission run in one turn of the loop, and a much longer turn would delay the answers it delivers.
+MAX_BURST = 64
 
 
 def parse_worker_pump(value: Any) -> str:
@@ -155,11 +161,17 @@ class WorkerPump:
                 if self.read_gate is not None:
                     select.select([sock], [], [])  # a message (or the frontend's close) is waiting
                     self.read_gate()
-                command, message = retrieve_msg(sock)
-                if command == b"I":
-                    loop.call_soon_threadsafe(self._start, message)
-                else:
-                    logger.warning("async worker: ignoring frontend command %r", command)
+                burst = []
+                while True:  # every message already waiting: handed to the loop in one wake-up
+                    command, message = retrieve_msg(sock)
+                    if command == b"I":
+                        burst.append(message)
+                    else:
+                        logger.warning("async worker: ignoring frontend command %r", command)
+                    if len(burst) >= MAX_BURST or not select.select([sock], [], [], 0)[0]:
+                        break
+                if burst:
+                    loop.call_soon_threadsafe(self._start_burst, burst)
         except SystemExit:  # TorchServe's reader exits so when the frontend disconnects: a clean end
             fail(None)
         except Exception:  # a corrupt frame: the worker must end
@@ -171,6 +183,42 @@ class WorkerPump:
                 self.service.cl_socket.sendall(self._answers.get())
         except Exception:
             fail(traceback.format_exc())
+
+    def _start_burst(self, messages: list[list[dict[str, Any]]]) -> None:
+        """Messages read together: to the handler's ``serve_burst`` at once when it has one, else one
+        ``predict`` task each (TorchServe's contract for any entry point)."""
+        serve_burst = getattr(getattr(self.service._entry_point, "__self__", None), "serve_burst", None)
+        if serve_burst is None:
+            for message in messages:
+                self._start(message)
+            return
+        calls, framing = [], []
+        for message in messages:
+            try:
+                rows, context = self._message_call(message)
+            except Exception:  # a frame that cannot be read: 503 for each id it names, as ``_answer`` does
+                logger.exception("async worker: could not read a message")
+                if (response := _failure_response(message)) is not None:
+                    self._answers.put(response)
+                continue
+            calls.append((rows, context))
+            framing.append((context, time.time()))
+        answered = [False] * len(calls)
+
+        def done(index: int, answers: list[Any]) -> None:
+            answered[index] = True
+            context, started = framing[index]
+            response = self._framed(answers, len(calls[index][0]), context, started)
+            if response is not None:
+                self._answers.put(response)
+
+        try:
+            serve_burst(calls, done)
+        except Exception:  # a handler bug: what it has not answered gets 503, the worker serves on
+            logger.exception("async worker: the handler failed a burst of %d message(s)", len(calls))
+            for index, (_, context) in enumerate(calls):
+                if not answered[index] and (response := _failure_response_for(context)) is not None:
+                    self._answers.put(response)
 
     def _start(self, message: list[dict[str, Any]]) -> None:
         task = asyncio.get_running_loop().create_task(self._answer(message))
@@ -189,15 +237,10 @@ class WorkerPump:
     async def predict(self, message: list[dict[str, Any]]) -> bytes | bytearray | None:
         """One message's answer, framed for the frontend (TorchServe's ``predict`` contract)."""
         from ts.protocol.otf_message_handler import create_predict_response
-        from ts.service import PREDICTION_METRIC, PredictionException, Service
+        from ts.service import PredictionException
 
-        headers, rows, request_ids = Service.retrieve_data_for_inference(message)
-        context = message_context(self.service.context)
-        context.request_ids = request_ids
-        context.request_processor = headers
-        context.cl_socket = self.service.cl_socket
-        if context.metrics is not None:
-            context.metrics.request_ids = request_ids
+        rows, context = self._message_call(message)
+        request_ids = context.request_ids
         started = time.time()
         try:
             answers = await self.service._entry_point(rows, context)
@@ -210,8 +253,31 @@ class WorkerPump:
         except Exception:
             logger.exception("async worker: the handler failed")
             return create_predict_response(None, request_ids, "Prediction failed", 503)
-        if not isinstance(answers, list) or len(answers) != len(rows):
-            logger.error("async worker: the handler answered %r for %d request(s)", type(answers), len(rows))
+        return self._framed(answers, len(rows), context, started)
+
+    def _message_call(self, message: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], Any]:
+        """A message's rows and its own context, as the entry point takes them."""
+        from ts.service import Service
+
+        headers, rows, request_ids = Service.retrieve_data_for_inference(message)
+        context = message_context(self.service.context)
+        context.request_ids = request_ids
+        context.request_processor = headers
+        context.cl_socket = self.service.cl_socket
+        if context.metrics is not None:
+            context.metrics.request_ids = request_ids
+        return rows, context
+
+    @staticmethod
+    def _framed(answers: Any, count: int, context: Any, started: float) -> bytes | bytearray | None:
+        """A message's answers framed for the frontend, its ``PredictionTime`` recorded; 503 for each of
+        its requests if the handler did not answer one per request."""
+        from ts.protocol.otf_message_handler import create_predict_response
+        from ts.service import PREDICTION_METRIC
+
+        request_ids = context.request_ids
+        if not isinstance(answers, list) or len(answers) != count:
+            logger.error("async worker: the handler answered %r for %d request(s)", type(answers), count)
             return create_predict_response(None, request_ids, "Invalid model predict output", 503)
         if context.metrics is not None:
             context.metrics.add_time(PREDICTION_METRIC, round((time.time() - started) * 1000, 2))
@@ -254,6 +320,13 @@ def _shallow_copy(obj: Any) -> Any:
     clone = object.__new__(cls)
     clone.__dict__.update(obj.__dict__)
     return clone
+
+
+def _failure_response_for(context: Any) -> bytes | bytearray | None:
+    """503 for every request of a message whose context was made."""
+    from ts.protocol.otf_message_handler import create_predict_response
+
+    return create_predict_response(None, context.request_ids, "Prediction failed", 503)
 
 
 def _failure_response(message: list[dict[str, Any]]) -> bytes | bytearray | None:

@@ -147,6 +147,57 @@ def test_with_a_read_gate_a_waiting_message_is_read_only_once_the_gate_opens():
     assert pump.result == [None]
 
 
+class BurstEcho:
+    """An entry point with ``serve_burst``, as the async handlers have: it records each burst's size."""
+
+    def __init__(self) -> None:
+        self.bursts: list[int] = []
+
+    async def handle(self, data, context):
+        return await echo_or_refuse(data, context)
+
+    def serve_burst(self, calls, done):
+        self.bursts.append(len(calls))
+        if any(data[0]["body"] == b"crash" for data, _ in calls):
+            done(0, [json.dumps({"id": calls[0][1].get_request_id(0)})])
+            raise RuntimeError("the handler broke mid-burst")
+        for index, (data, context) in enumerate(reversed(calls)):  # answered in any order
+            done(len(calls) - 1 - index, [json.dumps({"id": context.get_request_id(0)}) for _ in data])
+
+
+def test_messages_waiting_together_reach_serve_burst_in_one_call_each_answered():
+    open_ = threading.Event()
+    entry = BurstEcho()
+    frontend, worker = socket.socketpair()
+    frontend.settimeout(30)
+    pump = WorkerPump(torchserve_service(entry.handle, worker, "/nonexistent"), open_.wait)
+    threading.Thread(target=pump.run, daemon=True).start()
+    under_test = PumpUnderTest.__new__(PumpUnderTest)
+    under_test.frontend = frontend
+    ids = [f"req-{i}" for i in range(10)]
+    for request_id in ids:  # all waiting in the socket before the gate opens
+        under_test.send(Request(request_id, b"x" * 100))
+    time.sleep(0.2)
+    open_.set()
+    answers = under_test.answers(len(ids))
+    assert sorted(answers) == sorted(ids)
+    assert all(json.loads(answer[3]) == {"id": request_id} for request_id, answer in answers.items())
+    assert entry.bursts == [10]
+    # A handler that fails mid-burst: what it answered stands, the rest get 503, and the pump serves on.
+    open_.clear()
+    for request in (Request("first", b"crash"), Request("second", b"x"), Request("third", b"x")):
+        under_test.send(request)
+    time.sleep(0.2)
+    open_.set()
+    answers = under_test.answers(3)
+    assert entry.bursts[-1] == 3
+    assert answers["first"][:2] == (200, 200)
+    assert answers["second"][:2] == (503, 503) and answers["third"][:2] == (503, 503)
+    under_test.send(Request("after", b"x"))
+    assert under_test.answers(1)["after"][:2] == (200, 200)
+    frontend.close()
+
+
 @pytest.mark.torchserve
 def test_the_lean_pump_serves_the_default_archive_without_torchserve_per_message_print(served, torchserve):
     model = served("resnet50", "eager", "ebird")

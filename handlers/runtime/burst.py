@@ -1,0 +1,218 @@
+"""Serve a burst of one-request messages with callbacks: no coroutine, task or asyncio future per request.
+
+In async mode TorchServe's frontend sends the worker one message per
+request, and the handler's ``handle`` is a coroutine per message: a task,
+a chain of awaits (decode, admission, answer), an asyncio future for the
+decoded input and one for the answer.  On a model whose batch takes a
+millisecond (a tiny model on a CPU, any model on a fast GPU) that is what
+the event loop spends its time on, about 40 µs per request on a 2-vCPU
+Xeon against the sync worker's few µs per batch, and since the loop and the
+lane running the batches share one GIL, it is what limits the handler
+(``docs/benchmarks/host_path.md``).
+
+The message pump (``worker_pump.py``) reads every message already waiting
+on the socket at once and hands them to ``serve`` together.  Here each
+request is a small record moved along by callbacks:
+
+- the burst is decoded as one entry of the decoder's lane job (or one part
+  per decode thread), delivered to the loop in one wake-up;
+- each decoded input goes straight into its engine (``try_submit``); only
+  when the engine is full does a request wait in a coroutine, in line with
+  the per-message path's waiters (``_Admission``);
+- the engine's future calls back through the loop's mailbox, so a batch's
+  answers reach the loop in one wake-up; each answer then goes to ``done``.
+
+What a request sees is what ``handle`` gives it: the same decode errors and
+4xx answers, the same admission order and backpressure, the response
+timeout (one ``Deadlines`` watch), stage metrics, the unanswered count and
+the ``Arrivals`` register that late-binding engines read.  A message that is
+not one plain request (a batch of several, a describe request) goes
+through ``handle`` in a task of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from handlers.codecs import ModelInput, is_describe
+from handlers.errors import ResponseError, ServiceUnavailable, bad_request
+from handlers.runtime.engine import stage_breakdown
+from handlers.runtime.loop_mailbox import mailbox_for
+
+logger = logging.getLogger(__name__)
+
+Call = tuple[list[dict[str, Any]], Any]  # ``handle``'s arguments: a message's rows and its own context
+Done = Callable[[int, list[Any]], None]  # called once per call, on the loop: its index and its answers
+
+
+class BurstRequest:
+    """One request of a burst, from receipt to its answer.
+
+    ``done`` and ``set_exception`` let ``Deadlines`` watch it as it watches
+    an asyncio future: a request still unanswered at its deadline is
+    answered 503 then, and its late result is dropped.
+    """
+
+    __slots__ = ("call", "row", "context", "reply", "server", "received", "decoded", "admitted", "arrival", "item",
+                 "future", "deadline", "finished")  # fmt: skip
+
+    def __init__(self, call: int, row: dict[str, Any], context: Any, reply: Done, server: BurstServer) -> None:
+        self.call = call  # its message's index in the burst
+        self.row = row
+        self.context = context
+        self.reply = reply
+        self.server = server
+        self.received = self.decoded = self.admitted = self.deadline = 0.0
+        self.arrival: int | None = None
+        self.item: ModelInput | None = None
+        self.future: Any = None  # the engine's ``TicketFuture`` once admitted
+        self.finished = False
+
+    def done(self) -> bool:
+        return self.finished
+
+    def set_exception(self, error: BaseException) -> None:
+        self.server.finish(self, error=error)
+
+
+class BurstServer:
+    """The callback path of one ``AsyncModelHandler`` (see the module's docstring)."""
+
+    def __init__(self, handler: Any) -> None:
+        self.handler = handler
+        self._tasks: set[asyncio.Task] = set()  # requests waiting for room, and messages served by ``handle``
+
+    def serve(self, calls: Sequence[Call], done: Done) -> None:
+        """Answer each of ``calls`` through ``done(index, answers)``, on the running loop."""
+        handler = self.handler
+        requests: list[BurstRequest] = []
+        for index, (data, context) in enumerate(calls):
+            if len(data) != 1 or handler.closing or is_describe(context):
+                self._spawn(self._through_handle(index, data, context, done))
+            else:
+                requests.append(BurstRequest(index, data[0], context, done, self))
+        if not requests:
+            return
+        handler._count_unanswered(len(requests))
+        received = time.monotonic()
+        deadline = asyncio.get_running_loop().time() + handler.response_timeout_s
+        arrivals = handler.arrivals
+        for request in requests:
+            request.received, request.deadline = received, deadline
+            if arrivals is not None:
+                request.arrival = arrivals.enter()
+        handler.decoder.decode_burst([r.row for r in requests], functools.partial(self._decoded, requests))
+
+    # -- the steps ------------------------------------------------------------
+
+    def _decoded(self, requests: list[BurstRequest], first: int, outcomes: list[tuple[Any, Any]]) -> None:
+        decoded = time.monotonic()
+        for request, (item, error) in zip(requests[first : first + len(outcomes)], outcomes, strict=True):
+            request.decoded = decoded
+            if error is not None:
+                self.finish(request, error=error)
+            else:
+                request.item = item
+                self._admit(request)
+
+    def _admit(self, request: BurstRequest) -> None:
+        handler = self.handler
+        key = handler.engine_key(request.item)
+        if key not in handler.engines:
+            shapes = [list(shape) for shape in request.item.shapes]
+            self.finish(request, error=bad_request(f"input shape {shapes} is not one this archive declares"))
+            return
+        admission = handler.admission_for(asyncio.get_running_loop(), key)
+        future = None
+        if not admission.lock.locked():  # nobody waits ahead of it: try the engine at once
+            try:
+                future = admission.engine.try_submit(request.item)
+            except Exception as exc:  # an input the engine can never take, or closing
+                self.finish(request, error=exc)
+                return
+        if future is None:  # full: wait in line with the other waiters
+            self._spawn(self._admit_when_room(request, admission))
+        else:
+            self._admitted(request, future)
+
+    async def _admit_when_room(self, request: BurstRequest, admission: Any) -> None:
+        try:
+            future = await admission.admit(request.item, request.deadline)
+        except Exception as exc:
+            self.finish(request, error=exc)
+            return
+        self._admitted(request, future)
+
+    def _admitted(self, request: BurstRequest, future: Any) -> None:
+        handler = self.handler
+        loop = asyncio.get_running_loop()
+        request.admitted = time.monotonic()
+        request.future = future
+        if handler.encode_on_engine and hasattr(future, "encode"):  # a ``TicketFuture``
+            future.encode = handler.encoder_for(request.item)
+        if request.arrival is not None:
+            handler.arrivals.leave(request.arrival)
+            request.arrival = None
+        handler.metrics.request_admitted()
+        handler.deadlines_on(loop).watch(request, request.deadline)
+        mailbox = mailbox_for(loop)
+        settled = functools.partial(self._settled, request)
+        future.add_done_callback(lambda _: mailbox.post(settled))
+
+    def _settled(self, request: BurstRequest) -> None:
+        if request.finished:  # answered 503 at its deadline already
+            return
+        future = request.future
+        woken = time.monotonic()
+        try:
+            output = future.result()
+            encoded = getattr(future, "encoded", False)
+            answer = output if encoded else self.handler.encoder_for(request.item)(output)
+        except Exception as exc:
+            self.finish(request, error=exc)
+            return
+        times = getattr(future, "times", None)
+        self.handler.metrics.stages(
+            stage_breakdown(request.received, request.decoded, request.admitted, times, woken, time.monotonic())
+        )
+        self.finish(request, answer=answer)
+
+    def finish(self, request: BurstRequest, answer: Any = None, error: BaseException | None = None) -> None:
+        """Answer ``request`` once: its answer, or ``error`` as its own status (never the message's)."""
+        if request.finished:
+            return
+        request.finished = True
+        handler = self.handler
+        if request.arrival is not None:  # refused before admission: a held batch need not wait for it
+            handler.arrivals.leave(request.arrival)
+        if request.future is not None:
+            handler.metrics.request_answered()
+        if error is not None:
+            if not isinstance(error, ResponseError):  # a bug or a device fault: this request fails
+                logger.error("request failed", exc_info=error)
+                error = ServiceUnavailable(f"inference failed: {type(error).__name__}: {error}")
+            logger.info("request %d answered %d: %s", 0, error.status, error.reason)
+            answer = error.answer(request.context, 0)
+        handler._count_unanswered(-1)
+        request.reply(request.call, [answer])
+
+    # -- messages the callbacks do not take ---------------------------------
+
+    async def _through_handle(self, index: int, data: list[dict[str, Any]], context: Any, done: Done) -> None:
+        try:
+            answers = await self.handler.handle(data, context)
+        except Exception as exc:  # ``handle`` answers every failure itself; this is a bug
+            logger.exception("handle failed")
+            failure = ServiceUnavailable(f"inference failed: {type(exc).__name__}: {exc}")
+            answers = [failure.answer(context, i) for i in range(len(data))]
+        done(index, answers)
+
+    def _spawn(self, coroutine: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)

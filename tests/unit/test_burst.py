@@ -1,0 +1,173 @@
+"""``serve_burst``: several messages at once, answered through callbacks (``handlers/runtime/burst.py``).
+
+The async handlers (Ebird, DVABatch) on the one-layer BERT, driven in-process
+as the lean message pump drives them: every burst's answer must be the one
+``handle`` gives the same message, each request's failure its own status,
+and every request answered exactly once, also when its deadline passes
+before its batch ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import pytest
+import torch
+
+from archiver.options import ServingOptions
+from bench.direct import as_client_sees, call, load_context, model_dir_for, request_context
+from bench.dvabatch import bench_payloads, dvabatch_token_lengths
+from handlers.dvabatch.handler import DvaBatchHandler
+from handlers.ebird.handler import EbirdHandler
+from model_store.catalog import get_spec
+from model_store.samples import request_body
+
+SPEC = get_spec("bert-tiny1", "eager")
+HANDLERS = ("ebird", "dvabatch")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return model_dir_for(SPEC, tmp_path_factory.mktemp("bert-tiny1-burst"))
+
+
+@pytest.fixture
+def make_handler(model_dir):
+    made = []
+
+    def make(kind: str, **settings):
+        if kind == "ebird":
+            options = ServingOptions(handler="ebird", handler_settings=tuple(sorted(settings.items())))
+            handler = EbirdHandler()
+        else:
+            options = ServingOptions(
+                handler="dvabatch",
+                token_lengths=dvabatch_token_lengths(SPEC, "auto"),
+                handler_settings=tuple(sorted(settings.items())),
+            )
+            handler = DvaBatchHandler()
+        ctx = load_context(SPEC, model_dir, options)
+        handler.initialize(ctx)
+        made.append(handler)
+        return handler, ctx
+
+    threads = torch.get_num_threads()  # the handler makes its calling thread single-threaded
+    yield make
+    for handler in made:
+        handler.close(timeout_s=30)
+    torch.set_num_threads(threads)
+
+
+def rows(count: int) -> list[dict]:
+    payloads, _ = bench_payloads(SPEC, count=count)
+    return [{"body": request_body(p)} for p in payloads]
+
+
+def burst(handler, load, messages: list[list[dict]], headers=None, then=None) -> list[list[tuple[int, object]]]:
+    """``messages`` through one ``serve_burst`` call: each message's (status, answer) per request.
+
+    ``then`` runs once every message is answered; the loop then runs a while
+    longer, and the test fails if any message was answered more than once.
+    """
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        calls = [(data, request_context(load, len(data), headers, lean=True)) for data in messages]
+        answered = [loop.create_future() for _ in calls]
+        times = [0] * len(calls)
+
+        def done(index, answers):
+            times[index] += 1
+            if times[index] == 1:
+                context = calls[index][1]
+                answered[index].set_result(
+                    [(context.get_response_status(i)[0], as_client_sees(a)) for i, a in enumerate(answers)]
+                )
+
+        handler.serve_burst(calls, done)
+        out = await asyncio.wait_for(asyncio.gather(*answered), 60)
+        if then is not None:
+            then()
+        await asyncio.sleep(0.3)  # a late second answer would come now
+        assert times == [1] * len(calls)
+        return out
+
+    return asyncio.run(main())
+
+
+def assert_same(got: list[tuple[int, object]], expected: list[tuple[int, object]]) -> None:
+    """Same statuses, and logits equal to 1e-5 (a row's float sums depend on the batch it ran in)."""
+    assert [status for status, _ in got] == [status for status, _ in expected]
+    for (_, answer), (_, want) in zip(got, expected, strict=True):
+        assert torch.allclose(torch.tensor(answer["logits"]), torch.tensor(want["logits"]), atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", HANDLERS)
+def test_a_burst_answers_each_message_as_handle_does_and_a_bad_request_alone_fails(make_handler, kind):
+    handler, load = make_handler(kind)
+    good = rows(12)
+    expected = [asyncio.run(call(handler, load, row)) for row in good]
+    messages = [[row] for row in good]
+    messages.insert(5, [{"body": b"{not json"}])
+    messages.insert(9, [{"body": json.dumps({"input_ids": [1, 2, 3] * 400}).encode()}])  # too long
+    answers = burst(handler, load, messages)
+    assert all(len(answer) == 1 for answer in answers)
+    assert_same([a[0] for i, a in enumerate(answers) if i not in (5, 9)], expected)
+    assert answers[5][0][0] == 400 and answers[9][0][0] == 400
+    assert handler.unanswered == 0
+    assert handler.metrics.inflight == 0
+
+
+SMALL_ENGINES = [
+    ("ebird", {"pool_slots": 4, "worker_batches": [1, 2, 4]}),
+    ("dvabatch", {"max_inflight": 2, "max_batch": 2}),
+]
+
+
+@pytest.mark.parametrize(("kind", "room"), SMALL_ENGINES)
+def test_a_burst_larger_than_the_engine_waits_for_room_and_loses_nothing(make_handler, kind, room):
+    handler, load = make_handler(kind, **room)
+    good = rows(24)
+    expected = [asyncio.run(call(handler, load, row)) for row in good]
+    answers = burst(handler, load, [[row] for row in good])
+    assert all(len(answer) == 1 for answer in answers)
+    assert_same([answer[0] for answer in answers], expected)
+    assert handler.metrics.admission_waits > 0  # the callback path did wait in line
+    assert handler.unanswered == 0
+
+
+def test_messages_the_callbacks_do_not_take_go_through_handle(make_handler):
+    handler, load = make_handler("ebird")
+    two = rows(2)
+    expected = [asyncio.run(call(handler, load, row)) for row in two]
+    answers = burst(handler, load, [two, [two[0]]])  # a message of two requests, then a plain one
+    assert_same(answers[0], expected)
+    assert_same(answers[1], expected[:1])
+    [[(status, signature)]] = burst(handler, load, [[{"body": b""}]], headers={"describe": "True"})
+    assert status == 200 and signature["name"] == SPEC.name
+
+
+def test_a_request_past_its_deadline_is_answered_503_once_and_its_late_result_is_dropped(make_handler):
+    handler, load = make_handler("ebird")
+    engine = next(iter(handler.engines.values()))
+    release = threading.Event()
+    submit = engine.try_submit
+
+    def try_submit_behind_a_busy_lane(item):  # the batch this request joins cannot start until released
+        handler.lanes.submit(release.wait)
+        return submit(item)
+
+    engine.try_submit = try_submit_behind_a_busy_lane
+    handler.response_timeout_s = 0.2
+    try:
+        [[(status, body)]] = burst(handler, load, [rows(1)], then=release.set)  # the batch ends after the 503
+    finally:
+        release.set()
+    assert status == 503 and "response timeout" in json.loads(body)["message"]
+    engine.try_submit = submit
+    handler.response_timeout_s = 120
+    [[(status, _)]] = burst(handler, load, [rows(1)])  # and it serves on
+    assert status == 200
+    assert handler.unanswered == 0
