@@ -14,6 +14,17 @@ last ``window`` served batches once it has ``min_served`` of them.  A size
 that has not run keeps its warm-up guess; where that guess makes it the
 size to take, the scheduler tries it and so learns its real cost.
 
+Served costs go stale.  A size that stops being taken because a few of its
+batches were slow (stalled by a burst of Python on the event loop, say)
+is never served again, so its slow median would stand for good: on a
+one-layer BERT, Ebird locked in batches of 16 in about half of its runs,
+after a few batches of 32 at 4.3 ms (served ones take ~1.5 ms), and then
+served ~20 % fewer requests (``docs/benchmarks/host_path.md``).  So a
+size's served costs are forgotten once ``stale_after`` batches of other
+sizes have run since its last one: it falls back to its warm-up guess and,
+where that makes it the size to take, is served and measured again, a few
+batches per ``stale_after``.
+
 Not thread-safe: the owner records and reads under its own lock.
 """
 
@@ -25,18 +36,28 @@ from collections.abc import Iterable
 
 DEFAULT_WINDOW = 32
 DEFAULT_MIN_SERVED = 3  # one slow batch must not move a size's cost on its own
+DEFAULT_STALE_AFTER = 256  # batches: a re-measurement of min_served batches costs ~1 % of them at most
 
 
 class BatchCosts:
     def __init__(
-        self, sizes: Iterable[int], window: int = DEFAULT_WINDOW, min_served: int = DEFAULT_MIN_SERVED
+        self,
+        sizes: Iterable[int],
+        window: int = DEFAULT_WINDOW,
+        min_served: int = DEFAULT_MIN_SERVED,
+        stale_after: int = DEFAULT_STALE_AFTER,
     ) -> None:
         self.sizes = tuple(sorted(set(sizes)))
         if not self.sizes or self.sizes[0] < 1:
             raise ValueError(f"need batch sizes ≥ 1, got {list(sizes)}")
         if window < 1 or not 1 <= min_served <= window:
             raise ValueError(f"need 1 ≤ min_served ≤ window, got {min_served} and {window}")
+        if stale_after < 1:
+            raise ValueError(f"need stale_after ≥ 1, got {stale_after}")
         self.min_served = min_served
+        self.stale_after = stale_after
+        self._recorded = 0  # batches recorded so far, of any size
+        self._last: dict[int, int] = {}  # per size, ``_recorded`` at its latest batch
         self._guess: dict[int, float] = {}
         self._served: dict[int, collections.deque[float]] = {b: collections.deque(maxlen=window) for b in self.sizes}
 
@@ -49,6 +70,12 @@ class BatchCosts:
         """A served batch of ``size`` took ``seconds`` from start to output."""
         self._check(size, seconds)
         self._served[size].append(seconds)
+        self._recorded += 1
+        self._last[size] = self._recorded
+        for other, last in list(self._last.items()):
+            if self._recorded - last > self.stale_after:  # not served for a while: measure it afresh
+                self._served[other].clear()
+                del self._last[other]
 
     def served(self, size: int) -> int:
         return len(self._served[size])

@@ -133,11 +133,28 @@ def test_batch_costs_guess_first_then_follow_what_is_served():
     assert costs.per_input_ms()[4] == pytest.approx(50.0)  # served without a guess
 
 
+def test_a_size_not_served_for_a_while_is_measured_afresh_instead_of_keeping_a_slow_median():
+    costs = BatchCosts([1, 16, 32], window=8, min_served=2, stale_after=10)
+    costs.guess(16, 0.0016)
+    costs.guess(32, 0.0016)
+    for _ in range(3):  # three stalled batches of 32: it looks dearer per input than 16
+        costs.record(32, 0.0043)
+    assert lane_batch_cap(costs.per_input_ms()) == 16
+    for _ in range(10):
+        costs.record(16, 0.0016)
+    assert costs.served(32) == 3 and lane_batch_cap(costs.per_input_ms()) == 16  # not stale yet
+    costs.record(16, 0.0016)  # the eleventh batch since 32's last: its samples are dropped
+    assert costs.served(32) == 0 and costs.served(16) == 8
+    assert lane_batch_cap(costs.per_input_ms()) == 32  # back to its guess: taken, and so measured again
+
+
 def test_batch_costs_refuse_misuse():
     with pytest.raises(ValueError, match="sizes"):
         BatchCosts([])
     with pytest.raises(ValueError, match="min_served"):
         BatchCosts([1], window=2, min_served=3)
+    with pytest.raises(ValueError, match="stale_after"):
+        BatchCosts([1], stale_after=0)
     costs = BatchCosts([1, 2])
     with pytest.raises(ValueError, match="not one of"):
         costs.record(3, 0.1)
