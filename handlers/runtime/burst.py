@@ -86,6 +86,9 @@ class BurstServer:
     def __init__(self, handler: Any) -> None:
         self.handler = handler
         self._tasks: set[asyncio.Task] = set()  # requests waiting for room, and messages served by ``handle``
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._mailbox: Any = None
+        self._deadlines: Any = None
 
     def serve(self, calls: Sequence[Call], done: Done) -> None:
         """Answer each of ``calls`` through ``done(index, answers)``, on the running loop."""
@@ -159,10 +162,11 @@ class BurstServer:
             handler.arrivals.leave(request.arrival)
             request.arrival = None
         handler.metrics.request_admitted()
-        handler.deadlines_on(loop).watch(request, request.deadline)
-        mailbox = mailbox_for(loop)
-        settled = functools.partial(self._settled, request)
-        future.add_done_callback(lambda _: mailbox.post(settled))
+        if self._loop is not loop:  # the loop's mailbox and deadline watch, looked up once per loop
+            self._loop, self._mailbox, self._deadlines = loop, mailbox_for(loop), handler.deadlines_on(loop)
+        self._deadlines.watch(request, request.deadline)
+        post, settled = self._mailbox.post, functools.partial(self._settled, request)
+        future.add_done_callback(lambda _: post(settled))
 
     def _settled(self, request: BurstRequest) -> None:
         if request.finished:  # answered 503 at its deadline already
