@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import random
 import socket
 import threading
@@ -165,7 +166,8 @@ class BurstEcho:
             done(len(calls) - 1 - index, [json.dumps({"id": context.get_request_id(0)}) for _ in data])
 
 
-def test_messages_waiting_together_reach_serve_burst_in_one_call_each_answered():
+def test_messages_waiting_together_reach_serve_burst_in_one_call_each_answered(caplog):
+    caplog.set_level(logging.INFO, logger="ts.metrics.caching_metric")
     open_ = threading.Event()
     entry = BurstEcho()
     frontend, worker = socket.socketpair()
@@ -183,6 +185,16 @@ def test_messages_waiting_together_reach_serve_burst_in_one_call_each_answered()
     assert sorted(answers) == sorted(ids)
     assert all(json.loads(answer[3]) == {"id": request_id} for request_id, answer in answers.items())
     assert entry.bursts == [10]
+    # Answered in one turn of the loop: one PredictionTime line, as the sync worker logs one per batch.
+    def prediction_times() -> int:
+        return sum("[METRICS]PredictionTime" in record.getMessage() for record in caplog.records)
+
+    deadline = time.monotonic() + 5
+    while not prediction_times():
+        assert time.monotonic() < deadline, "no PredictionTime recorded"
+        time.sleep(0.05)
+    time.sleep(0.2)
+    assert prediction_times() == 1
     # A handler that fails mid-burst: what it answered stands, the rest get 503, and the pump serves on.
     open_.clear()
     for request in (Request("first", b"crash"), Request("second", b"x"), Request("third", b"x")):
