@@ -346,13 +346,13 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
         # Counted from the moment the message is read, not from admission: a
         # request still decoding, or waiting for room in a full engine, is in
         # this worker, and a set being drained must not be stopped under it.
-        self._count_unanswered(len(data))
+        self.count_unanswered(len(data))
         try:
             if len(data) == 1:  # async mode's usual message: no task and gather around one request
                 return [await self._serve(0, data[0], context)]
             answers = await asyncio.gather(*(self._serve(index, row, context) for index, row in enumerate(data)))
         finally:
-            self._count_unanswered(-len(data))
+            self.count_unanswered(-len(data))
         return list(answers)
 
     def serve_burst(self, calls: Sequence[Call], done: Done) -> None:
@@ -376,7 +376,8 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
             and type(self).handle is AsyncModelHandler.handle
         )
 
-    def _count_unanswered(self, change: int) -> None:
+    def count_unanswered(self, change: int) -> None:
+        """Requests read and not yet answered, up or down by ``change`` (on the event loop)."""
         self.unanswered += change
         try:
             self.unanswered_changed(self.unanswered)

@@ -101,7 +101,7 @@ class BurstServer:
                 requests.append(BurstRequest(index, data[0], context, done, self))
         if not requests:
             return
-        handler._count_unanswered(len(requests))
+        handler.count_unanswered(len(requests))
         received = time.monotonic()
         deadline = asyncio.get_running_loop().time() + handler.response_timeout_s
         arrivals = handler.arrivals
@@ -200,9 +200,10 @@ class BurstServer:
             if not isinstance(error, ResponseError):  # a bug or a device fault: this request fails
                 logger.error("request failed", exc_info=error)
                 error = ServiceUnavailable(f"inference failed: {type(error).__name__}: {error}")
-            logger.info("request %d answered %d: %s", 0, error.status, error.reason)
+            request_id = (getattr(request.context, "request_ids", None) or {}).get(0)
+            logger.info("request %s answered %d: %s", request_id, error.status, error.reason)
             answer = error.answer(request.context, 0)
-        handler._count_unanswered(-1)
+        handler.count_unanswered(-1)
         request.reply(request.call, [answer])
 
     # -- messages the callbacks do not take ---------------------------------
