@@ -8,6 +8,7 @@ called exactly as ``ts.model_loader`` and ``ts.service`` /
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 from pathlib import Path
@@ -102,6 +103,43 @@ async def call(handler: Any, load: Context, row: dict, headers: dict[str, str] |
     [answer] = await handler.handle([row], ctx)
     status, _ = ctx.get_response_status(0)
     return status, as_client_sees(answer)
+
+
+class BurstCaller:
+    """Requests to an async handler as its message pump hands them over: those that arrive while the
+    event loop is busy go to ``serve_burst`` together on its next turn (``worker_pump.py`` reads every
+    message waiting on the socket at once).  ``gate``, if given, is called before each hand-over with
+    a callback that does it: it may hold the burst (the pump's read gate) and run it later."""
+
+    def __init__(self, handler: Any, load: Context, gate: Any = None) -> None:
+        self.handler, self.load, self.gate = handler, load, gate
+        self._pending: list[tuple[dict, dict[str, str] | None, asyncio.Future]] = []
+
+    async def request(self, row: dict, headers: dict[str, str] | None = None) -> tuple[int, Any]:
+        """One request, answered as ``call`` answers: (status, answer as the client parses it)."""
+        loop = asyncio.get_running_loop()
+        answered: asyncio.Future[tuple[int, Any]] = loop.create_future()
+        self._pending.append((row, headers, answered))
+        if len(self._pending) == 1:
+            loop.call_soon(self._flush)
+        return await answered
+
+    def _flush(self) -> None:
+        if self.gate is None:
+            self._hand_over()
+        else:
+            self.gate(self._hand_over)
+
+    def _hand_over(self) -> None:
+        burst, self._pending = self._pending, []
+        calls = [([row], request_context(self.load, 1, headers, lean=True)) for row, headers, _ in burst]
+
+        def done(index: int, answers: list[Any]) -> None:
+            [answer] = answers
+            status, _ = calls[index][1].get_response_status(0)
+            burst[index][2].set_result((status, as_client_sees(answer)))
+
+        self.handler.serve_burst(calls, done)
 
 
 def call_batch(handler: Any, load: Context, rows: list[dict]) -> list[tuple[int, Any]]:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from archiver.options import ServingOptions
-from bench.direct import as_client_sees, call_batch, load_context, request_context
+from bench.direct import BurstCaller, call_batch, load_context
 from handlers.dvabatch.handler import DvaBatchHandler
 from handlers.ebird.handler import EbirdHandler
 from handlers.ebird.scheduler import default_worker_batches
@@ -125,37 +125,22 @@ class AsyncDriver:
 
     def __init__(self, handler: Any, load_ctx: Any) -> None:
         self.handler, self.load_ctx = handler, load_ctx
-        self._pending: list[tuple[dict, asyncio.Future]] = []  # arrived, not yet handed over
+        self.caller = BurstCaller(handler, load_ctx, self._gate)
 
     async def start(self) -> None:
-        self._pending = []
+        self.caller = BurstCaller(self.handler, self.load_ctx, self._gate)
 
     async def request(self, row: dict) -> int:
-        loop = asyncio.get_running_loop()
-        answered: asyncio.Future[int] = loop.create_future()
-        self._pending.append((row, answered))
-        if len(self._pending) == 1:
-            loop.call_soon(self._flush)
-        return await answered
+        status, _ = await self.caller.request(row)
+        return status
 
-    def _flush(self) -> None:
+    def _gate(self, hand_over: Callable[[], None]) -> None:
         lanes = getattr(self.handler, "lanes", None)
         if lanes is not None and lanes.all_quiet():
             gate = asyncio.get_running_loop().run_in_executor(None, lanes.wait_for_a_loud_lane)
-            gate.add_done_callback(lambda _: self._hand_over())
+            gate.add_done_callback(lambda _: hand_over())
         else:
-            self._hand_over()
-
-    def _hand_over(self) -> None:
-        burst, self._pending = self._pending, []
-        calls = [([row], request_context(self.load_ctx, 1, lean=True)) for row, _ in burst]
-
-        def done(index: int, answers: list[Any]) -> None:
-            [answer] = answers
-            as_client_sees(answer)  # as ``call`` does: the client parses every answer
-            burst[index][1].set_result(calls[index][1].get_response_status(0)[0])
-
-        self.handler.serve_burst(calls, done)
+            hand_over()
 
     async def stop(self) -> None:
         pass

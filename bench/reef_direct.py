@@ -47,7 +47,7 @@ if __package__ in (None, ""):  # `python bench/NAME.py` from the repository root
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from archiver.options import ServingOptions
-from bench.direct import call, group_load_context
+from bench.direct import BurstCaller, group_load_context
 from bench.direct_systems import cpu_seconds_by_role, cpu_us_per_answer, play
 from bench.reef import WORKLOADS, members_of, plot, render, run_row, summarise, workload_settings
 from bench.report import add_output_arguments, markdown_table, run_benchmark
@@ -83,13 +83,19 @@ class Worker:
         self.ctx = group_load_context(specs, workdir / "weights", options, gpu)
         self.handler = ReefHandler()
         self.handler.initialize(self.ctx)
+        self._caller: BurstCaller | None = None
+        self._caller_loop: asyncio.AbstractEventLoop | None = None
 
     @property
     def engine(self) -> Any:
         return self.handler.engines[ENGINE_KEY]
 
     async def request(self, row: dict[str, Any], model: str, priority: str) -> int:
-        status, _ = await call(self.handler, self.ctx, row, {"X-Model": model, "X-Priority": priority})
+        """One request, handed over with the others that arrive in the same turn of the loop, as the
+        handlers' message pump hands over the messages waiting on its socket (``BurstCaller``)."""
+        if self._caller is None or self._caller_loop is not asyncio.get_running_loop():
+            self._caller, self._caller_loop = BurstCaller(self.handler, self.ctx), asyncio.get_running_loop()
+        status, _ = await self._caller.request(row, {"X-Model": model, "X-Priority": priority})
         return status
 
 

@@ -11,6 +11,7 @@ says which wins).  Bad routing is the request's own 4xx: an unknown model
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from typing import Any
@@ -24,10 +25,11 @@ from handlers.reef.engine import Member, ReefEngine, RoutedInput
 from handlers.runtime.async_handler import (
     DEFAULT_RESPONSE_TIMEOUT_S,
     AsyncModelHandler,
+    Bind,
     declared_inputs,
     parse_encode_answers,
 )
-from handlers.runtime.decode import LANE, RequestDecoder, default_decode_placement, parse_decode_threads
+from handlers.runtime.decode import LANE, DecodeFn, RequestDecoder, default_decode_placement, parse_decode_threads
 from handlers.runtime.device import ExecutionDevice
 from handlers.runtime.heap import freeze_startup_heap
 from handlers.runtime.metrics import HandlerMetrics
@@ -120,7 +122,8 @@ class ReefHandler(AsyncModelHandler):
             placement = default_decode_placement(True) if self.device.is_cuda else CPU_DECODE_THREADS
         return RequestDecoder(self.codec.decode, threads=placement)
 
-    async def decode_request(self, row: dict[str, Any], context: Any, index: int) -> ModelInput:
+    def route_request(self, row: dict[str, Any], context: Any, index: int) -> tuple[DecodeFn, Bind]:
+        """The member the request names (``X-Model``) decodes it, at the priority it asks for."""
         headers = request_headers(context, index)
         name = headers.get(MODEL_HEADER)
         if name is None:
@@ -130,8 +133,7 @@ class ReefHandler(AsyncModelHandler):
         if name not in self.codecs:
             raise RequestError(404, f"unknown model {name!r} (X-Model); this archive serves {', '.join(self.codecs)}")
         priority = self.config.priority(name, headers.get(PRIORITY_HEADER))
-        item = await self.decoder(row, self.codecs[name].decode)
-        return RoutedInput.routing(item, name, priority)
+        return self.codecs[name].decode, functools.partial(RoutedInput.routing, model=name, priority=priority)
 
     def v2_signature(self) -> dict[str, Any]:
         """One signature per member model (a request names its member with the X-Model header)."""

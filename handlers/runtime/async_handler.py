@@ -36,7 +36,7 @@ import functools
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -57,7 +57,14 @@ from handlers.runtime.arrivals import Arrivals
 from handlers.runtime.batched_decode import BatchedJpegDecoder
 from handlers.runtime.burst import BurstServer, Call, Done
 from handlers.runtime.deadlines import Deadlines
-from handlers.runtime.decode import BATCHED, LANE, RequestDecoder, default_decode_placement, parse_decode_threads
+from handlers.runtime.decode import (
+    BATCHED,
+    LANE,
+    DecodeFn,
+    RequestDecoder,
+    default_decode_placement,
+    parse_decode_threads,
+)
 from handlers.runtime.device import ExecutionDevice
 from handlers.runtime.engine import Engine, RowsEncoder, StageTimes, input_key, stage_breakdown
 from handlers.runtime.heap import freeze_startup_heap
@@ -70,6 +77,7 @@ from model_store.catalog import ModelSpec
 logger = logging.getLogger(__name__)
 
 DEFAULT_RESPONSE_TIMEOUT_S = 120.0
+Bind = Callable[[ModelInput], ModelInput]  # what a decoded input is bound with (``route_request``)
 
 # Where answers are encoded (``encode_answers`` in the archive's ``handler:``).
 ENGINE = "engine"  # on the thread that settles the request: the CPU lane, right after the batch
@@ -200,13 +208,21 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
         """The CPU lanes: ``cpu_lane_count`` lanes sharing the worker's threads evenly."""
         return CpuLanes.splitting(self.cpu_threads, self.cpu_lane_count())
 
-    async def decode_request(self, row: dict[str, Any], context: Any, index: int) -> ModelInput:
-        """One request's input, decoded where the archive says (``decode.py``).
+    def route_request(self, row: dict[str, Any], context: Any, index: int) -> tuple[DecodeFn | None, Bind | None]:
+        """How request ``index`` is decoded: the function that decodes its row (None: the decoder's own)
+        and what its decoded input is then bound with (None: nothing).
 
         A handler serving several models (REEF) reads the request's headers
-        here to pick the model whose codec decodes it.
+        here to pick the model whose codec decodes it and to bind the input
+        to that model; it raises ``ResponseError`` for a request it refuses.
         """
-        return await self.decoder(row)
+        return None, None
+
+    async def decode_request(self, row: dict[str, Any], context: Any, index: int) -> ModelInput:
+        """One request's input, decoded where the archive says (``decode.py``), as ``route_request`` says."""
+        decode, bind = self.route_request(row, context, index)
+        item = await self.decoder(row, decode)
+        return item if bind is None else bind(item)
 
     def engine_key(self, item: ModelInput) -> Any:
         """Which engine takes ``item``: by default the one built for its input layout."""
@@ -361,9 +377,9 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
 
         One-request messages take the callback path, without a coroutine
         each, when this handler decodes with the runtime's ``RequestDecoder``
-        and its own ``decode_request``; every other message, and every
-        message of a handler that overrides how a request is decoded (REEF
-        routes by header), goes through ``handle`` in a task of its own.
+        (``route_request`` says how); every other message, and every message
+        of a handler that overrides ``decode_request`` or ``handle``, goes
+        through ``handle`` in a task of its own.
         """
         if self._burst is None:
             self._burst = BurstServer(self) if self._takes_bursts() else _ThroughHandle(self)

@@ -59,7 +59,7 @@ class BurstRequest:
     """
 
     __slots__ = ("call", "row", "context", "reply", "server", "received", "decoded", "admitted", "arrival", "item",
-                 "future", "deadline", "finished")  # fmt: skip
+                 "bind", "future", "deadline", "finished")  # fmt: skip
 
     def __init__(self, call: int, row: dict[str, Any], context: Any, reply: Done, server: BurstServer) -> None:
         self.call = call  # its message's index in the burst
@@ -70,6 +70,7 @@ class BurstRequest:
         self.received = self.decoded = self.admitted = self.deadline = 0.0
         self.arrival: int | None = None
         self.item: ModelInput | None = None
+        self.bind: Callable[[ModelInput], ModelInput] | None = None  # from ``route_request``
         self.future: Any = None  # the engine's ``TicketFuture`` once admitted
         self.finished = False
 
@@ -105,11 +106,20 @@ class BurstServer:
         received = time.monotonic()
         deadline = asyncio.get_running_loop().time() + handler.response_timeout_s
         arrivals = handler.arrivals
+        routed, decodes = [], []
         for request in requests:
             request.received, request.deadline = received, deadline
+            try:
+                decode, request.bind = handler.route_request(request.row, request.context, 0)
+            except Exception as exc:  # refused by its headers (REEF: an unknown model): its own 4xx
+                self.finish(request, error=exc)
+                continue
             if arrivals is not None:
                 request.arrival = arrivals.enter()
-        handler.decoder.decode_burst([r.row for r in requests], functools.partial(self._decoded, requests))
+            routed.append(request)
+            decodes.append(decode)
+        if routed:
+            handler.decoder.decode_burst([r.row for r in routed], functools.partial(self._decoded, routed), decodes)
 
     # -- the steps ------------------------------------------------------------
 
@@ -119,9 +129,13 @@ class BurstServer:
             request.decoded = decoded
             if error is not None:
                 self.finish(request, error=error)
-            else:
-                request.item = item
-                self._admit(request)
+                continue
+            try:
+                request.item = item if request.bind is None else request.bind(item)
+            except Exception as exc:
+                self.finish(request, error=exc)
+                continue
+            self._admit(request)
 
     def _admit(self, request: BurstRequest) -> None:
         handler = self.handler

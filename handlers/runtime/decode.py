@@ -67,6 +67,7 @@ def default_decode_placement(is_cuda: bool) -> DecodePlacement:
 
 
 Decoded = tuple[ModelInput | None, BaseException | None]  # a row's input, or why it has none
+DecodeFn = Callable[[dict[str, Any]], ModelInput]
 
 
 def _decode_one(decode: Callable[[dict[str, Any]], ModelInput], row: dict[str, Any]) -> Decoded:
@@ -101,9 +102,7 @@ class RequestDecoder:
         )
         self._submit = submit or (self._own_pool.submit if self._own_pool else None)
         # On the lanes, rows waiting for a decode job (``_decode_waiting``), with where their outcomes go.
-        self._waiting: list[
-            tuple[Callable[[dict[str, Any]], ModelInput], list[dict[str, Any]], Callable[[list[Decoded]], None]]
-        ] = []
+        self._waiting: list[tuple[list[tuple[DecodeFn, dict[str, Any]]], Callable[[list[Decoded]], None]]] = []
         self._waiting_lock = threading.Lock()
 
     @property
@@ -137,12 +136,19 @@ class RequestDecoder:
             else:
                 decoded.set_result(item)
 
-        self._queue_on_lanes(decode, [row], deliver)
+        self._queue_on_lanes([(decode, row)], deliver)
         return await decoded
 
-    def decode_burst(self, rows: list[dict[str, Any]], deliver: Callable[[int, list[Decoded]], None]) -> None:
+    def decode_burst(
+        self,
+        rows: list[dict[str, Any]],
+        deliver: Callable[[int, list[Decoded]], None],
+        decodes: list[DecodeFn | None] | None = None,
+    ) -> None:
         """Decode ``rows`` without a coroutine or future per row: ``deliver(first, outcomes)`` runs on the
         event loop with ``(item, error)`` for ``rows[first:first + len(outcomes)]``, once per part.
+        ``decodes``: each row's decode function (None: the decoder's own), for a handler serving
+        several models.
 
         Inline, the one part is delivered before this returns.  On the lanes,
         the burst is one entry of the shared decode job (one lane job and one
@@ -150,19 +156,20 @@ class RequestDecoder:
         into one part per thread, each delivered when its thread is done.
         Called on the event loop.
         """
+        pairs = [(decode or self._decode, row) for decode, row in zip(decodes or [None] * len(rows), rows, strict=True)]
         if self._submit is None:
-            deliver(0, [_decode_one(self._decode, row) for row in rows])
+            deliver(0, [_decode_one(decode, row) for decode, row in pairs])
             return
         if self.on_lanes:
-            self._queue_on_lanes(self._decode, rows, lambda outcomes: deliver(0, outcomes))
+            self._queue_on_lanes(pairs, lambda outcomes: deliver(0, outcomes))
             return
         mailbox = mailbox_for(asyncio.get_running_loop())
-        step = -(-len(rows) // max(1, min(self.threads, len(rows))))
-        for first in range(0, len(rows), step):
-            part = rows[first : first + step]
+        step = -(-len(pairs) // max(1, min(self.threads, len(pairs))))
+        for first in range(0, len(pairs), step):
+            part = pairs[first : first + step]
 
-            def job(part: list[dict[str, Any]] = part, first: int = first) -> None:
-                outcomes = [_decode_one(self._decode, row) for row in part]
+            def job(part: list[tuple[DecodeFn, dict[str, Any]]] = part, first: int = first) -> None:
+                outcomes = [_decode_one(decode, row) for decode, row in part]
                 mailbox.post(lambda: deliver(first, outcomes))
 
             try:
@@ -171,15 +178,13 @@ class RequestDecoder:
                 deliver(first, [(None, exc)] * len(part))
 
     def _queue_on_lanes(
-        self,
-        decode: Callable[[dict[str, Any]], ModelInput],
-        rows: list[dict[str, Any]],
-        deliver: Callable[[list[Decoded]], None],
+        self, pairs: list[tuple[DecodeFn, dict[str, Any]]], deliver: Callable[[list[Decoded]], None]
     ) -> None:
-        """Add ``rows`` to the decode job queued on the lanes, queueing one if none is (called on the loop)."""
+        """Add ``pairs`` (decode function, row) to the decode job queued on the lanes, queueing one if none
+        is (called on the loop)."""
         loop = asyncio.get_running_loop()
         with self._waiting_lock:
-            self._waiting.append((decode, rows, deliver))
+            self._waiting.append((pairs, deliver))
             first = len(self._waiting) == 1
         if not first:  # a decode job is queued on the lanes already, and takes these rows too
             return
@@ -188,8 +193,8 @@ class RequestDecoder:
         except Exception as exc:  # lanes closed: everything waiting for this job fails now
             with self._waiting_lock:
                 waiting, self._waiting = self._waiting, []
-            for _, pending_rows, pending_deliver in waiting:
-                pending_deliver([(None, exc)] * len(pending_rows))
+            for pending_pairs, pending_deliver in waiting:
+                pending_deliver([(None, exc)] * len(pending_pairs))
 
     def _decode_waiting(self, mailbox: LoopMailbox) -> None:
         """A lane job: decode every request waiting when it starts, and hand all of them to the loop at once.
@@ -201,7 +206,7 @@ class RequestDecoder:
         """
         with self._waiting_lock:
             waiting, self._waiting = self._waiting, []
-        done = [(deliver, [_decode_one(decode, row) for row in rows]) for decode, rows, deliver in waiting]
+        done = [(deliver, [_decode_one(decode, row) for decode, row in pairs]) for pairs, deliver in waiting]
 
         def deliver_all() -> None:
             for deliver, outcomes in done:

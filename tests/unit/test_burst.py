@@ -17,10 +17,12 @@ import pytest
 import torch
 
 from archiver.options import ServingOptions
-from bench.direct import as_client_sees, call, load_context, model_dir_for, request_context
+from bench.direct import as_client_sees, call, group_load_context, load_context, model_dir_for, request_context
 from bench.dvabatch import bench_payloads, dvabatch_token_lengths
 from handlers.dvabatch.handler import DvaBatchHandler
 from handlers.ebird.handler import EbirdHandler
+from handlers.reef.handler import ReefHandler
+from handlers.runtime.burst import BurstServer
 from model_store.catalog import get_spec
 from model_store.samples import request_body
 
@@ -74,7 +76,11 @@ def burst(handler, load, messages: list[list[dict]], headers=None, then=None) ->
 
     async def main():
         loop = asyncio.get_running_loop()
-        calls = [(data, request_context(load, len(data), headers, lean=True)) for data in messages]
+        per_message = headers if isinstance(headers, list) else [headers] * len(messages)
+        calls = [
+            (data, request_context(load, len(data), h, lean=True))
+            for data, h in zip(messages, per_message, strict=True)
+        ]
         answered = [loop.create_future() for _ in calls]
         times = [0] * len(calls)
 
@@ -101,6 +107,12 @@ def assert_same(got: list[tuple[int, object]], expected: list[tuple[int, object]
     """Same statuses, and logits equal to 1e-5 (a row's float sums depend on the batch it ran in)."""
     assert [status for status, _ in got] == [status for status, _ in expected]
     for (_, answer), (_, want) in zip(got, expected, strict=True):
+        if "logits" not in want:  # GPT-2's 50k next-token logits: only its top-5 travels
+            assert [t["index"] for t in answer["top5"]] == [t["index"] for t in want["top5"]]
+            answer, want = (
+                {"logits": [t["logit"] for t in answer["top5"]]},
+                {"logits": [t["logit"] for t in want["top5"]]},
+            )
         assert torch.allclose(torch.tensor(answer["logits"]), torch.tensor(want["logits"]), atol=1e-5)
 
 
@@ -113,6 +125,7 @@ def test_a_burst_answers_each_message_as_handle_does_and_a_bad_request_alone_fai
     messages.insert(5, [{"body": b"{not json"}])
     messages.insert(9, [{"body": json.dumps({"input_ids": [1, 2, 3] * 400}).encode()}])  # too long
     answers = burst(handler, load, messages)
+    assert type(handler._burst) is BurstServer  # the callback path, not a task per message
     assert all(len(answer) == 1 for answer in answers)
     assert_same([a[0] for i, a in enumerate(answers) if i not in (5, 9)], expected)
     assert answers[5][0][0] == 400 and answers[9][0][0] == 400
@@ -171,3 +184,35 @@ def test_a_request_past_its_deadline_is_answered_503_once_and_its_late_result_is
     [[(status, _)]] = burst(handler, load, [rows(1)])  # and it serves on
     assert status == 200
     assert handler.unanswered == 0
+
+
+def test_reef_routes_each_request_of_a_burst_by_its_own_headers(tmp_path):
+    """REEF picks the member from each request's headers (``route_request``): in one burst, requests for
+    both members at both priorities are answered as ``handle`` answers them, and a request naming no
+    member it serves gets its own 404 while the rest are served."""
+    specs = [SPEC, get_spec("gpt2-tiny1", "eager")]
+    options = ServingOptions(handler="reef", handler_settings=(("realtime", ["bert-tiny1"]),))
+    load = group_load_context(specs, tmp_path / "weights", options)
+    handler = ReefHandler()
+    threads = torch.get_num_threads()
+    handler.initialize(load)
+    try:
+        bodies = {spec.name: [{"body": request_body(p)} for p in bench_payloads(spec, count=3)[0]] for spec in specs}
+        messages, headers = [], []
+        for i in range(3):
+            for name, priority in (("bert-tiny1", "realtime"), ("gpt2-tiny1", "best-effort")):
+                messages.append([bodies[name][i]])
+                headers.append({"X-Model": name, "X-Priority": priority})
+        messages.append([bodies["bert-tiny1"][0]])
+        headers.append({"X-Model": "resnet50"})
+        expected = [asyncio.run(call(handler, load, m[0], h)) for m, h in zip(messages[:-1], headers[:-1], strict=True)]
+        answers = burst(handler, load, messages, headers)
+        assert type(handler._burst) is BurstServer  # the callback path, not a task per message
+        assert all(len(answer) == 1 for answer in answers)
+        assert_same([a[0] for a in answers[:-1]], expected)
+        status, body = answers[-1][0]
+        assert status == 404 and "resnet50" in json.loads(body)["message"]
+        assert handler.unanswered == 0
+    finally:
+        handler.close(timeout_s=30)
+        torch.set_num_threads(threads)
