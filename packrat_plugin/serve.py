@@ -218,7 +218,9 @@ def config_from(args: argparse.Namespace) -> ControllerConfig:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    ports = Ports.free() if args.free_ports else _ports_from(args.config)
+    # The status server binds its port only once TorchServe serves: a free port chosen for TorchServe
+    # must not be it (a controller once died on "Address already in use" there).
+    ports = Ports.free(exclude=[args.status_port]) if args.free_ports else _ports_from(args.config)
     controller = PackratController(
         args.workdir, targets_from(args), config_from(args), ports=ports,
         status_port=args.status_port, base_config=args.config, inference_host=_inference_host(args.config),

@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,10 +64,15 @@ class Ports:
     grpc_management: int = 7071
 
     @classmethod
-    def free(cls) -> Ports:
+    def free(cls, exclude: Iterable[int | None] = ()) -> Ports:
+        """Five ports free now, none of ``exclude``: ports the caller will bind itself later (a status
+        server), which the kernel may hand out again while they are still unbound."""
+        taken = {port for port in exclude if port is not None}
         ports: set[int] = set()
         while len(ports) < 5:
-            ports.add(free_port())
+            port = free_port()
+            if port not in taken:
+                ports.add(port)
         return cls(*sorted(ports))
 
     @classmethod
