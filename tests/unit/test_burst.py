@@ -104,7 +104,8 @@ def burst(handler, load, messages: list[list[dict]], headers=None, then=None) ->
 
 
 def assert_same(got: list[tuple[int, object]], expected: list[tuple[int, object]]) -> None:
-    """Same statuses, and logits equal to 1e-5 (a row's float sums depend on the batch it ran in)."""
+    """Same statuses, and logits equal to 1e-4: a row's float sums depend on the batch it ran in (its
+    padding, the reduction order); DVABatch's rows differed from their lone runs by 1.2e-5 on CI."""
     assert [status for status, _ in got] == [status for status, _ in expected]
     for (_, answer), (_, want) in zip(got, expected, strict=True):
         if "logits" not in want:  # GPT-2's 50k next-token logits: only its top-5 travels
@@ -113,7 +114,7 @@ def assert_same(got: list[tuple[int, object]], expected: list[tuple[int, object]
                 {"logits": [t["logit"] for t in answer["top5"]]},
                 {"logits": [t["logit"] for t in want["top5"]]},
             )
-        assert torch.allclose(torch.tensor(answer["logits"]), torch.tensor(want["logits"]), atol=1e-5)
+        assert torch.allclose(torch.tensor(answer["logits"]), torch.tensor(want["logits"]), atol=1e-4)
 
 
 @pytest.mark.parametrize("kind", HANDLERS)
