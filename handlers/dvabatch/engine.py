@@ -88,7 +88,8 @@ class DvaBatchEngine(Engine):
         self._cond = threading.Condition()
         self._closing = False
         self._stopping = False
-        # CUDA with ``cuda_graphs``: each stage a captured graph per batch bucket (built in ``warm_up``).
+        # CUDA with ``cuda_graphs``: each stage a captured graph per batch bucket; CPU with ``cpu_traces``:
+        # a TorchScript trace per bucket where measured worth it (both built in ``warm_up``).
         self.programs: StagePrograms | None = None
         self._scheduler = threading.Thread(target=self._schedule_loop, name="dvabatch-scheduler", daemon=True)
         self._scheduler.start()
@@ -252,6 +253,20 @@ class DvaBatchEngine(Engine):
         warm_up_sizes([1, self.config.max_batch], through_all, self._lanes, self.device)
         if self.device.is_cuda and self.config.cuda_graphs:
             self._capture_stages(zeros)
+        if self._lanes is not None and self.config.cpu_traces:
+            # Traced and timed on a lane, at the thread count the stages will run with.
+            self._lanes.submit(self._trace_stages, zeros).result()
+
+    def _trace_stages(self, zeros: tuple[torch.Tensor, ...]) -> None:
+        """One TorchScript trace per (stage, bucket), kept where measured worth it (``StagePrograms``)."""
+        started = time.perf_counter()
+        programs = StagePrograms(self.sliced, zeros, bucket_sizes(self.config.max_batch), traced=True)
+        self.programs = programs
+        logger.info(
+            "DVABatch: %d of %d (stage, batch bucket) programs traced in %.1f s: %s",
+            len(programs.traces), len(self.sliced) * len(programs.buckets), time.perf_counter() - started,
+            sorted(programs.traces),
+        )  # fmt: skip
 
     def _capture_stages(self, zeros: tuple[torch.Tensor, ...]) -> None:
         """One CUDA graph per (stage, bucket); a model whose stages cannot be captured runs eagerly."""

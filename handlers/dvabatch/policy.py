@@ -49,6 +49,9 @@ class DvaBatchConfig:
     cpu_lanes: int | None = None
     # CUDA only: each stage replays a captured graph per batch bucket (``runtime/stage_programs.py``).
     cuda_graphs: bool = True
+    # CPU only: each stage runs a TorchScript trace per batch bucket where that measured no slower than the
+    # stage at the bucket's fewest rows (``runtime/stage_programs.py``); off: every stage from its fx graph.
+    cpu_traces: bool = True
 
     def __post_init__(self) -> None:
         for name in ("segments", "max_batch", "max_inflight"):
@@ -59,7 +62,7 @@ class DvaBatchConfig:
             raise DvaBatchConfigError(f"t_comp_wait_ms must be a number, got {self.t_comp_wait_ms!r}")
         if self.t_comp_wait_ms < 0:
             raise DvaBatchConfigError(f"t_comp_wait_ms must be ≥ 0, got {self.t_comp_wait_ms}")
-        for name in ("stretch", "split", "cuda_graphs"):
+        for name in ("stretch", "split", "cuda_graphs", "cpu_traces"):
             if not isinstance(getattr(self, name), bool):
                 raise DvaBatchConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.cpu_lanes is not None:

@@ -29,25 +29,47 @@ A CUDA graph per (stage, bucket) makes a stage one copy in and one replay:
   stage: so the first n rows are copied out (one device copy per state
   tensor).
 
-``StagePrograms`` without graphs runs the same padded shapes eagerly (row 0
-repeated into the padding): what the tests check the buckets' answers with
-on a CPU, where the engine itself runs each stage at the batch's own rows
-(padding a CPU stage would only add compute).  A batch larger than every
-bucket runs eagerly at its own rows.
+On a CPU the same host cost shows on a small model: a stage run from its fx
+graph is one Python call per ATen operator (``torch.export``'s graphs call
+each ``OpOverload`` through Python), and every call hands the GIL over,
+which the event loop and the other stage's lane are waiting for.  Timed on
+the one-layer BERT at 16 rows (2-vCPU Xeon, one thread), its two stages
+took 80 and 360 µs from the graph against 14 and 95 µs as TorchScript
+traces, and beside a thread running Python the second stage gave the GIL
+away some twenty times per run against three.  ``traced=True`` traces each
+(stage, bucket) with ``torch.jit.trace`` (one C++ call per batch, the
+stage's own parameters, no copy of the weights) and keeps a bucket's trace
+only where it measured no slower than the stage run eagerly at the
+fewest rows that bucket serves, so padding a batch never costs more than
+the Python it saves (a compute-bound stage keeps its own rows).  A stage
+that cannot be traced, or whose trace does not reproduce it, runs eagerly.
+
+``StagePrograms`` without graphs or traces runs the same padded shapes
+eagerly (row 0 repeated into the padding): what the tests check the
+buckets' answers with.  With traces, a bucket without one runs eagerly at
+the batch's own rows.  A batch larger than every bucket runs eagerly at
+its own rows.
 """
 
 from __future__ import annotations
 
 import bisect
 import collections
-from collections.abc import Sequence
+import logging
+import statistics
+import time
+import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
 
 from handlers.runtime.cuda_graphs import capture
-from handlers.runtime.segments import SegmentedModel, State, batch_rows, state_rows
+from handlers.runtime.segments import Segment, SegmentedModel, State, batch_rows, state_rows
+
+logger = logging.getLogger(__name__)
 
 
 def bucket_sizes(max_batch: int) -> list[int]:
@@ -94,26 +116,88 @@ class StageGraph:
         return {name: value[:rows].clone() for name, value in self.outputs.items()}
 
 
+class _Positional(nn.Module):
+    """A segment's graph module called with its state as positional tensors, returning a tuple (what
+    ``torch.jit.trace`` takes); the graph module is a submodule, so its parameters stay parameters."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.graph_module = module
+
+    def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(self.graph_module(*tensors))
+
+
+@dataclass
+class TracedStage:
+    """One stage traced at one bucket: the state padded to ``bucket`` rows, one TorchScript call, trimmed."""
+
+    bucket: int
+    module: Any  # torch.jit.ScriptModule
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+
+    def run(self, state: State) -> State:
+        rows = state_rows(state)
+        grown = padded({name: state[name] for name in self.inputs}, self.bucket)
+        values = self.module(*(grown[name] for name in self.inputs))
+        return {name: value[:rows] for name, value in zip(self.outputs, values, strict=True)}
+
+
+def _same_values(got: torch.Tensor, expected: torch.Tensor) -> bool:
+    if got.shape != expected.shape or got.dtype != expected.dtype:
+        return False
+    return torch.allclose(got, expected, atol=1e-5) if expected.is_floating_point() else torch.equal(got, expected)
+
+
+def median_seconds(run: Callable[[], Any], warm: int = 1, repeats: int = 3, budget_s: float = 0.02) -> float:
+    """The median time of ``run`` after ``warm`` untimed calls (TorchScript's executor profiles a
+    program's first two calls and optimises it after them): ``repeats`` calls, or more while they
+    take under ``budget_s`` in all, so a stage of microseconds is timed over many calls and a slow
+    one over three."""
+    for _ in range(warm):
+        run()
+    times: list[float] = []
+    while len(times) < repeats or (sum(times) < budget_s and len(times) < 200):
+        started = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
 class StagePrograms:
     """Run stage ``s`` on a state as one program of the smallest bucket that holds its rows.
 
     ``graphs``: capture one CUDA graph per (stage, bucket) now (the model and
-    ``example`` on a CUDA device); else run the padded shapes eagerly.
+    ``example`` on a CUDA device).  ``traced``: trace one TorchScript program
+    per (stage, bucket) now and keep those measured worth their padding (see
+    the module doc).  Neither: run the padded shapes eagerly.
     ``calls`` counts the programs run, by (stage, bucket): one per batch
     that runs a stage, however many requests it holds.
     """
 
     def __init__(
-        self, sliced: SegmentedModel, example: Sequence[torch.Tensor], buckets: Sequence[int], graphs: bool = False
+        self,
+        sliced: SegmentedModel,
+        example: Sequence[torch.Tensor],
+        buckets: Sequence[int],
+        graphs: bool = False,
+        traced: bool = False,
     ) -> None:
         self.sliced = sliced
         self.buckets = sorted(set(buckets))
         if not self.buckets or self.buckets[0] < 1:
             raise ValueError(f"need bucket sizes ≥ 1, got {list(buckets)}")
+        if graphs and traced:
+            raise ValueError("a stage runs as a CUDA graph or as a trace, not both")
         self.graphs: dict[tuple[int, int], StageGraph] = {}
+        self.traces: dict[tuple[int, int], TracedStage] = {}
+        self.pad_eager = not traced  # with traces, a bucket without one runs at the batch's own rows
         self.calls: collections.Counter[tuple[int, int | None]] = collections.Counter()
         if graphs:
             self._capture_all(example)
+        if traced:
+            self._trace_all(example)
 
     def bucket_for(self, rows: int) -> int | None:
         """The smallest bucket holding ``rows``, or None above the largest."""
@@ -129,7 +213,61 @@ class StagePrograms:
         graph = self.graphs.get((stage, bucket))
         if graph is not None:
             return graph.replay(state)
+        traced = self.traces.get((stage, bucket))
+        if traced is not None:
+            return traced.run(state)
+        if not self.pad_eager:
+            return self.sliced[stage](state)
         return trimmed(self.sliced[stage](padded(state, bucket)), rows)
+
+    def _trace_all(self, example: Sequence[torch.Tensor]) -> None:
+        """A trace per (stage, bucket), kept where it is no slower than the stage eagerly at the
+        bucket's fewest rows (measured here, at this thread's torch thread count).  A bucket that
+        pads nothing (1, 2) runs the same operators minus the Python, so it is kept untimed.
+
+        Buckets are tried smallest first, and a stage's first losing bucket ends its tries: the
+        Python a trace saves is about the same at every size while the padding grows with the
+        bucket, so a compute-bound stage (a large model on a CPU) costs start-up the time of its
+        small buckets only.
+        """
+        fewest = dict(zip(self.buckets, [1, *(b + 1 for b in self.buckets[:-1])], strict=True))
+        with torch.no_grad():  # traced on normal tensors: inference tensors cannot be traced
+            state = self.sliced.start(*batch_rows(example, 1))  # one row; more are that row repeated
+            for stage, segment in enumerate(self.sliced):
+                for bucket in self.buckets:
+                    traced = self._trace(segment, padded(state, bucket), bucket)
+                    if traced is None:
+                        break
+                    if fewest[bucket] < bucket:  # padded: worth it only if it saves more than the padding costs
+                        small = padded(state, fewest[bucket])
+                        with torch.inference_mode():
+                            eager_s = median_seconds(lambda s=small, g=segment: g(s), warm=1)
+                            traced_s = median_seconds(lambda s=small, t=traced: t.run(s), warm=2)
+                        logger.debug("stage %d, bucket %d: traced %.0f µs, eager at %d rows %.0f µs", stage, bucket,
+                                     traced_s * 1e6, fewest[bucket], eager_s * 1e6)  # fmt: skip
+                        if traced_s > eager_s:
+                            break
+                    self.traces[(stage, bucket)] = traced
+                state = segment(state)  # the next stage's input
+
+    @staticmethod
+    def _trace(segment: Segment, state: State, bucket: int) -> TracedStage | None:
+        """``segment`` traced on ``state`` (``bucket`` rows), or None where it cannot be traced or its trace
+        does not give the stage's outputs (a model is served either way: eagerly)."""
+        tensors = tuple(state[name] for name in segment.inputs)
+        try:
+            with warnings.catch_warnings():  # shape-specialising warnings: one trace per bucket is the point
+                warnings.simplefilter("ignore")
+                module = torch.jit.trace(_Positional(segment.module), tensors, check_trace=False)
+            expected, got = segment(state), module(*tensors)
+            same = len(got) == len(expected) and all(map(_same_values, got, expected.values()))
+        except Exception:  # tracing is an optimisation: the eager stage serves the same answers
+            logger.info("stage %d cannot be traced at %d rows; it runs eagerly", segment.index, bucket, exc_info=True)
+            return None
+        if not same:
+            logger.warning("stage %d traced at %d rows differs from its graph; it runs eagerly", segment.index, bucket)
+            return None
+        return TracedStage(bucket, module, segment.inputs, segment.outputs)
 
     def _capture_all(self, example: Sequence[torch.Tensor]) -> None:
         device = example[0].device

@@ -185,6 +185,7 @@ def test_messages_waiting_together_reach_serve_burst_in_one_call_each_answered(c
     assert sorted(answers) == sorted(ids)
     assert all(json.loads(answer[3]) == {"id": request_id} for request_id, answer in answers.items())
     assert entry.bursts == [10]
+
     # Answered in one turn of the loop: one PredictionTime line, as the sync worker logs one per batch.
     def prediction_times() -> int:
         return sum("[METRICS]PredictionTime" in record.getMessage() for record in caplog.records)

@@ -11,6 +11,7 @@ import torch
 from handlers.codecs import InputCodec, collate
 from handlers.dvabatch.engine import DvaBatchEngine
 from handlers.dvabatch.policy import DvaBatchConfig
+from handlers.runtime import stage_programs
 from handlers.runtime.device import ExecutionDevice
 from handlers.runtime.lanes import CpuLanes
 from handlers.runtime.metrics import HandlerMetrics
@@ -99,5 +100,91 @@ def test_a_batch_of_mixed_length_requests_costs_one_call_per_stage_however_many_
         for i, future in enumerate(futures):
             assert torch.allclose(future.result(timeout=30), expected[i], atol=1e-5), (count, i)
         assert dict(engine.stage_calls) == {0: 1, 1: 1}, count
+        engine.close()
+        lanes.close()
+
+
+# -- traced programs (CPU) ------------------------------------------------------------
+
+
+def test_traced_programs_give_the_models_rows_at_every_row_count(bert) -> None:
+    spec, net = bert
+    codec = InputCodec(spec, token_lengths=(8, spec.seq_len))
+    items = [codec.decode({"body": {"input_ids": list(range(1, 2 + k % 7))}}) for k in range(20)]
+    ids, mask = collate(items)
+    sliced = slice_model(copy.deepcopy(net), (ids[:2], mask[:2]), 2, dynamic_dims=(0, 1))
+    programs = StagePrograms(sliced, (ids[:1], mask[:1]), bucket_sizes(16), traced=True)
+    assert programs.traces, "a one-layer BERT's stages should be worth tracing on any CPU"
+    for rows in (1, 2, 3, 5, 8, 11, 16, 20):  # 20: past the largest bucket, eagerly at its own rows
+        with torch.no_grad():
+            expected = net(ids[:rows], mask[:rows])
+        with torch.inference_mode():
+            got = run_all(programs, sliced, (ids[:rows], mask[:rows]))
+        assert got.shape == expected.shape and torch.allclose(got, expected, atol=1e-5), rows
+    assert sum(n for (stage, _), n in programs.calls.items() if stage == 1) == 8
+
+
+def test_a_trace_measured_slower_than_its_padding_saves_is_not_kept(bert, monkeypatch) -> None:
+    spec, net = bert
+    ids = torch.ones(2, 8, dtype=torch.long)
+    sliced = slice_model(copy.deepcopy(net), (ids, torch.ones_like(ids)), 2, dynamic_dims=(0, 1))
+    timed: list[str] = []
+
+    def traces_lose(run, warm: int = 1) -> float:  # the eager stage is timed first, then the trace
+        timed.append("eager" if len(timed) % 2 == 0 else "traced")
+        return 1.0 if timed[-1] == "traced" else 0.5
+
+    monkeypatch.setattr(stage_programs, "median_seconds", traces_lose)
+    programs = StagePrograms(sliced, (ids[:1], torch.ones_like(ids[:1])), bucket_sizes(16), traced=True)
+    # Buckets 1 and 2 pad nothing and are kept untimed; 4 is timed, loses, and ends each stage's tries.
+    assert sorted(programs.traces) == [(0, 1), (0, 2), (1, 1), (1, 2)]
+    assert len(timed) == 2 * len(sliced)
+    padded_to: list[int] = []
+    monkeypatch.setattr(stage_programs, "padded", lambda state, rows: padded_to.append(rows) or padded(state, rows))
+    three = torch.ones(3, 8, dtype=torch.long)
+    state = sliced.start(three, torch.ones_like(three))
+    with torch.inference_mode():
+        out = sliced.finish(programs.run(1, programs.run(0, state)))
+    with torch.no_grad():
+        assert torch.allclose(out, net(three, torch.ones_like(three)), atol=1e-5)
+    assert padded_to == []  # 3 rows ran eagerly as 3, not padded to 4
+
+
+def test_a_stage_that_cannot_be_traced_runs_eagerly_at_its_own_rows(model, monkeypatch) -> None:  # noqa: F811
+    sliced = slice_model(copy.deepcopy(model), (torch.randn(2, 64),), 2)
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("not traceable")
+
+    monkeypatch.setattr(torch.jit, "trace", refuse)
+    programs = StagePrograms(sliced, (torch.zeros(1, 64),), bucket_sizes(8), traced=True)
+    assert programs.traces == {}
+    padded_to: list[int] = []
+    monkeypatch.setattr(stage_programs, "padded", lambda state, rows: padded_to.append(rows) or padded(state, rows))
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        got = run_all(programs, sliced, (x,))
+        assert torch.allclose(got, model(x), atol=1e-5)
+    assert padded_to == []  # 3 rows ran as 3, not padded to the bucket of 4
+    assert programs.calls[(0, 4)] == programs.calls[(1, 4)] == 1
+
+
+def test_cpu_engine_traces_its_stages_unless_told_not_to(bert) -> None:
+    spec, net = bert
+    codec = InputCodec(spec, token_lengths=(8, spec.seq_len))
+    items = [codec.decode({"body": {"input_ids": list(range(1, 2 + k % 7))}}) for k in range(5)]
+    ids, mask = collate(items)
+    sliced = slice_model(copy.deepcopy(net), (ids[:2], mask[:2]), 2, dynamic_dims=(0, 1))
+    for traces in (True, False):
+        lanes = CpuLanes(2, 1)
+        config = DvaBatchConfig(segments=2, max_batch=8, split=False, cpu_traces=traces)
+        engine = DvaBatchEngine(sliced, items[0], ExecutionDevice("cpu"), config, HandlerMetrics(None, "m"), lanes)
+        engine.warm_up()
+        assert (engine.programs is not None and bool(engine.programs.traces)) is traces
+        futures = [engine.try_submit(item) for item in items]
+        with torch.no_grad():
+            expected = net(ids, mask)
+        for i, future in enumerate(futures):
+            assert torch.allclose(future.result(timeout=30), expected[i], atol=1e-5), (traces, i)
         engine.close()
         lanes.close()
