@@ -8,7 +8,13 @@ directly, without a frontend, can be observed too.
 
 Names (Prometheus, per ModelName):
 
-- ``HandlerQueueSeconds`` (histogram): arrival → start of the request's batch.
+- ``HandlerQueueSeconds`` (histogram): per batch, the longest any of its
+  requests waited from arrival to the batch's start (each request's own
+  wait is in the ``queue`` stage below, as a mean).  One observation per
+  batch, not per request: every observation is a line the frontend
+  parses, and a line per request cost an async handler ~12 µs of its
+  GIL-bound Python per request on a one-layer BERT (7 % of its capacity,
+  ``docs/benchmarks/host_path.md``).
 - ``HandlerBatches`` (counter, ``BatchSize`` label): batches run, by size;
   the batch-size histogram with exact buckets.
 - ``HandlerDecodeBatches`` (counter, ``BatchSize`` label): JPEG decoder calls by images decoded,
@@ -133,7 +139,8 @@ class HandlerMetrics:
         self._flush_interval_s = parse_flush_interval(flush_interval_s)
         self._cache = cache
         self._model = model_name
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the state below
+        self._emit_lock = threading.Lock()  # one flush at a time, in order (``flush``)
         self._pending = _PendingEmission() if cache is not None else _NoEmission()
         self._closed = threading.Event()
         self._flusher: threading.Thread | None = None
@@ -200,8 +207,8 @@ class HandlerMetrics:
                 self.peak_concurrent_batches = self._concurrent_batches
                 self._pending.set(series("HandlerPeakConcurrentBatches", "count"), self.peak_concurrent_batches)
             self._pending.count(series("HandlerBatches", "count", BatchSize=str(size)), 1)
-            for seconds in queue_seconds:
-                self._pending.observe(series("HandlerQueueSeconds", "s"), seconds)
+            if queue_seconds:
+                self._pending.observe(series("HandlerQueueSeconds", "s"), max(queue_seconds))
         self._emit_now_if_unbatched()
 
     def decode_batch(self, size: int) -> None:
@@ -284,17 +291,22 @@ class HandlerMetrics:
     def flush(self) -> None:
         """Hand TorchServe's cache everything recorded since the last flush.
 
-        The lock is held while emitting, so two flushes (the periodic one and
-        a caller's) reach the cache in order and a gauge's latest value is the
-        one TorchServe keeps.
+        Two flushes (the periodic one and a caller's) reach the cache in
+        order, so a gauge's latest value is the one TorchServe keeps: the
+        emit lock is held from taking the pending changes to emitting them.
+        The state lock is held only to take them: emitting a second's
+        observations takes tens of milliseconds on a busy worker (a line per
+        observation), and the threads that record events (a lane ending a
+        batch) must not wait for it.
         """
-        with self._lock:
-            if self._cache is None:
-                return
-            self._fold_requests()
-            if not self._pending:
-                return
-            pending, self._pending = self._pending, _PendingEmission()
+        if self._cache is None:
+            return
+        with self._emit_lock:
+            with self._lock:
+                self._fold_requests()
+                if not self._pending:
+                    return
+                pending, self._pending = self._pending, _PendingEmission()
             for (name, unit, labels), value, kind in pending.items():
                 self._emit(name, value, unit, kind, labels)
 
