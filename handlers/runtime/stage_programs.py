@@ -130,18 +130,47 @@ class _Positional(nn.Module):
 
 @dataclass
 class TracedStage:
-    """One stage traced at one bucket: the state padded to ``bucket`` rows, one TorchScript call, trimmed."""
+    """One stage traced at one bucket: a batch's rows copied into static inputs of ``bucket`` rows,
+    one TorchScript call, the outputs trimmed back to the batch's rows.
+
+    The static inputs' other rows hold whatever an earlier batch left there (at first, the example's
+    rows): every row of a stage is computed on its own, so they cost time, never another row's
+    answer, and a batch costs one copy per input tensor rather than a padded copy built anew.  An
+    output that is a view of a static input (a value passed on, a slice of the token ids) is
+    taken from the batch's own state or copied out, since the next run overwrites the static
+    inputs.  One run at a time: a stage runs one batch at a time.
+    """
 
     bucket: int
     module: Any  # torch.jit.ScriptModule
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
+    static: tuple[torch.Tensor, ...]  # ``bucket`` rows per input
+    aliased: frozenset[int]  # indices of outputs that are views of ``static``
 
     def run(self, state: State) -> State:
         rows = state_rows(state)
-        grown = padded({name: state[name] for name in self.inputs}, self.bucket)
-        values = self.module(*(grown[name] for name in self.inputs))
-        return {name: value[:rows] for name, value in zip(self.outputs, values, strict=True)}
+        if rows == self.bucket:
+            values = self.module(*(state[name] for name in self.inputs))
+            return dict(zip(self.outputs, values, strict=True))
+        for buffer, name in zip(self.static, self.inputs, strict=True):
+            buffer[:rows].copy_(state[name])
+        values = self.module(*self.static)
+        out = {}
+        for i, (name, value) in enumerate(zip(self.outputs, values, strict=True)):
+            if i not in self.aliased:
+                out[name] = value[:rows]
+            elif name in state:  # passed on unchanged: the batch's own tensor
+                out[name] = state[name]
+            else:
+                out[name] = value[:rows].clone()
+        return out
+
+
+def _views_of(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> frozenset[int]:
+    """Indices of ``outputs`` that share memory with any of ``inputs``."""
+    pointers = {x.untyped_storage().data_ptr() for x in inputs}
+    return frozenset(i for i, y in enumerate(outputs) if y.untyped_storage().data_ptr() in pointers)
 
 
 def _same_values(got: torch.Tensor, expected: torch.Tensor) -> bool:
@@ -267,7 +296,9 @@ class StagePrograms:
         if not same:
             logger.warning("stage %d traced at %d rows differs from its graph; it runs eagerly", segment.index, bucket)
             return None
-        return TracedStage(bucket, module, segment.inputs, segment.outputs)
+        static = tuple(x.clone() for x in tensors)
+        aliased = _views_of(module(*static), static)
+        return TracedStage(bucket, module, segment.inputs, segment.outputs, static, aliased)
 
     def _capture_all(self, example: Sequence[torch.Tensor]) -> None:
         device = example[0].device

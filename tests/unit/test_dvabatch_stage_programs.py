@@ -124,6 +124,24 @@ def test_traced_programs_give_the_models_rows_at_every_row_count(bert) -> None:
     assert sum(n for (stage, _), n in programs.calls.items() if stage == 1) == 8
 
 
+def test_a_traced_stage_s_output_survives_the_next_batch_through_that_stage(model, monkeypatch) -> None:  # noqa: F811
+    """Static inputs are overwritten by the next run: what a batch carries on to the next stage must
+    not be a view of them (DVABatch runs a stage's next batch while the last waits for the next stage).
+    The residual MLP passes its input on to the last stage."""
+    sliced = slice_model(copy.deepcopy(model), (torch.randn(2, 64),), 3)
+    assert "x" in sliced[0].outputs  # passed on: a view of the static input if taken from the trace
+    monkeypatch.setattr(stage_programs, "median_seconds", lambda run, warm=1: 0.0)  # keep every trace
+    programs = StagePrograms(sliced, (torch.zeros(1, 64),), bucket_sizes(4), traced=True)
+    assert all((stage, 4) in programs.traces for stage in range(3))
+    a, b = torch.randn(3, 64), torch.randn(3, 64)
+    with torch.inference_mode():
+        first = programs.run(0, sliced.start(a))
+        programs.run(0, sliced.start(b))  # three other rows through the same bucket
+        got = sliced.finish(programs.run(2, programs.run(1, first)))
+    with torch.no_grad():
+        assert torch.allclose(got, model(a), atol=1e-5)
+
+
 def test_a_trace_measured_slower_than_its_padding_saves_is_not_kept(bert, monkeypatch) -> None:
     spec, net = bert
     ids = torch.ones(2, 8, dtype=torch.long)
