@@ -435,12 +435,8 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
 
         ``arrival``: the request's ``Arrivals`` token, released once it is admitted.
         """
-        key = self.engine_key(item)
-        if key not in self.engines:
-            shapes = [list(shape) for shape in item.shapes]
-            raise bad_request(f"input shape {shapes} is not one this archive declares")
         loop = asyncio.get_running_loop()
-        admission = self.admission_for(loop, key)
+        admission = self.admission_of(loop, item)
         deadline = loop.time() + self.response_timeout_s
         future = await admission.admit(item, deadline)
         admitted = time.monotonic()
@@ -457,6 +453,15 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
             return output, getattr(future, "times", None), admitted, time.monotonic(), encoded
         finally:
             self.metrics.request_answered()
+
+    def admission_of(self, loop: asyncio.AbstractEventLoop, item: ModelInput) -> _Admission:
+        """The admission line ``item`` takes on ``loop``; a 400 for an input layout with no engine
+        (one the archive does not declare)."""
+        key = self.engine_key(item)
+        if key not in self.engines:
+            shapes = [list(shape) for shape in item.shapes]
+            raise bad_request(f"input shape {shapes} is not one this archive declares")
+        return self.admission_for(loop, key)
 
     def admission_for(self, loop: asyncio.AbstractEventLoop, key: Any) -> _Admission:
         """The admission line into engine ``key`` on ``loop`` (one per loop and engine)."""

@@ -40,7 +40,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from handlers.codecs import ModelInput, is_describe
-from handlers.errors import ResponseError, ServiceUnavailable, bad_request
+from handlers.errors import ResponseError, ServiceUnavailable
 from handlers.runtime.engine import stage_breakdown
 from handlers.runtime.loop_mailbox import mailbox_for
 
@@ -138,13 +138,11 @@ class BurstServer:
             self._admit(request)
 
     def _admit(self, request: BurstRequest) -> None:
-        handler = self.handler
-        key = handler.engine_key(request.item)
-        if key not in handler.engines:
-            shapes = [list(shape) for shape in request.item.shapes]
-            self.finish(request, error=bad_request(f"input shape {shapes} is not one this archive declares"))
+        try:
+            admission = self.handler.admission_of(asyncio.get_running_loop(), request.item)
+        except ResponseError as exc:  # an input layout the archive does not declare: its own 400
+            self.finish(request, error=exc)
             return
-        admission = handler.admission_for(asyncio.get_running_loop(), key)
         future = None
         if not admission.lock.locked():  # nobody waits ahead of it: try the engine at once
             try:

@@ -36,9 +36,7 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture
-def make_handler(model_dir):
-    made = []
-
+def make_handler(model_dir, keep_handlers):
     def make(kind: str, **settings):
         if kind == "ebird":
             options = ServingOptions(handler="ebird", handler_settings=tuple(sorted(settings.items())))
@@ -51,15 +49,10 @@ def make_handler(model_dir):
             )
             handler = DvaBatchHandler()
         ctx = load_context(SPEC, model_dir, options)
-        handler.initialize(ctx)
-        made.append(handler)
+        keep_handlers(handler).initialize(ctx)
         return handler, ctx
 
-    threads = torch.get_num_threads()  # the handler makes its calling thread single-threaded
-    yield make
-    for handler in made:
-        handler.close(timeout_s=30)
-    torch.set_num_threads(threads)
+    return make
 
 
 def rows(count: int) -> list[dict]:
@@ -187,33 +180,28 @@ def test_a_request_past_its_deadline_is_answered_503_once_and_its_late_result_is
     assert handler.unanswered == 0
 
 
-def test_reef_routes_each_request_of_a_burst_by_its_own_headers(tmp_path):
+def test_reef_routes_each_request_of_a_burst_by_its_own_headers(tmp_path, keep_handlers):
     """REEF picks the member from each request's headers (``route_request``): in one burst, requests for
     both members at both priorities are answered as ``handle`` answers them, and a request naming no
     member it serves gets its own 404 while the rest are served."""
     specs = [SPEC, get_spec("gpt2-tiny1", "eager")]
     options = ServingOptions(handler="reef", handler_settings=(("realtime", ["bert-tiny1"]),))
     load = group_load_context(specs, tmp_path / "weights", options)
-    handler = ReefHandler()
-    threads = torch.get_num_threads()
+    handler = keep_handlers(ReefHandler())
     handler.initialize(load)
-    try:
-        bodies = {spec.name: [{"body": request_body(p)} for p in bench_payloads(spec, count=3)[0]] for spec in specs}
-        messages, headers = [], []
-        for i in range(3):
-            for name, priority in (("bert-tiny1", "realtime"), ("gpt2-tiny1", "best-effort")):
-                messages.append([bodies[name][i]])
-                headers.append({"X-Model": name, "X-Priority": priority})
-        messages.append([bodies["bert-tiny1"][0]])
-        headers.append({"X-Model": "resnet50"})
-        expected = [asyncio.run(call(handler, load, m[0], h)) for m, h in zip(messages[:-1], headers[:-1], strict=True)]
-        answers = burst(handler, load, messages, headers)
-        assert type(handler._burst) is BurstServer  # the callback path, not a task per message
-        assert all(len(answer) == 1 for answer in answers)
-        assert_same([a[0] for a in answers[:-1]], expected)
-        status, body = answers[-1][0]
-        assert status == 404 and "resnet50" in json.loads(body)["message"]
-        assert handler.unanswered == 0
-    finally:
-        handler.close(timeout_s=30)
-        torch.set_num_threads(threads)
+    bodies = {spec.name: [{"body": request_body(p)} for p in bench_payloads(spec, count=3)[0]] for spec in specs}
+    messages, headers = [], []
+    for i in range(3):
+        for name, priority in (("bert-tiny1", "realtime"), ("gpt2-tiny1", "best-effort")):
+            messages.append([bodies[name][i]])
+            headers.append({"X-Model": name, "X-Priority": priority})
+    messages.append([bodies["bert-tiny1"][0]])
+    headers.append({"X-Model": "resnet50"})
+    expected = [asyncio.run(call(handler, load, m[0], h)) for m, h in zip(messages[:-1], headers[:-1], strict=True)]
+    answers = burst(handler, load, messages, headers)
+    assert type(handler._burst) is BurstServer  # the callback path, not a task per message
+    assert all(len(answer) == 1 for answer in answers)
+    assert_same([a[0] for a in answers[:-1]], expected)
+    status, body = answers[-1][0]
+    assert status == 404 and "resnet50" in json.loads(body)["message"]
+    assert handler.unanswered == 0

@@ -42,9 +42,7 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture
-def make_handler(model_dir):
-    handlers = []
-
+def make_handler(model_dir, keep_handlers):
     def make(
         device: str = "cpu",
         response_timeout_s: int = 120,
@@ -62,16 +60,11 @@ def make_handler(model_dir):
         ctx.model_yaml_config["responseTimeout"] = response_timeout_s
         if input_shapes:
             ctx.model_yaml_config["handler"]["input_shapes"] = input_shapes
-        handler = EbirdHandler()
+        handler = keep_handlers(EbirdHandler())
         handler.initialize(ctx)
-        handlers.append(handler)
         return handler, ctx
 
-    threads = torch.get_num_threads()  # the handler makes its calling thread single-threaded
-    yield make
-    for handler in handlers:
-        handler.close(timeout_s=30)
-    torch.set_num_threads(threads)
+    return make
 
 
 def serve_all(handler, ctx, rows):
