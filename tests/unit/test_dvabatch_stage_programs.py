@@ -82,13 +82,20 @@ def test_token_stages_answer_requests_of_mixed_lengths_padded_to_their_class_at_
         assert torch.allclose(got, expected, atol=1e-5), rows
 
 
+def mixed_length_requests(spec, net, count: int):
+    """``count`` token requests of 1-7 tokens in the 8-token length class, their collated batch, and a
+    copy of the model sliced in two stages with its sequence dimension left dynamic."""
+    codec = InputCodec(spec, token_lengths=(8, spec.seq_len))
+    items = [codec.decode({"body": {"input_ids": list(range(1, 2 + k % 7))}}) for k in range(count)]
+    ids, mask = collate(items)
+    sliced = slice_model(copy.deepcopy(net), (ids[:2], mask[:2]), 2, dynamic_dims=(0, 1))
+    return items, ids, mask, sliced
+
+
 def test_a_batch_of_mixed_length_requests_costs_one_call_per_stage_however_many_it_holds(bert) -> None:
     spec, net = bert
-    codec = InputCodec(spec, token_lengths=(8, spec.seq_len))
     for count in (2, 9):
-        items = [codec.decode({"body": {"input_ids": list(range(1, 2 + k % 7))}}) for k in range(count)]
-        ids, mask = collate(items)
-        sliced = slice_model(copy.deepcopy(net), (ids[:2], mask[:2]), 2, dynamic_dims=(0, 1))
+        items, ids, mask, sliced = mixed_length_requests(spec, net, count)
         lanes = CpuLanes(2, 1)
         config = DvaBatchConfig(segments=2, max_batch=16, split=False)
         engine = DvaBatchEngine(sliced, items[0], ExecutionDevice("cpu"), config, HandlerMetrics(None, "m"), lanes)
@@ -109,10 +116,7 @@ def test_a_batch_of_mixed_length_requests_costs_one_call_per_stage_however_many_
 
 def test_traced_programs_give_the_models_rows_at_every_row_count(bert) -> None:
     spec, net = bert
-    codec = InputCodec(spec, token_lengths=(8, spec.seq_len))
-    items = [codec.decode({"body": {"input_ids": list(range(1, 2 + k % 7))}}) for k in range(20)]
-    ids, mask = collate(items)
-    sliced = slice_model(copy.deepcopy(net), (ids[:2], mask[:2]), 2, dynamic_dims=(0, 1))
+    _, ids, mask, sliced = mixed_length_requests(spec, net, 20)
     programs = StagePrograms(sliced, (ids[:1], mask[:1]), bucket_sizes(16), traced=True)
     assert programs.traces, "a one-layer BERT's stages should be worth tracing on any CPU"
     for rows in (1, 2, 3, 5, 8, 11, 16, 20):  # 20: past the largest bucket, eagerly at its own rows
@@ -189,10 +193,7 @@ def test_a_stage_that_cannot_be_traced_runs_eagerly_at_its_own_rows(model, monke
 
 def test_cpu_engine_traces_its_stages_unless_told_not_to(bert) -> None:
     spec, net = bert
-    codec = InputCodec(spec, token_lengths=(8, spec.seq_len))
-    items = [codec.decode({"body": {"input_ids": list(range(1, 2 + k % 7))}}) for k in range(5)]
-    ids, mask = collate(items)
-    sliced = slice_model(copy.deepcopy(net), (ids[:2], mask[:2]), 2, dynamic_dims=(0, 1))
+    items, ids, mask, sliced = mixed_length_requests(spec, net, 5)
     for traces in (True, False):
         lanes = CpuLanes(2, 1)
         config = DvaBatchConfig(segments=2, max_batch=8, split=False, cpu_traces=traces)
