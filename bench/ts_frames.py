@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import socket
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +91,31 @@ def read_answer_frame(sock: socket.socket) -> tuple[int, str, list[Answer]]:
             headers[name] = _string(sock).decode()
         answers.append(Answer(request_id, status, phrase, content_type, headers, _string(sock)))
     return code, message, answers
+
+
+STREAM_NEXT = "ts_stream_next"  # TorchServe's header: "true" on a streamed answer's parts, "false" on its end
+
+
+def read_answers(sock: socket.socket, requests: int) -> list[tuple[int, Answer]]:
+    """The next ``requests`` answers as TorchServe's frontend delivers them to clients, each with the
+    code of the frame that began it: an answer sent whole in one frame, or as a stream
+    (``ts_stream_next: true`` on its parts, ``false`` on its end) read to its end, its parts' bodies
+    joined; an answer keeps its first part's status and headers, as the client's HTTP response does."""
+    done: list[tuple[int, Answer]] = []
+    streaming: dict[str, tuple[int, Answer]] = {}
+    while len(done) < requests:
+        code, _, answers = read_answer_frame(sock)
+        for part in answers:
+            opened = streaming.pop(part.request_id, None)
+            if opened is None:
+                code_of, answer = code, part
+            else:
+                code_of, answer = opened[0], replace(opened[1], body=opened[1].body + part.body)
+            if part.headers.get(STREAM_NEXT) == "true":
+                streaming[part.request_id] = (code_of, answer)
+            else:
+                done.append((code_of, answer))
+    return done
 
 
 def torchserve_service(entry_point: Any, cl_socket: socket.socket, model_dir: str, manifest: dict | None = None) -> Any:

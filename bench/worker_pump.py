@@ -44,7 +44,7 @@ if __package__ in (None, ""):  # `python bench/NAME.py` from the repository root
 
 from bench.proc_cpu import thread_cpu_seconds
 from bench.report import add_output_arguments, markdown_table, new_figure, provenance_block, run_benchmark, save_figure
-from bench.ts_frames import Request, inference_frame, read_answer_frame, torchserve_service
+from bench.ts_frames import Request, inference_frame, read_answers, torchserve_service
 
 PUMPS = ("torchserve", "lean", "lean-burst")
 LABELS = {
@@ -134,8 +134,8 @@ def drive(
             while sent < count and sent - answered < in_flight:
                 frontend.sendall(inference_frame([Request(f"r{first + sent}", body, content_type, headers)]))
                 sent += 1
-            code, _, answers = read_answer_frame(frontend)
-            failed += code != 200 or any(a.status != 200 or a.body != answer for a in answers)
+            [(code, got)] = read_answers(frontend, 1)
+            failed += code != 200 or got.status != 200 or got.body != answer
             answered += 1
 
     try:

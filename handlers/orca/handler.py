@@ -52,6 +52,7 @@ from handlers.orca.text import TextCodec, TextStream, TokenizerError
 from handlers.runtime.device import ExecutionDevice
 from handlers.runtime.heap import freeze_startup_heap
 from handlers.runtime.model_loading import load_model
+from handlers.runtime.worker_pump import answered_as_streams
 from model_store.catalog import ModelSpec
 
 logger = logging.getLogger(__name__)
@@ -140,7 +141,9 @@ class OrcaHandler:
         logger.info("Orca serving %s on %s: %s", spec.name, device, c)
 
     async def handle(self, data: list[dict[str, Any]], context: Any) -> list[Any]:
-        return list(await asyncio.gather(*(self._serve(i, row, context) for i, row in enumerate(data))))
+        answers = list(await asyncio.gather(*(self._serve(i, row, context) for i, row in enumerate(data))))
+        # TorchServe's pump serves Orca: an answer must end a stream for its frontend to forget the request.
+        return answered_as_streams(answers, context)
 
     async def _serve(self, index: int, row: dict[str, Any], context: Any) -> Any:
         route = context.get_request_header(index, "url_path")

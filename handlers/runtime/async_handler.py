@@ -160,6 +160,7 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
 
     def __init__(self) -> None:
         self.initialized = False
+        self._streams_answers = False  # set by ``install_worker_pump``
         self.spec: ModelSpec | None = None
         self.codec: InputCodec | None = None
         self.model: torch.nn.Module | None = None
@@ -321,7 +322,9 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
         request could not join: ``lanes.py``).
         """
         gate = self.lanes.wait_for_a_loud_lane if self.lanes is not None else None
-        return "the lean" if worker_pump.install(setting, gate) else "TorchServe's"
+        lean = worker_pump.install(setting, gate)
+        self._streams_answers = not lean  # TorchServe's pump: ``handle`` ends each answer's stream itself
+        return "the lean" if lean else "TorchServe's"
 
     def _encode_on_engine(self, setting: str | None) -> bool:
         """Where answers are encoded: by default on CPU lanes, where each batch ends (its answers in one
@@ -365,10 +368,13 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
         self.count_unanswered(len(data))
         try:
             if len(data) == 1:  # async mode's usual message: no task and gather around one request
-                return [await self._serve(0, data[0], context)]
-            answers = await asyncio.gather(*(self._serve(index, row, context) for index, row in enumerate(data)))
+                answers = [await self._serve(0, data[0], context)]
+            else:
+                answers = await asyncio.gather(*(self._serve(i, row, context) for i, row in enumerate(data)))
         finally:
             self.count_unanswered(-len(data))
+        if self._streams_answers:  # (the lean pump frames every answer so: ``worker_pump.framed_final``)
+            return worker_pump.answered_as_streams(list(answers), context)
         return list(answers)
 
     def serve_burst(self, calls: Sequence[Call], done: Done) -> None:

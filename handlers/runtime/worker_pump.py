@@ -282,7 +282,7 @@ class WorkerPump:
             return create_predict_response(None, request_ids, "Invalid model predict output", 503)
         if context.metrics is not None:
             self._note_prediction_time(context, (time.time() - started) * 1000)
-        return create_predict_response(answers, request_ids, "Prediction success", 200, context=context)
+        return framed_final(answers, context)
 
     def _note_prediction_time(self, context: Any, ms: float) -> None:
         """Record ``PredictionTime`` once per turn of the loop: the mean of the messages answered in it.
@@ -349,6 +349,76 @@ def _shallow_copy(obj: Any) -> Any:
     clone = object.__new__(cls)
     clone.__dict__.update(obj.__dict__)
     return clone
+
+
+def framed_final(answers: list[Any], context: Any) -> bytes:
+    """A message's answers framed so that TorchServe's frontend forgets each request once answered.
+
+    In async mode TorchServe 0.12's frontend keeps every request it sent a
+    worker in a map (``AsyncBatchAggregator.jobs_in_backend``) and removes
+    one only when an answer to it carries ``ts_stream_next: false``: the end
+    of a streamed answer.  A plain answer left its request in the map for
+    good, body included: the frontend's heap held a live ``RestJob`` per
+    request ever answered (counted with ``jmap``), and the map, which the
+    frontend's worker thread writes and its network thread reads without a
+    lock, kept growing and rehashing until a lookup missed under load: the
+    frontend then took an answer for a request it did not know
+    ("Unexpected job in sendResponse()"), closed the worker's connection and
+    restarted it over and over (seen under ``bench/dvabatch.py``).
+
+    The end marker cannot ride on the answer itself: TorchServe's REST side
+    sends an answer's status line only with a stream's first part, so an
+    answer marked as its stream's end and first part at once never reaches
+    the client.  So each answer goes as a stream of one part and an empty
+    end, frames written together, as TorchServe streams: the client gets the
+    same status, headers and body, chunked.  Except an error answer (status
+    400 and up): TorchServe closes the connection after an error's status
+    line, so a streamed one would lose its body; it goes as before, whole,
+    and its request stays in the frontend's map.
+    """
+    from ts.protocol.otf_message_handler import create_predict_response
+
+    streamed, whole = _split_by_status(context)
+    out = bytearray()
+    if whole:
+        out += create_predict_response(answers, whole, "Prediction success", 200, context)
+    if streamed:
+        # ``ts_stream_next=True`` marks each answer a stream's part; framing the empty end after it turns the
+        # marker to "false" (TorchServe's ``send_intermediate_predict_response`` and final answer do the same).
+        out += create_predict_response(answers, streamed, "Prediction success", 200, context, True)
+        out += create_predict_response([b""] * len(answers), streamed, "Prediction success", 200, context)
+    return bytes(out)
+
+
+def _split_by_status(context: Any) -> tuple[dict[int, str], dict[int, str]]:
+    """The message's request ids (index → id) whose answers may be streamed (status below 400, or none set),
+    and those that must go whole; a request whose answer is already streaming is left out of both."""
+    streamed, whole = {}, {}
+    for index, request_id in context.request_ids.items():
+        if context.get_response_headers(index).get("ts_stream_next") == "true":
+            continue
+        status, _ = context.get_response_status(index)
+        (whole if status is not None and status >= 400 else streamed)[index] = request_id
+    return streamed, whole
+
+
+def answered_as_streams(answers: list[Any], context: Any) -> list[Any]:
+    """What ``handle`` returns under TorchServe's own pump for the effect of ``framed_final``.
+
+    That pump frames ``handle``'s answers as they are, so the handler sends
+    each answer below status 400 that is not already streaming as a
+    stream's part itself (TorchServe's ``send_intermediate_predict_response``)
+    and returns an empty end for it; TorchServe marks every returned answer
+    that follows a part as its stream's end.  Error answers, and a streamed
+    answer's last part, are returned as they are.
+    """
+    from ts.handler_utils.utils import send_intermediate_predict_response
+
+    streamed, _ = _split_by_status(context)
+    if not streamed:
+        return answers
+    send_intermediate_predict_response(answers, streamed, "Intermediate response", 200, context)
+    return [b"" if i in streamed else answer for i, answer in enumerate(answers)]
 
 
 def _failure_response_for(context: Any) -> bytes | bytearray | None:

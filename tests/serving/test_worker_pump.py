@@ -21,11 +21,13 @@ import time
 import pytest
 
 from archiver.options import ServingOptions, model_config
-from bench.ts_frames import Request, inference_frame, read_answer_frame, torchserve_service
+from bench.ts_frames import Request, inference_frame, read_answer_frame, read_answers, torchserve_service
 from handlers.runtime.worker_pump import LEAN, TORCHSERVE, WorkerPump, parse_worker_pump
 from model_store.catalog import get_spec
+from model_store.samples import image_tensor_json, jpeg_bytes
 from tests.conftest import EBIRD_TEST_SETTINGS
-from tests.serving.test_ebird_serving import archive_config, registered_apart, serve_good_and_bad, worker_log
+from tests.frontend_heap import requests_held
+from tests.serving.test_ebird_serving import archive_config, post_all, registered_apart, serve_good_and_bad, worker_log
 
 EBIRD = tuple(sorted(EBIRD_TEST_SETTINGS.items()))
 
@@ -76,14 +78,12 @@ class PumpUnderTest:
     def send(self, *requests: Request) -> None:
         self.frontend.sendall(inference_frame(list(requests)))
 
-    def answers(self, messages: int) -> dict[str, tuple]:
-        """The next ``messages`` answer frames, by request id: (frame code, status, phrase, body)."""
+    def answers(self, requests: int) -> dict[str, tuple]:
+        """The next ``requests`` answers as clients get them, by request id: (frame code, status, phrase, body)."""
         out = {}
-        for _ in range(messages):
-            code, _, answers = read_answer_frame(self.frontend)
-            for answer in answers:
-                assert answer.request_id not in out, f"{answer.request_id} answered twice"
-                out[answer.request_id] = (code, answer.status, answer.phrase, answer.body)
+        for code, answer in read_answers(self.frontend, requests):
+            assert answer.request_id not in out, f"{answer.request_id} answered twice"
+            out[answer.request_id] = (code, answer.status, answer.phrase, answer.body)
         return out
 
 
@@ -100,6 +100,23 @@ def test_interleaved_messages_each_get_their_own_answer_and_status():
         # A status set for one message's request must not leak into another's (a shared context would).
         assert (status, phrase) == ((400, "refused") if i % 5 == 0 else (200, ""))
         assert json.loads(body) == {"id": request_id}
+    pump.frontend.close()
+
+
+def test_an_answer_goes_as_a_one_part_stream_and_an_error_answer_whole():
+    """TorchServe's frontend forgets a request only at a stream's end, and closes the connection after an
+    error's status line (so an error streamed would lose its body): the frames as the frontend reads them."""
+    pump = PumpUnderTest()
+    pump.send(Request("ok", b"fine"), Request("bad", b"bad"))
+    frames = [read_answer_frame(pump.frontend) for _ in range(3)]
+    got = [
+        (a.request_id, a.status, a.headers.get("ts_stream_next"), a.body) for _, _, answers in frames for a in answers
+    ]
+    assert got == [
+        ("bad", 400, None, b'{"id": "bad"}'),
+        ("ok", 200, "true", b'{"id": "ok"}'),
+        ("ok", 200, "false", b""),
+    ]
     pump.frontend.close()
 
 
@@ -140,7 +157,7 @@ def test_with_a_read_gate_a_waiting_message_is_read_only_once_the_gate_opens():
     open_.set()
     assert pump.answers(1)["held"][:2] == (200, 200)
     pump.send(Request("next", b"fine"), Request("bad", b"bad"))
-    answers = pump.answers(1)
+    answers = pump.answers(2)
     assert answers["next"][:2] == (200, 200) and answers["bad"][1] == 400
     assert len(gate_calls) == 2
     pump.frontend.close()
@@ -218,6 +235,28 @@ def test_the_lean_pump_serves_the_default_archive_without_torchserve_per_message
     log = worker_log(torchserve, model)
     assert any("the lean message pump" in line for line in log), log[-20:]
     assert not [line for line in log if "_entry_point=" in line]
+
+
+def post_good(torchserve, model: str, count: int) -> None:
+    spec = get_spec("resnet50", "eager")
+    bodies = [jpeg_bytes(seed=i) if i % 2 else image_tensor_json(spec, seed=i) for i in range(count)]
+    answers = post_all(f"{torchserve.inference_url}/predictions/{model}", bodies)
+    assert [status for status, _ in answers] == [200] * count
+
+
+@pytest.mark.torchserve
+def test_the_frontend_forgets_each_answered_request_with_either_pump(served, torchserve, model_store_dir, tmp_path):
+    """TorchServe 0.12's async frontend drops a request from its map only at a stream's end; answers sent
+    as one-part streams (``worker_pump.framed_final``, ``answered_as_streams``) leave it holding none of
+    the requests answered.  Sent plainly, every one of them stayed in its heap for good."""
+    lean = served("resnet50", "eager", "ebird")
+    options = ServingOptions(handler="ebird", handler_settings=EBIRD, worker_pump="torchserve")
+    with registered_apart(torchserve, model_store_dir, tmp_path, options, "ebird-held"):
+        for model in (lean, "ebird-held"):
+            post_good(torchserve, model, 4)  # the worker warm
+            before = requests_held(torchserve)
+            post_good(torchserve, model, 60)
+            assert requests_held(torchserve) - before <= 2, model  # 60 before the fix
 
 
 @pytest.mark.torchserve
