@@ -359,7 +359,7 @@ def framed_final(answers: list[Any], context: Any) -> bytes:
     one only when an answer to it carries ``ts_stream_next: false``: the end
     of a streamed answer.  A plain answer left its request in the map for
     good, body included: the frontend's heap held a live ``RestJob`` per
-    request ever answered (counted with ``jmap``), and the map, which the
+    request ever answered (counted with ``jcmd``), and the map, which the
     frontend's worker thread writes and its network thread reads without a
     lock, kept growing and rehashing until a lookup missed under load: the
     frontend then took an answer for a request it did not know
@@ -380,7 +380,7 @@ def framed_final(answers: list[Any], context: Any) -> bytes:
 
     streamed, whole = _split_by_status(context)
     out = bytearray()
-    if whole:
+    if whole:  # errors, and the last part of an answer already streaming (framed as its stream's end)
         out += create_predict_response(answers, whole, "Prediction success", 200, context)
     if streamed:
         # ``ts_stream_next=True`` marks each answer a stream's part; framing the empty end after it turns the
@@ -391,14 +391,14 @@ def framed_final(answers: list[Any], context: Any) -> bytes:
 
 
 def _split_by_status(context: Any) -> tuple[dict[int, str], dict[int, str]]:
-    """The message's request ids (index → id) whose answers may be streamed (status below 400, or none set),
-    and those that must go whole; a request whose answer is already streaming is left out of both."""
+    """The message's request ids (index → id) whose answers go as one-part streams (status below 400, or
+    none set), and those framed as they are: errors, and answers whose stream a handler began itself
+    (their last part, which TorchServe's framing marks as the stream's end)."""
     streamed, whole = {}, {}
     for index, request_id in context.request_ids.items():
-        if context.get_response_headers(index).get("ts_stream_next") == "true":
-            continue
         status, _ = context.get_response_status(index)
-        (whole if status is not None and status >= 400 else streamed)[index] = request_id
+        began = context.get_response_headers(index).get("ts_stream_next") == "true"
+        (whole if began or (status is not None and status >= 400) else streamed)[index] = request_id
     return streamed, whole
 
 

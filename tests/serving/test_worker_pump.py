@@ -60,6 +60,8 @@ async def echo_or_refuse(data, context):
             context.set_response_status(400, "refused", index)
         if row["body"] == b"boom":
             raise ValueError("the handler broke")
+        if row["body"] == b"began":  # as a handler that has sent this request's stream a part already
+            context.set_response_header(index, "ts_stream_next", "true")
         answers.append(json.dumps({"id": context.get_request_id(index)}))
     return answers
 
@@ -105,15 +107,15 @@ def test_interleaved_messages_each_get_their_own_answer_and_status():
 
 def test_an_answer_goes_as_a_one_part_stream_and_an_error_answer_whole():
     """TorchServe's frontend forgets a request only at a stream's end, and closes the connection after an
-    error's status line (so an error streamed would lose its body): the frames as the frontend reads them."""
+    error's status line (so an error streamed would lose its body): the frames as the frontend reads them.
+    A stream its handler began is ended with the answer."""
     pump = PumpUnderTest()
-    pump.send(Request("ok", b"fine"), Request("bad", b"bad"))
+    pump.send(Request("ok", b"fine"), Request("bad", b"bad"), Request("began", b"began"))
     frames = [read_answer_frame(pump.frontend) for _ in range(3)]
-    got = [
-        (a.request_id, a.status, a.headers.get("ts_stream_next"), a.body) for _, _, answers in frames for a in answers
-    ]
+    got = [(a.request_id, a.status, a.headers.get("ts_stream_next"), a.body) for *_, part in frames for a in part]
     assert got == [
         ("bad", 400, None, b'{"id": "bad"}'),
+        ("began", 200, "false", b'{"id": "began"}'),  # the end of the stream its handler began
         ("ok", 200, "true", b'{"id": "ok"}'),
         ("ok", 200, "false", b""),
     ]
