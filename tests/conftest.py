@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 from hypothesis import settings
 
 from archiver.build import build_archive
@@ -150,3 +152,21 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
     terminalreporter.write_sep("-", "time per kind of test")
     for kind, (seconds, tests) in sorted(_TIME_BY_KIND.items()):
         terminalreporter.write_line(f"{kind:<10} {seconds:8.1f} s over {tests} tests")
+
+
+@pytest.fixture
+def keep_handlers() -> Iterator[Callable[[Any], Any]]:
+    """Call it with each handler a test initialises: every one is closed when the test ends, and
+    torch's thread count is restored (initialising a handler makes its calling thread single-threaded,
+    which would slow every later test in the process)."""
+    made: list[Any] = []
+    threads = torch.get_num_threads()
+
+    def keep(handler: Any) -> Any:
+        made.append(handler)
+        return handler
+
+    yield keep
+    for handler in made:
+        handler.close(timeout_s=30)
+    torch.set_num_threads(threads)
