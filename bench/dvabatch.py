@@ -71,13 +71,13 @@ from bench.batching_compare import (
 from bench.report import (
     add_output_arguments,
     markdown_table,
-    median_seconds,
     new_figure,
     provenance_block,
     save_figure,
 )
 from handlers.runtime.lanes import CpuLanes
 from handlers.runtime.segments import slice_model
+from handlers.runtime.timing import median_seconds
 from model_store.catalog import ModelSpec, get_spec
 from model_store.factory import build_model, example_inputs
 from model_store.samples import client_payload, token_ids_json

@@ -56,7 +56,6 @@ from tqdm import tqdm
 from bench.report import (
     add_output_arguments,
     markdown_table,
-    median_seconds,
     new_figure,
     provenance,
     provenance_block,
@@ -64,6 +63,7 @@ from bench.report import (
     save_figure,
 )
 from handlers.ebird.scheduler import ElasticScheduler, SchedulerState, WorkerSpec, default_worker_batches
+from handlers.runtime.timing import median_seconds
 from model_store.catalog import get_spec
 from model_store.factory import build_model, example_inputs
 
@@ -78,7 +78,7 @@ def measure_batch_ms(model_name: str, sizes: list[int], repeats: int) -> dict[in
     with torch.inference_mode():
         for size in tqdm(sizes, desc="batch costs", unit="size"):
             inputs = example_inputs(spec, size)
-            out[size] = 1e3 * median_seconds(lambda inputs=inputs: model(*inputs), repeats=repeats, warmup=2)
+            out[size] = 1e3 * median_seconds(lambda inputs=inputs: model(*inputs), repeats=repeats, warm=2)
     return out
 
 

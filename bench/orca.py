@@ -81,12 +81,12 @@ if __package__ in (None, ""):  # `python bench/NAME.py` from the repository root
 from bench.report import (
     add_output_arguments,
     markdown_table,
-    median_seconds,
     new_figure,
     provenance_block,
     run_benchmark,
     save_figure,
 )
+from handlers.runtime.timing import median_seconds
 
 BASELINES = {
     "request": "request-level batching on Orca's engine (no padding, finished requests stop computing)",
@@ -199,7 +199,7 @@ def iteration_costs(
             if device == "cuda":  # a GPU runs it asynchronously: time it to its end
                 torch.cuda.synchronize()
 
-        return 1e3 * median_seconds(iteration, repeats=repeats, warmup=3)
+        return 1e3 * median_seconds(iteration, repeats=repeats, warm=3)
 
     decode = {b: median_ms([Step([rng.randrange(model.vocab)], context, tables[i]) for i in range(b)]) for b in batches}
     initiation = median_ms([Step([rng.randrange(model.vocab) for _ in range(prompt)], 0, tables[0])])

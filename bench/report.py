@@ -11,7 +11,6 @@ import argparse
 import json
 import os
 import shlex
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -23,23 +22,6 @@ from typing import Any
 from serving_harness.machine import hardware_fingerprint
 
 BENCH_DIR = Path("docs/benchmarks")
-
-
-def median_seconds(fn: Callable[[], object], repeats: int = 3, warmup: int = 1, min_seconds: float = 0.0) -> float:
-    """Median wall time of ``fn()``: after ``warmup`` untimed calls, at least
-    ``repeats`` timed calls and at least ``min_seconds`` of them.  For the
-    in-process micro-timings a table explains itself with (an iteration's
-    cost, a stage's time); the median, because a shared VM's hiccups are
-    one-sided."""
-    for _ in range(warmup):
-        fn()
-    times: list[float] = []
-    started = time.perf_counter()
-    while len(times) < repeats or time.perf_counter() - started < min_seconds:
-        began = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - began)
-    return statistics.median(times)
 
 
 def provenance(module: str) -> dict[str, Any]:

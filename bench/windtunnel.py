@@ -37,7 +37,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from bench.report import add_output_arguments, markdown_table, median_seconds, provenance, provenance_block, publish
+from bench.report import add_output_arguments, markdown_table, provenance, provenance_block, publish
+from handlers.runtime.timing import median_seconds
 from windtunnel.tune_cli import positive_floats
 
 
@@ -140,7 +141,9 @@ def throughput(case: Case, args: argparse.Namespace, batches: list[int]) -> list
         rows = [dict(zip(t.columns, r.tolist(), strict=True)) for r in X]
         numeric, codes = model.encode_rows(rows)
         row: dict[str, Any] = {"pipeline": case.name, "batch": b}
-        row["sklearn_ms"] = 1e3 * median_seconds(lambda X=X: pipeline.predict_proba(X), min_seconds=args.min_seconds)
+        row["sklearn_ms"] = 1e3 * median_seconds(
+            lambda X=X: pipeline.predict_proba(X), budget_s=args.min_seconds, max_runs=None
+        )
         with torch.inference_mode():
             for device in devices:
                 m = model.to(device)
@@ -151,10 +154,10 @@ def throughput(case: Case, args: argparse.Namespace, batches: list[int]) -> list
                     if device == "cuda":
                         torch.cuda.synchronize()
 
-                row[f"tensor_{device}_ms"] = 1e3 * median_seconds(forward, min_seconds=args.min_seconds)
+                row[f"tensor_{device}_ms"] = 1e3 * median_seconds(forward, budget_s=args.min_seconds, max_runs=None)
             model.to("cpu")
             row["tensor_cpu_with_encoding_ms"] = 1e3 * median_seconds(
-                lambda rows=rows: model(*model.encode_rows(rows)), min_seconds=args.min_seconds
+                lambda rows=rows: model(*model.encode_rows(rows)), budget_s=args.min_seconds, max_runs=None
             )
         out.append(row)
     return out

@@ -42,7 +42,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from bench.report import add_output_arguments, markdown_table, median_seconds, provenance, provenance_block, publish
+from bench.report import add_output_arguments, markdown_table, provenance, provenance_block, publish
+from handlers.runtime.timing import median_seconds
 
 STEM = "windtunnel_vs_hummingbird"
 
@@ -194,7 +195,9 @@ def time_systems(pipeline: Any, model: Any, hb: Hummingbird, test: np.ndarray, b
                 names = list(calls)
                 for name in names[r % len(names) :] + names[: r % len(names)]:
                     fn = calls[name]
-                    times[b][name].append(median_seconds(lambda fn=fn, X=X: fn(X), min_seconds=args.min_seconds))
+                    times[b][name].append(
+                        median_seconds(lambda fn=fn, X=X: fn(X), budget_s=args.min_seconds, max_runs=None)
+                    )
     out = {}
     for b in batches:
         t = times[b]

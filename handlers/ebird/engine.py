@@ -23,9 +23,9 @@ input: timed at warm-up, then taken from the batches served
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 import queue
-import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -46,6 +46,7 @@ from handlers.runtime.engine import Engine, Ticket, drain_then_stop, layout_of, 
 from handlers.runtime.lanes import CpuLanes
 from handlers.runtime.loop_mailbox import one_wakeup
 from handlers.runtime.metrics import HandlerMetrics
+from handlers.runtime.timing import median_seconds
 
 logger = logging.getLogger(__name__)
 
@@ -347,17 +348,9 @@ class EbirdEngine(Engine):
 
     def _time_sizes(self, run_batch: Callable[[int], None], runs: int = COST_RUNS) -> None:
         """Each worker size's first cost guess: timed on a lane, warm (after ``warm_up_sizes``)."""
-
-        def median_seconds(batch: int) -> float:
-            times = []
-            for _ in range(runs):
-                started = time.perf_counter()
-                run_batch(batch)
-                times.append(time.perf_counter() - started)
-            return statistics.median(times)
-
         for size in self.costs.sizes:
-            seconds = self._lanes.submit(median_seconds, size, lane=0).result()
+            timed = functools.partial(median_seconds, functools.partial(run_batch, size), warm=0, repeats=runs)
+            seconds = self._lanes.submit(timed, lane=0).result()
             with self._cond:
                 self.costs.guess(size, seconds)
         with self._cond:

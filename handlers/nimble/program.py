@@ -29,8 +29,6 @@ SMs a small batch leaves idle; neither is assumed.
 from __future__ import annotations
 
 import logging
-import statistics
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -42,6 +40,7 @@ from handlers.nimble.config import COMPILED, EAGER, MULTI, SINGLE, NimbleConfig
 from handlers.nimble.multistream import ChainRunner, assign_graph, rewrite_for_streams
 from handlers.nimble.stream_assignment import StreamAssignment
 from handlers.runtime.segments import batch_rows, trace
+from handlers.runtime.timing import median_seconds
 
 logger = logging.getLogger(__name__)
 
@@ -105,19 +104,10 @@ class BucketChoice:
 
 
 def time_ms(program: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...], runs: int) -> float:
-    """Median milliseconds of ``runs`` calls, after one untimed call."""
-    cuda = inputs[0].device.type == "cuda"
-    times = []
-    for i in range(runs + 1):
-        if cuda:
-            torch.cuda.synchronize(inputs[0].device)
-        started = time.perf_counter()
-        program(*inputs)
-        if cuda:
-            torch.cuda.synchronize(inputs[0].device)
-        if i:
-            times.append((time.perf_counter() - started) * 1e3)
-    return statistics.median(times)
+    """Median milliseconds of ``runs`` calls, after one untimed call (on CUDA, each call's kernels included)."""
+    device = inputs[0].device
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
+    return 1e3 * median_seconds(lambda: program(*inputs), warm=1, repeats=runs, sync=sync)
 
 
 @dataclass

@@ -56,10 +56,8 @@ from __future__ import annotations
 import bisect
 import collections
 import logging
-import statistics
-import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,8 +66,12 @@ from torch import nn
 
 from handlers.runtime.cuda_graphs import capture
 from handlers.runtime.segments import Segment, SegmentedModel, State, batch_rows, state_rows
+from handlers.runtime.timing import median_seconds
 
 logger = logging.getLogger(__name__)
+
+# A trace against the eager stage is timed over at least this long: a stage of microseconds over many calls.
+STAGE_TIMING_BUDGET_S = 0.02
 
 
 def bucket_sizes(max_batch: int) -> list[int]:
@@ -179,21 +181,6 @@ def _same_values(got: torch.Tensor, expected: torch.Tensor) -> bool:
     return torch.allclose(got, expected, atol=1e-5) if expected.is_floating_point() else torch.equal(got, expected)
 
 
-def median_seconds(run: Callable[[], Any], warm: int = 1, repeats: int = 3, budget_s: float = 0.02) -> float:
-    """The median time of ``run`` after ``warm`` untimed calls (TorchScript's executor profiles a
-    program's first two calls and optimises it after them): ``repeats`` calls, or more while they
-    take under ``budget_s`` in all, so a stage of microseconds is timed over many calls and a slow
-    one over three."""
-    for _ in range(warm):
-        run()
-    times: list[float] = []
-    while len(times) < repeats or (sum(times) < budget_s and len(times) < 200):
-        started = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
-
-
 class StagePrograms:
     """Run stage ``s`` on a state as one program of the smallest bucket that holds its rows.
 
@@ -270,8 +257,12 @@ class StagePrograms:
                     if fewest[bucket] < bucket:  # padded: worth it only if it saves more than the padding costs
                         small = padded(state, fewest[bucket])
                         with torch.inference_mode():
-                            eager_s = median_seconds(lambda s=small, g=segment: g(s), warm=1)
-                            traced_s = median_seconds(lambda s=small, t=traced: t.run(s), warm=2)
+                            eager_s = median_seconds(
+                                lambda s=small, g=segment: g(s), warm=1, budget_s=STAGE_TIMING_BUDGET_S
+                            )
+                            traced_s = median_seconds(
+                                lambda s=small, t=traced: t.run(s), warm=2, budget_s=STAGE_TIMING_BUDGET_S
+                            )
                         logger.debug("stage %d, bucket %d: traced %.0f µs, eager at %d rows %.0f µs", stage, bucket,
                                      traced_s * 1e6, fewest[bucket], eager_s * 1e6)  # fmt: skip
                         if traced_s > eager_s:

@@ -134,7 +134,7 @@ def test_a_traced_stage_s_output_survives_the_next_batch_through_that_stage(mode
     The residual MLP passes its input on to the last stage."""
     sliced = slice_model(copy.deepcopy(model), (torch.randn(2, 64),), 3)
     assert "x" in sliced[0].outputs  # passed on: a view of the static input if taken from the trace
-    monkeypatch.setattr(stage_programs, "median_seconds", lambda run, warm=1: 0.0)  # keep every trace
+    monkeypatch.setattr(stage_programs, "median_seconds", lambda run, **timing: 0.0)  # keep every trace
     programs = StagePrograms(sliced, (torch.zeros(1, 64),), bucket_sizes(4), traced=True)
     assert all((stage, 4) in programs.traces for stage in range(3))
     a, b = torch.randn(3, 64), torch.randn(3, 64)
@@ -152,7 +152,7 @@ def test_a_trace_measured_slower_than_its_padding_saves_is_not_kept(bert, monkey
     sliced = slice_model(copy.deepcopy(net), (ids, torch.ones_like(ids)), 2, dynamic_dims=(0, 1))
     timed: list[str] = []
 
-    def traces_lose(run, warm: int = 1) -> float:  # the eager stage is timed first, then the trace
+    def traces_lose(run, **timing) -> float:  # the eager stage is timed first, then the trace
         timed.append("eager" if len(timed) % 2 == 0 else "traced")
         return 1.0 if timed[-1] == "traced" else 0.5
 
