@@ -46,7 +46,15 @@ EBIRD_TEST_SETTINGS = {
 }
 # The DVABatch archive: ResNet-50 in two stages (one lane each on 2 cores),
 # batches of up to 4, stretchable for 200 ms so a burst exercises stretch.
-DVABATCH_TEST_SETTINGS = {"segments": 2, "max_batch": 4, "max_inflight": 16, "t_comp_wait_ms": 200.0}
+# Eager stages: tracing them at start-up costs each worker seconds that only
+# the test of the traces inside TorchServe needs (it turns them back on).
+DVABATCH_TEST_SETTINGS = {
+    "segments": 2,
+    "max_batch": 4,
+    "max_inflight": 16,
+    "t_comp_wait_ms": 200.0,
+    "cpu_traces": False,
+}
 HANDLER_OPTIONS = {
     "packrat": ServingOptions(),
     "ebird": ServingOptions(handler="ebird", handler_settings=tuple(sorted(EBIRD_TEST_SETTINGS.items()))),

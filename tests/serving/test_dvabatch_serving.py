@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import zipfile
 
@@ -112,11 +113,11 @@ def test_all_stages_on_one_lane_inside_torchserve(torchserve, model_store_dir, t
 
 
 def test_bert_in_length_classes_answers_every_length_as_the_model_does(torchserve, model_store_dir, tmp_path):
-    """``token_lengths`` (the input-diversity policy): requests padded to their length class, one engine per class."""
+    """``token_lengths`` (the input-diversity policy): requests padded to their length class, one engine per class,
+    each running its stages as the TorchScript traces it took at start-up (``cpu_traces``, the default)."""
     spec = get_spec("bert-mini", "eager")
-    options = ServingOptions(
-        handler="dvabatch", handler_settings=tuple(DVABATCH_TEST_SETTINGS.items()), token_lengths=(16, 64)
-    )
+    settings = {**DVABATCH_TEST_SETTINGS, "cpu_traces": True}
+    options = ServingOptions(handler="dvabatch", handler_settings=tuple(settings.items()), token_lengths=(16, 64))
     built = build_archive(spec, tmp_path, options)
     target = model_store_dir / "bert-mini_eager-dvabatch-lengths.mar"  # apart from the session's DVABatch archive
     shutil.copy(built, target)
@@ -127,8 +128,12 @@ def test_bert_in_length_classes_answers_every_length_as_the_model_does(torchserv
         answers = post_all(f"{torchserve.inference_url}/predictions/{model}", [r["body"] for r in rows] + [b""])
         assert [status for status, _ in answers] == [200] * len(rows) + [400], answers
         assert_matches_reference(spec, rows, [json.loads(body) for _, body in answers[: len(rows)]])
-        log = (torchserve.log_dir / "model_log.log").read_text()
-        assert any(model in line and "3 input layout(s)" in line for line in log.splitlines()), "not 3 length classes"
+        lines = [line for line in (torchserve.log_dir / "model_log.log").read_text().splitlines() if model in line]
+        assert any("3 input layout(s)" in line for line in lines), "not 3 length classes"
+        # Each class's engine traced its stages on the lane at start-up: at least buckets 1 and 2 of both
+        # stages, which pad nothing and are kept untimed.
+        traced = [int(m[1]) for line in lines if (m := re.search(r"DVABatch: (\d+) of \d+ \(stage, batch", line))]
+        assert len(traced) == 3 and min(traced) >= 4, traced
     finally:
         torchserve.management().unregister(model)
 

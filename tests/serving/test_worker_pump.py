@@ -246,33 +246,43 @@ def post_good(torchserve, model: str, count: int) -> None:
     assert [status for status, _ in answers] == [200] * count
 
 
+@pytest.fixture(scope="module")
+def ts_pumped(torchserve, model_store_dir, tmp_path_factory):
+    """The Ebird archive on TorchServe's own pump (``worker_pump: torchserve``), registered once for the
+    tests that read it: (model name, archive path)."""
+    options = ServingOptions(handler="ebird", handler_settings=EBIRD, worker_pump="torchserve")
+    built_in = tmp_path_factory.mktemp("ts-pump")
+    with registered_apart(torchserve, model_store_dir, built_in, options, "ebird-tspump") as archive:
+        yield "ebird-tspump", archive
+
+
 @pytest.mark.torchserve
-def test_the_frontend_forgets_each_answered_request_with_either_pump(served, torchserve, model_store_dir, tmp_path):
+def test_the_frontend_forgets_each_answered_request_with_either_pump(served, torchserve, ts_pumped):
     """TorchServe 0.12's async frontend drops a request from its map only at a stream's end; answers sent
     as one-part streams (``worker_pump.framed_final``, ``answered_as_streams``) leave it holding none of
     the requests answered.  Sent plainly, every one of them stayed in its heap for good."""
     lean = served("resnet50", "eager", "ebird")
-    options = ServingOptions(handler="ebird", handler_settings=EBIRD, worker_pump="torchserve")
-    with registered_apart(torchserve, model_store_dir, tmp_path, options, "ebird-held"):
-        for model in (lean, "ebird-held"):
-            post_good(torchserve, model, 4)  # the worker warm
-            before = requests_held(torchserve)
-            post_good(torchserve, model, 60)
-            assert requests_held(torchserve) - before <= 2, model  # 60 before the fix
+    for model in (lean, ts_pumped[0]):
+        post_good(torchserve, model, 4)  # the worker warm
+        before = requests_held(torchserve)
+        post_good(torchserve, model, 60)
+        assert requests_held(torchserve) - before <= 2, model  # 60 before the fix
 
 
 @pytest.mark.torchserve
-def test_torchserve_pump_when_the_archive_asks_for_it(torchserve, model_store_dir, tmp_path):
-    options = ServingOptions(handler="ebird", handler_settings=EBIRD, worker_pump="torchserve")
-    with registered_apart(torchserve, model_store_dir, tmp_path, options, "ebird-tspump") as archive:
-        assert archive_config(archive)["handler"]["worker_pump"] == "torchserve"
-        sent = serve_good_and_bad(torchserve, "ebird-tspump", good=7)
-        # TorchServe's pump prints once per message; the lean test above counts none with the same check.
-        # The frontend logs a worker's stdout from a thread of its own: give it a moment.
-        deadline = time.monotonic() + 10
-        while (
-            len(prints := [line for line in worker_log(torchserve, "ebird-tspump") if "_entry_point=" in line]) < sent
-        ):
-            assert time.monotonic() < deadline, f"{len(prints)} of {sent} messages printed"
-            time.sleep(0.2)
-        assert any("TorchServe's message pump" in line for line in worker_log(torchserve, "ebird-tspump"))
+def test_torchserve_pump_when_the_archive_asks_for_it(torchserve, ts_pumped):
+    model, archive = ts_pumped
+    assert archive_config(archive)["handler"]["worker_pump"] == "torchserve"
+
+    def printed() -> int:
+        return sum("_entry_point=" in line for line in worker_log(torchserve, model))
+
+    before = printed()  # the other test may have served this worker already
+    sent = serve_good_and_bad(torchserve, model, good=7)
+    # TorchServe's pump prints once per message; the lean test above counts none with the same check.
+    # The frontend logs a worker's stdout from a thread of its own: give it a moment.
+    deadline = time.monotonic() + 10
+    while (prints := printed() - before) < sent:
+        assert time.monotonic() < deadline, f"{prints} of {sent} messages printed"
+        time.sleep(0.2)
+    assert any("TorchServe's message pump" in line for line in worker_log(torchserve, model))
