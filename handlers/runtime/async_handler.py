@@ -53,6 +53,7 @@ from handlers.codecs import (
 from handlers.errors import ResponseError, ServiceUnavailable, bad_request
 from handlers.pinning.worker import PackratWorkerMixin
 from handlers.runtime import worker_pump
+from handlers.runtime.admission import Admission
 from handlers.runtime.arrivals import Arrivals
 from handlers.runtime.batched_decode import BatchedJpegDecoder
 from handlers.runtime.burst import BurstServer, Call, Done
@@ -103,50 +104,6 @@ def declared_inputs(codec: InputCodec) -> list[ModelInput]:
     ]
 
 
-class _Admission:
-    """FIFO admission into one engine, with backpressure while it is full.
-
-    The lock makes waiting requests enter in arrival order; the event is set
-    from engine threads whenever slots are freed.
-    """
-
-    def __init__(self, engine: Engine, metrics: HandlerMetrics) -> None:
-        self.engine = engine
-        self.metrics = metrics
-        self.lock = asyncio.Lock()
-        self.space = asyncio.Event()
-        mailbox = mailbox_for(asyncio.get_running_loop())
-
-        def wake() -> None:  # called from engine threads, with the batch's answers (one loop wake-up for all)
-            mailbox.post(self.space.set)
-
-        engine.on_space(wake)
-
-    async def admit(self, item: ModelInput, deadline: float) -> Any:
-        if not self.lock.locked():  # nobody waits ahead of this request: try the engine at once
-            future = self.engine.try_submit(item)
-            if future is not None:
-                return future
-        loop = asyncio.get_running_loop()
-        async with self.lock:
-            waited = False
-            while True:
-                self.space.clear()
-                future = self.engine.try_submit(item)
-                if future is not None:
-                    return future
-                if not waited:
-                    self.metrics.admission_waited()
-                    waited = True
-                remaining = deadline - loop.time()
-                try:
-                    await asyncio.wait_for(self.space.wait(), max(remaining, 0.0))
-                except TimeoutError:
-                    raise ServiceUnavailable(
-                        "input pool stayed full for the whole response timeout; retry later"
-                    ) from None
-
-
 class _ThroughHandle(BurstServer):
     """``serve_burst`` for a handler whose requests take ``handle``: a task per message."""
 
@@ -184,7 +141,7 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
         self.unanswered = 0  # requests this worker has read and not yet answered
         # Per event loop: TorchServe runs one for the worker's life, but a
         # handler driven directly (tests) may see several.
-        self._admissions: dict[tuple[int, Any], _Admission] = {}
+        self._admissions: dict[tuple[int, Any], Admission] = {}
         self._rows_encoder = RowsEncoder(self.postprocess_rows)
         self._deadlines: dict[int, Deadlines] = {}  # per event loop, as ``_admissions``
         self._burst: BurstServer | _ThroughHandle | None = None  # ``serve_burst``'s path, chosen at its first call
@@ -460,7 +417,7 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
         finally:
             self.metrics.request_answered()
 
-    def admission_of(self, loop: asyncio.AbstractEventLoop, item: ModelInput) -> _Admission:
+    def admission_of(self, loop: asyncio.AbstractEventLoop, item: ModelInput) -> Admission:
         """The admission line ``item`` takes on ``loop``; a 400 for an input layout with no engine
         (one the archive does not declare)."""
         key = self.engine_key(item)
@@ -469,11 +426,11 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
             raise bad_request(f"input shape {shapes} is not one this archive declares")
         return self.admission_for(loop, key)
 
-    def admission_for(self, loop: asyncio.AbstractEventLoop, key: Any) -> _Admission:
+    def admission_for(self, loop: asyncio.AbstractEventLoop, key: Any) -> Admission:
         """The admission line into engine ``key`` on ``loop`` (one per loop and engine)."""
         admission = self._admissions.get((id(loop), key))
         if admission is None:
-            admission = self._admissions[(id(loop), key)] = _Admission(self.engines[key], self.metrics)
+            admission = self._admissions[(id(loop), key)] = Admission(self.engines[key], self.metrics, loop)
         return admission
 
     def deadlines_on(self, loop: asyncio.AbstractEventLoop) -> Deadlines:

@@ -16,9 +16,9 @@ request is a small record moved along by callbacks:
 
 - the burst is decoded as one entry of the decoder's lane job (or one part
   per decode thread), delivered to the loop in one wake-up;
-- each decoded input goes straight into its engine (``try_submit``); only
-  when the engine is full does a request wait in a coroutine, in line with
-  the per-message path's waiters (``_Admission``);
+- each decoded input goes straight into its engine (``try_submit``); when
+  the engine is full it waits in line with the per-message path's waiters,
+  as an entry of the engine's admission queue (``admission.py``);
 - the engine's future calls back through the loop's mailbox, so a batch's
   answers reach the loop in one wake-up; each answer then goes to ``done``.
 
@@ -41,6 +41,7 @@ from typing import Any
 
 from handlers.codecs import ModelInput, is_describe
 from handlers.errors import ResponseError, ServiceUnavailable
+from handlers.runtime.admission import FULL_FOR_THE_TIMEOUT
 from handlers.runtime.engine import stage_breakdown
 from handlers.runtime.loop_mailbox import mailbox_for
 
@@ -78,6 +79,13 @@ class BurstRequest:
         return self.finished
 
     def set_exception(self, error: BaseException) -> None:
+        """Its deadline passed: unanswered, or never admitted because its engine stayed full."""
+        if self.future is None:
+            error = ServiceUnavailable(FULL_FOR_THE_TIMEOUT)
+        self.server.finish(self, error=error)
+
+    def refused(self, error: BaseException) -> None:
+        """Its engine refused it (closing, or an input it can never take)."""
         self.server.finish(self, error=error)
 
 
@@ -86,7 +94,7 @@ class BurstServer:
 
     def __init__(self, handler: Any) -> None:
         self.handler = handler
-        self._tasks: set[asyncio.Task] = set()  # requests waiting for room, and messages served by ``handle``
+        self._tasks: set[asyncio.Task] = set()  # messages served by ``handle``
         self._loop: asyncio.AbstractEventLoop | None = None
         self._mailbox: Any = None
         self._deadlines: Any = None
@@ -138,34 +146,21 @@ class BurstServer:
             self._admit(request)
 
     def _admit(self, request: BurstRequest) -> None:
+        handler = self.handler
+        loop = asyncio.get_running_loop()
         try:
-            admission = self.handler.admission_of(asyncio.get_running_loop(), request.item)
+            admission = handler.admission_of(loop, request.item)
         except ResponseError as exc:  # an input layout the archive does not declare: its own 400
             self.finish(request, error=exc)
             return
-        future = None
-        if not admission.lock.locked():  # nobody waits ahead of it: try the engine at once
-            try:
-                future = admission.engine.try_submit(request.item)
-            except Exception as exc:  # an input the engine can never take, or closing
-                self.finish(request, error=exc)
-                return
-        if future is None:  # full: wait in line with the other waiters
-            self._spawn(self._admit_when_room(request, admission))
-        else:
-            self._admitted(request, future)
-
-    async def _admit_when_room(self, request: BurstRequest, admission: Any) -> None:
-        try:
-            future = await admission.admit(request.item, request.deadline)
-        except Exception as exc:
-            self.finish(request, error=exc)
-            return
-        self._admitted(request, future)
+        if self._loop is not loop:  # the loop's mailbox and deadline watch, looked up once per loop
+            self._loop, self._mailbox, self._deadlines = loop, mailbox_for(loop), handler.deadlines_on(loop)
+        # Watched from here, so that a request still waiting for room at its deadline is answered then too.
+        self._deadlines.watch(request, request.deadline)
+        admission.submit(request.item, functools.partial(self._admitted, request), request.refused, request.done)
 
     def _admitted(self, request: BurstRequest, future: Any) -> None:
         handler = self.handler
-        loop = asyncio.get_running_loop()
         request.admitted = time.monotonic()
         request.future = future
         if handler.encode_on_engine and hasattr(future, "encode"):  # a ``TicketFuture``
@@ -174,9 +169,6 @@ class BurstServer:
             handler.arrivals.leave(request.arrival)
             request.arrival = None
         handler.metrics.request_admitted()
-        if self._loop is not loop:  # the loop's mailbox and deadline watch, looked up once per loop
-            self._loop, self._mailbox, self._deadlines = loop, mailbox_for(loop), handler.deadlines_on(loop)
-        self._deadlines.watch(request, request.deadline)
         post, settled = self._mailbox.post, functools.partial(self._settled, request)
         future.add_done_callback(lambda _: post(settled))
 
