@@ -38,7 +38,15 @@ from handlers.dvabatch.batch_table import BatchEntry, BatchTable
 from handlers.dvabatch.policy import DvaBatchConfig, DvaPolicy
 from handlers.errors import ServiceUnavailable, bad_request
 from handlers.runtime.device import ExecutionDevice
-from handlers.runtime.engine import Engine, Ticket, drain_then_stop, layout_of, settle_batch, warm_up_sizes
+from handlers.runtime.engine import (
+    Engine,
+    Ticket,
+    TicketFuture,
+    drain_then_stop,
+    layout_of,
+    settle_batch,
+    warm_up_sizes,
+)
 from handlers.runtime.lanes import CpuLanes
 from handlers.runtime.metrics import HandlerMetrics
 from handlers.runtime.segment_profile import SegmentProfile
@@ -96,7 +104,7 @@ class DvaBatchEngine(Engine):
 
     # -- admission (the handler's thread) --------------------------------------------
 
-    def try_submit(self, item: ModelInput) -> concurrent.futures.Future | None:
+    def try_submit(self, item: ModelInput) -> TicketFuture | None:
         if self._closing:
             raise ServiceUnavailable("worker is shutting down")
         if layout_of(item) != self.layout:

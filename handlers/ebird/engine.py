@@ -42,7 +42,15 @@ from handlers.errors import ServiceUnavailable, bad_request
 from handlers.runtime.arrivals import Arrivals
 from handlers.runtime.cuda_graphs import CapturedBucket, capture
 from handlers.runtime.device import ExecutionDevice
-from handlers.runtime.engine import Engine, Ticket, drain_then_stop, layout_of, settle_batch, warm_up_sizes
+from handlers.runtime.engine import (
+    Engine,
+    Ticket,
+    TicketFuture,
+    drain_then_stop,
+    layout_of,
+    settle_batch,
+    warm_up_sizes,
+)
 from handlers.runtime.lanes import CpuLanes
 from handlers.runtime.loop_mailbox import one_wakeup
 from handlers.runtime.metrics import HandlerMetrics
@@ -129,7 +137,7 @@ class EbirdEngine(Engine):
 
     # -- admission (handler's thread) ----------------------------------------
 
-    def try_submit(self, item: ModelInput) -> concurrent.futures.Future | None:
+    def try_submit(self, item: ModelInput) -> TicketFuture | None:
         if self._closing:
             raise ServiceUnavailable("worker is shutting down")
         if not self.pool.fits(item):

@@ -23,7 +23,6 @@ exactly once: by its batch, or with 503 when the pool closes.
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import threading
 import time
@@ -36,7 +35,15 @@ import torch
 
 from handlers.codecs import ModelInput, collate
 from handlers.errors import ServiceUnavailable
-from handlers.runtime.engine import Engine, Ticket, drain_then_stop, fail_unanswered, input_key, settle_batch
+from handlers.runtime.engine import (
+    Engine,
+    Ticket,
+    TicketFuture,
+    drain_then_stop,
+    fail_unanswered,
+    input_key,
+    settle_batch,
+)
 from handlers.runtime.lanes import CpuLanes
 
 logger = logging.getLogger(__name__)
@@ -100,7 +107,7 @@ class InstancePool:
     def on_space(self, listener: Callable[[], None]) -> None:
         self._listeners.append(listener)
 
-    def try_submit(self, item: ModelInput) -> concurrent.futures.Future | None:
+    def try_submit(self, item: ModelInput) -> TicketFuture | None:
         """Queue one request (None when ``max_waiting`` are already waiting)."""
         with self._cond:
             if self._closing:
@@ -222,7 +229,7 @@ class InstanceEngine(Engine):
         self.pool = pool
         pool.on_space(self._notify_space)
 
-    def try_submit(self, item: ModelInput) -> concurrent.futures.Future | None:
+    def try_submit(self, item: ModelInput) -> TicketFuture | None:
         return self.pool.try_submit(item)
 
     def close(self, timeout_s: float = 30.0) -> None:

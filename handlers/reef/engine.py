@@ -54,7 +54,7 @@ from handlers.errors import ServiceUnavailable, bad_request
 from handlers.reef.config import BEST_EFFORT, PRIORITIES, REALTIME, ReefConfig
 from handlers.reef.preemption import Preemption, PreemptionGate
 from handlers.runtime.device import ExecutionDevice
-from handlers.runtime.engine import Engine, Ticket, drain_then_stop, layout_of, settle_batch
+from handlers.runtime.engine import Engine, Ticket, TicketFuture, drain_then_stop, layout_of, settle_batch
 from handlers.runtime.metrics import HandlerMetrics
 from handlers.runtime.segments import SegmentedModel
 from handlers.runtime.sm_partition import GreenPartition, RtSizing, measure_rt_sms, sm_grid, unavailable_reason
@@ -228,7 +228,7 @@ class ReefEngine(Engine):
 
     # -- admission (the handler's thread) --------------------------------------------
 
-    def try_submit(self, item: ModelInput) -> concurrent.futures.Future | None:
+    def try_submit(self, item: ModelInput) -> TicketFuture | None:
         if self._closing:
             raise ServiceUnavailable("worker is shutting down")
         if not isinstance(item, RoutedInput) or item.model not in self.members:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 
 from handlers.errors import ServiceUnavailable
@@ -53,3 +57,50 @@ def test_encoding_done_by_the_engine_counts_as_the_encode_stage_not_the_release(
     )
     untimed = stage_breakdown(0.5, 0.75, 1.0, None, woken=4.0, answered=4.25)
     assert untimed == pytest.approx({"decode": 0.25, "admission": 0.25, "engine": 3.0, "encode": 0.25})
+
+
+def test_a_ticket_is_answered_once_and_every_listener_hears_it_once_before_or_after() -> None:
+    ticket = Ticket()
+    heard: list[tuple[str, object]] = []
+    ticket.future.add_done_callback(lambda f: heard.append(("before", f.result())))
+    ticket.future.add_done_callback(lambda f: 1 / 0)  # a broken listener: logged, the others still hear
+    ticket.future.add_done_callback(lambda f: heard.append(("also before", f.result())))
+    assert not ticket.future.done() and not ticket.future.cancelled()
+    assert ticket.settle(result=7)
+    assert not ticket.settle(result=8) and not ticket.settle(error=ServiceUnavailable("late"))
+    ticket.future.add_done_callback(lambda f: heard.append(("after", f.result())))
+    assert heard == [("before", 7), ("also before", 7), ("after", 7)]
+    assert ticket.future.exception() is None
+
+
+def test_a_thread_blocked_on_a_ticket_wakes_with_its_answer_and_a_timeout_is_a_timeout() -> None:
+    ticket = Ticket()
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(ticket.future.result, 30)
+        time.sleep(0.05)  # blocked before the answer: the event path, not the done fast path
+        assert not waiting.done()
+        ticket.settle(error=ServiceUnavailable("batch failed"))
+        with pytest.raises(ServiceUnavailable, match="batch failed"):
+            waiting.result(30)
+    assert isinstance(ticket.future.exception(0), ServiceUnavailable)
+    with pytest.raises(TimeoutError):
+        Ticket().future.result(timeout=0.01)
+
+
+def test_many_threads_settling_and_listening_at_once_lose_no_answer() -> None:
+    tickets = [Ticket() for _ in range(2000)]
+    heard: list[int] = []
+    lock = threading.Lock()
+
+    def listen(i: int) -> None:
+        def record(f) -> None:
+            with lock:
+                heard.append(f.result())
+
+        tickets[i].future.add_done_callback(record)
+
+    with ThreadPoolExecutor(4) as pool:
+        for i in range(len(tickets)):
+            pool.submit(listen, i)
+            pool.submit(tickets[i].settle, i)
+    assert sorted(heard) == list(range(len(tickets)))
