@@ -205,3 +205,38 @@ def test_reef_routes_each_request_of_a_burst_by_its_own_headers(tmp_path, keep_h
     status, body = answers[-1][0]
     assert status == 404 and "resnet50" in json.loads(body)["message"]
     assert handler.unanswered == 0
+
+
+def test_requests_still_waiting_for_room_at_their_deadline_get_a_503_saying_so_and_never_reach_the_engine(
+    make_handler,
+):
+    handler, load = make_handler("ebird", pool_slots=4, worker_batches=[1, 2, 4])
+    engine = next(iter(handler.engines.values()))
+    release = threading.Event()
+    submit = engine.try_submit
+    entered: list[object] = []
+
+    def try_submit_behind_a_busy_lane(item):  # no batch can run, so no room comes back, until released
+        if not entered:
+            handler.lanes.submit(release.wait)
+        future = submit(item)
+        if future is not None:
+            entered.append(item)
+        return future
+
+    engine.try_submit = try_submit_behind_a_busy_lane
+    handler.response_timeout_s = 0.3
+    try:
+        answers = burst(handler, load, [[row] for row in rows(8)], then=release.set)
+    finally:
+        release.set()
+    messages = [json.loads(body)["message"] for [(status, body)] in answers if status == 503]
+    assert len(messages) == 8, answers
+    full = [m for m in messages if "input pool stayed full" in m]  # waited in line the whole timeout
+    assert len(full) == 4, messages
+    assert all("response timeout" in m for m in messages if m not in full)  # admitted; their batch never ran
+    assert len(entered) == 4  # those that gave up waiting were skipped once room came back
+    engine.try_submit = submit
+    handler.response_timeout_s = 120
+    assert [status for [(status, _)] in burst(handler, load, [[row] for row in rows(6)])] == [200] * 6
+    assert handler.unanswered == 0
