@@ -369,11 +369,18 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
             received = time.monotonic()
             if self.closing:  # not worth decoding: no engine will take it
                 raise ServiceUnavailable("worker is shutting down")
+            # The response timeout counts from receipt, as TorchServe's does, and covers the decode.
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + self.response_timeout_s
             if self.arrivals is not None:
                 arrival = self.arrivals.enter()
-            item = await self.decode_request(row, context, index)
+            try:
+                async with asyncio.timeout_at(deadline):
+                    item = await self.decode_request(row, context, index)
+            except TimeoutError:
+                raise self.deadlines_on(loop).error() from None
             decoded = time.monotonic()
-            output, times, admitted, woken, encoded = await self._infer_timed(item, arrival)
+            output, times, admitted, woken, encoded = await self._infer_timed(item, deadline, arrival)
             arrival = None  # released at admission (``_infer_timed``)
             answer = output if encoded else self.encoder_for(item)(output)
             self.metrics.stages(stage_breakdown(received, decoded, admitted, times, woken, time.monotonic()))
@@ -390,17 +397,17 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
         return answer.answer(context, index)
 
     async def _infer_timed(
-        self, item: ModelInput, arrival: int | None = None
+        self, item: ModelInput, deadline: float, arrival: int | None = None
     ) -> tuple[Any, StageTimes | None, float, float, bool]:
         """One decoded input through its engine: its output row, or its answer when the engine
         encoded it (the last value says which); the engine's stage times; when admission ended
         and when this coroutine woke.
 
+        ``deadline``: the request's response timeout (``loop.time()``), counted from its receipt.
         ``arrival``: the request's ``Arrivals`` token, released once it is admitted.
         """
         loop = asyncio.get_running_loop()
         admission = self.admission_of(loop, item)
-        deadline = loop.time() + self.response_timeout_s
         future = await admission.admit(item, deadline)
         admitted = time.monotonic()
         if self.encode_on_engine and hasattr(future, "encode"):  # a ``TicketFuture``

@@ -60,7 +60,7 @@ class BurstRequest:
     """
 
     __slots__ = ("call", "row", "context", "reply", "server", "received", "decoded", "admitted", "arrival", "item",
-                 "bind", "future", "deadline", "finished")  # fmt: skip
+                 "bind", "future", "finished")  # fmt: skip
 
     def __init__(self, call: int, row: dict[str, Any], context: Any, reply: Done, server: BurstServer) -> None:
         self.call = call  # its message's index in the burst
@@ -68,7 +68,7 @@ class BurstRequest:
         self.context = context
         self.reply = reply
         self.server = server
-        self.received = self.decoded = self.admitted = self.deadline = 0.0
+        self.received = self.decoded = self.admitted = 0.0
         self.arrival: int | None = None
         self.item: ModelInput | None = None
         self.bind: Callable[[ModelInput], ModelInput] | None = None  # from ``route_request``
@@ -79,8 +79,9 @@ class BurstRequest:
         return self.finished
 
     def set_exception(self, error: BaseException) -> None:
-        """Its deadline passed: unanswered, or never admitted because its engine stayed full."""
-        if self.future is None:
+        """Its deadline passed: still decoding or unanswered (``error``), or decoded and never admitted
+        because its engine stayed full."""
+        if self.item is not None and self.future is None:
             error = ServiceUnavailable(FULL_FOR_THE_TIMEOUT)
         self.server.finish(self, error=error)
 
@@ -112,11 +113,17 @@ class BurstServer:
             return
         handler.count_unanswered(len(requests))
         received = time.monotonic()
-        deadline = asyncio.get_running_loop().time() + handler.response_timeout_s
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:  # the loop's mailbox and deadline watch, looked up once per loop
+            self._loop, self._mailbox, self._deadlines = loop, mailbox_for(loop), handler.deadlines_on(loop)
+        # The response timeout counts from receipt, as TorchServe's does: a request whose decode or wait
+        # for room outlasts it is answered 503 then, not when its decode ends.
+        deadline = loop.time() + handler.response_timeout_s
+        watch = self._deadlines.watch
         arrivals = handler.arrivals
         routed, decodes = [], []
         for request in requests:
-            request.received, request.deadline = received, deadline
+            request.received = received
             try:
                 decode, request.bind = handler.route_request(request.row, request.context, 0)
             except Exception as exc:  # refused by its headers (REEF: an unknown model): its own 4xx
@@ -124,6 +131,7 @@ class BurstServer:
                 continue
             if arrivals is not None:
                 request.arrival = arrivals.enter()
+            watch(request, deadline)
             routed.append(request)
             decodes.append(decode)
         if routed:
@@ -134,6 +142,8 @@ class BurstServer:
     def _decoded(self, requests: list[BurstRequest], first: int, outcomes: list[tuple[Any, Any]]) -> None:
         decoded = time.monotonic()
         for request, (item, error) in zip(requests[first : first + len(outcomes)], outcomes, strict=True):
+            if request.finished:  # answered 503 at its deadline while it was decoding
+                continue
             request.decoded = decoded
             if error is not None:
                 self.finish(request, error=error)
@@ -146,17 +156,11 @@ class BurstServer:
             self._admit(request)
 
     def _admit(self, request: BurstRequest) -> None:
-        handler = self.handler
-        loop = asyncio.get_running_loop()
         try:
-            admission = handler.admission_of(loop, request.item)
+            admission = self.handler.admission_of(self._loop, request.item)
         except ResponseError as exc:  # an input layout the archive does not declare: its own 400
             self.finish(request, error=exc)
             return
-        if self._loop is not loop:  # the loop's mailbox and deadline watch, looked up once per loop
-            self._loop, self._mailbox, self._deadlines = loop, mailbox_for(loop), handler.deadlines_on(loop)
-        # Watched from here, so that a request still waiting for room at its deadline is answered then too.
-        self._deadlines.watch(request, request.deadline)
         admission.submit(request.item, functools.partial(self._admitted, request), request.refused, request.done)
 
     def _admitted(self, request: BurstRequest, future: Any) -> None:

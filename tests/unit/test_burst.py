@@ -12,12 +12,21 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 
 import pytest
 import torch
 
 from archiver.options import ServingOptions
-from bench.direct import as_client_sees, call, group_load_context, load_context, model_dir_for, request_context
+from bench.direct import (
+    BurstCaller,
+    as_client_sees,
+    call,
+    group_load_context,
+    load_context,
+    model_dir_for,
+    request_context,
+)
 from bench.dvabatch import bench_payloads, dvabatch_token_lengths
 from handlers.dvabatch.handler import DvaBatchHandler
 from handlers.ebird.handler import EbirdHandler
@@ -239,4 +248,64 @@ def test_requests_still_waiting_for_room_at_their_deadline_get_a_503_saying_so_a
     engine.try_submit = submit
     handler.response_timeout_s = 120
     assert [status for [(status, _)] in burst(handler, load, [[row] for row in rows(6)])] == [200] * 6
+    assert handler.unanswered == 0
+
+
+def block_every_lane(handler) -> threading.Event:
+    """Every CPU lane waits on the returned event, so no decode job (and no batch) runs until it is set."""
+    release = threading.Event()
+    for lane in range(handler.lanes.count):
+        handler.lanes.submit(release.wait, lane=lane)
+    return release
+
+
+def count_submissions(handler) -> list[object]:
+    """Every input that reaches an engine from now on, in the returned list."""
+    reached: list[object] = []
+    for engine in handler.engines.values():
+
+        def try_submit(item, submit=engine.try_submit):
+            reached.append(item)
+            return submit(item)
+
+        engine.try_submit = try_submit
+    return reached
+
+
+@pytest.mark.parametrize("kind", HANDLERS)
+def test_the_response_timeout_counts_from_receipt_and_answers_a_request_still_decoding(make_handler, kind):
+    """A request whose decode outlasts the response timeout (here: every lane busy, so its decode job
+    waits) is answered 503 at its deadline, by the burst path and by ``handle`` alike, not once its
+    decode ends; the late decode, delivered to the same loop, never reaches an engine, and the
+    handler serves on."""
+    handler, load = make_handler(kind)
+    assert handler.decoder.on_lanes
+    reached = count_submissions(handler)
+    handler.response_timeout_s = 0.3
+
+    async def main():
+        caller = BurstCaller(handler, load)
+        release = block_every_lane(handler)
+        watchdog = asyncio.get_running_loop().call_later(20, release.set)  # a failing build must not hang
+        started = time.monotonic()
+        try:
+            late = await asyncio.gather(caller.request(rows(1)[0]), call(handler, load, rows(1)[0]))
+            seconds = time.monotonic() - started
+            assert not release.is_set()  # both were answered while their decodes still waited
+        finally:
+            release.set()
+            watchdog.cancel()
+        await asyncio.sleep(0.5)  # the late decodes reach this loop now; their requests are gone
+        assert reached == []
+        handler.response_timeout_s = 120
+        served = await asyncio.gather(*(caller.request(row) for row in rows(3)), call(handler, load, rows(1)[0]))
+        return late, seconds, served
+
+    late, seconds, served = asyncio.run(main())
+    for status, answer in late:
+        message = json.loads(answer)["message"] if isinstance(answer, str) else answer["message"]
+        assert status == 503 and "response timeout" in message, answer
+    assert seconds < 10
+    assert [status for status, _ in served] == [200] * 4
+    assert len(reached) == 4
     assert handler.unanswered == 0
