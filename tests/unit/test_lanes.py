@@ -141,3 +141,57 @@ def test_a_quiet_job_that_fails_still_lets_the_reader_go_and_close_releases_a_wa
     lanes.close(timeout_s=0.1)  # the stuck job keeps its lane; a reader must still see the close
     assert lanes.wait_for_a_loud_lane(timeout_s=1)
     stuck.set()
+
+
+def test_run_here_runs_on_the_calling_thread_only_while_a_lane_is_free_and_no_job_waits(lanes):
+    lane = lanes()
+    assert lane.run_here(lambda: threading.current_thread().name) == (True, threading.current_thread().name)
+    gate, ran = threading.Event(), []
+    busy = lane.submit(gate.wait)
+    assert lane.run_here(ran.append, "while busy") == (False, None)
+    queued = lane.submit(ran.append, "queued")
+    gate.set()
+    busy.result(timeout=10)
+    queued.result(timeout=10)
+    assert ran == ["queued"]  # refused work never ran; the caller submits it instead
+
+
+def test_a_job_submitted_while_a_borrowed_lane_runs_starts_only_after_it_returns(lanes):
+    """The borrow holds the lane: what the caller runs never overlaps a batch on the same cores."""
+    lane = lanes()
+    log: list[str] = []
+    submitted: list = []
+
+    def borrowed():
+        log.append("borrow starts")
+        submitted.append(lane.submit(log.append, "job runs"))
+        threading.Event().wait(0.2)  # the lane thread is free to run it now, were it not lent
+        log.append("borrow ends")
+        return 7
+
+    assert lane.run_here(borrowed) == (True, 7)
+    submitted[0].result(timeout=10)
+    assert log == ["borrow starts", "borrow ends", "job runs"]
+
+
+def test_a_failing_borrow_frees_its_lane_and_two_lanes_lend_one(lanes):
+    lane = lanes(count=2)
+    with pytest.raises(ZeroDivisionError):
+        lane.run_here(lambda: 1 / 0)
+    assert lane.submit(lambda: 42).result(timeout=10) == 42
+    inner: list = []
+
+    def borrowed():
+        gate = threading.Event()
+        first = lane.submit(gate.wait)  # the other lane takes this one
+        inner.append(lane.run_here(lambda: "a third"))  # no lane left to lend
+        second = lane.submit(inner.append, "waits for a lane")
+        threading.Event().wait(0.1)
+        inner.append(second.done())
+        gate.set()
+        first.result(timeout=10)
+        return second
+
+    ran, second = lane.run_here(borrowed)
+    second.result(timeout=10)
+    assert ran and inner[:2] == [(False, None), False] and inner[2] == "waits for a lane"
