@@ -307,7 +307,7 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
             placement = default_decode_placement(self.device.is_cuda)
         if placement == LANE:
             if self.lanes is not None:
-                return RequestDecoder(self.codec.decode, submit=self.lanes.submit, run_here=self.lanes.run_here)
+                return RequestDecoder(self.codec.decode, submit=self.lanes.submit)
             placement = default_decode_placement(self.device.is_cuda)
             logger.warning("no CPU lanes on %s: decode_threads 'lane' becomes %s threads", self.device, placement)
         return RequestDecoder(self.codec.decode, threads=placement)

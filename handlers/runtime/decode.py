@@ -79,11 +79,6 @@ def _decode_one(decode: Callable[[dict[str, Any]], ModelInput], row: dict[str, A
 
 
 Submit = Callable[[Callable[[dict[str, Any]], ModelInput], dict[str, Any]], Future]
-RunHere = Callable[..., tuple[bool, Any]]  # ``CpuLanes.run_here``: (ran, result)
-
-
-def _decode_all(pairs: list[tuple[DecodeFn, dict[str, Any]]]) -> list[Decoded]:
-    return [_decode_one(decode, row) for decode, row in pairs]
 
 
 class RequestDecoder:
@@ -91,25 +86,14 @@ class RequestDecoder:
 
     ``threads`` > 0 starts a pool of its own; ``submit`` runs decodes on
     someone else's threads (the handler's CPU lanes), which it does not close.
-    With ``submit``, ``run_here`` (``CpuLanes.run_here``) decodes on the
-    calling thread, the event loop, in a free lane's place when one is free
-    and no job waits: no hand-off to a lane and back for a burst that finds
-    the worker idle.
     """
 
     def __init__(
-        self,
-        decode: Callable[[dict[str, Any]], ModelInput],
-        threads: int = 0,
-        submit: Submit | None = None,
-        run_here: RunHere | None = None,
+        self, decode: Callable[[dict[str, Any]], ModelInput], threads: int = 0, submit: Submit | None = None
     ) -> None:
         if threads and submit is not None:
             raise ValueError("decode either on its own threads or through a given submit, not both")
-        if run_here is not None and submit is None:
-            raise ValueError("run_here borrows a lane of the given submit's; give both")
         self._decode = decode
-        self._run_here = run_here
         self.threads = threads
         self._own_pool = (
             ThreadPoolExecutor(threads, thread_name_prefix="decode", initializer=torch.set_num_threads, initargs=(1,))
@@ -141,13 +125,6 @@ class RequestDecoder:
             return decode(row)
         if not self.on_lanes:
             return await wait_for_future(self._submit(decode, row))
-        if self._run_here is not None:
-            ran, outcomes = self._run_here(_decode_all, [(decode, row)])
-            if ran:
-                [(item, error)] = outcomes
-                if error is not None:
-                    raise error
-                return item
         decoded: asyncio.Future[ModelInput] = asyncio.get_running_loop().create_future()
 
         def deliver(outcomes: list[Decoded]) -> None:
@@ -174,23 +151,16 @@ class RequestDecoder:
         several models.
 
         Inline, the one part is delivered before this returns.  On the lanes,
-        the burst is decoded here in a free lane's place when one is free and
-        no job waits (delivered before this returns), else it is one entry of
-        the shared decode job (one lane job and one loop wake-up for
-        everything waiting); on decode threads, it is split
+        the burst is one entry of the shared decode job (one lane job and one
+        loop wake-up for everything waiting); on decode threads, it is split
         into one part per thread, each delivered when its thread is done.
         Called on the event loop.
         """
         pairs = [(decode or self._decode, row) for decode, row in zip(decodes or [None] * len(rows), rows, strict=True)]
         if self._submit is None:
-            deliver(0, _decode_all(pairs))
+            deliver(0, [_decode_one(decode, row) for decode, row in pairs])
             return
         if self.on_lanes:
-            if self._run_here is not None:
-                ran, outcomes = self._run_here(_decode_all, pairs)
-                if ran:
-                    deliver(0, outcomes)
-                    return
             self._queue_on_lanes(pairs, lambda outcomes: deliver(0, outcomes))
             return
         mailbox = mailbox_for(asyncio.get_running_loop())
@@ -199,7 +169,7 @@ class RequestDecoder:
             part = pairs[first : first + step]
 
             def job(part: list[tuple[DecodeFn, dict[str, Any]]] = part, first: int = first) -> None:
-                outcomes = _decode_all(part)
+                outcomes = [_decode_one(decode, row) for decode, row in part]
                 mailbox.post(lambda: deliver(first, outcomes))
 
             try:
@@ -236,7 +206,7 @@ class RequestDecoder:
         """
         with self._waiting_lock:
             waiting, self._waiting = self._waiting, []
-        done = [(deliver, _decode_all(pairs)) for pairs, deliver in waiting]
+        done = [(deliver, [_decode_one(decode, row) for decode, row in pairs]) for pairs, deliver in waiting]
 
         def deliver_all() -> None:
             for deliver, outcomes in done:

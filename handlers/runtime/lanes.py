@@ -28,15 +28,6 @@ are there for schedulers that need them (real-time before best-effort).
 The runtime owns the lanes, one set per handler, so several engines (input
 layouts) share one set of teams instead of starting one each.
 
-A free lane may also be borrowed: ``run_here`` runs a job on the calling
-thread when a lane is free and no job waits, and no lane takes a job
-meanwhile, so what it runs never overlaps more work than the lanes allow
-(a batch submitted meanwhile starts as it returns).  The decoder uses it
-for a burst that arrives while a lane is free: the decode costs what the
-lane job would, without the two hand-offs (a lane thread's wake-up, then the
-event loop's for the outcomes), which on a model whose batch is short are
-most of a lone request's way through the worker.
-
 A job may also be submitted ``quiet``: while every lane runs a quiet job,
 ``wait_for_a_loud_lane`` blocks, and the worker's message reader waits there
 (``worker_pump.py``) instead of reading requests beside the batch.  An engine
@@ -87,8 +78,6 @@ class CpuLanes:
         # Work for one lane only (an instance's batch must run on its own cores).
         self._own: list[list[Job]] = [[] for _ in range(count)]
         self._quiet_running = 0  # lanes running a quiet job (under ``_quiet``)
-        self._running = 0  # lane threads running a job (under ``_cond``)
-        self._borrowed = 0  # lanes lent to ``run_here`` callers (under ``_cond``)
         self._quiet = threading.Condition()
         self._order = itertools.count()
         self._cond = threading.Condition()
@@ -149,58 +138,31 @@ class CpuLanes:
         own = self._own[index]
         while True:
             with self._cond:
-                while not ((self._queue or own) and self._running + self._borrowed < self.count):
-                    if self._closed and not self._queue and not own:
-                        return
+                while not self._queue and not own and not self._closed:
                     self._cond.wait()
+                if not self._queue and not own:
+                    return
                 queue = own if own and (not self._queue or own[0][:2] < self._queue[0][:2]) else self._queue
                 _, _, future, fn, args, quiet = heapq.heappop(queue)
-                self._running += 1
+            if not future.set_running_or_notify_cancel():
+                continue
+            if quiet:
+                self._set_quiet(+1)
             try:
-                if not future.set_running_or_notify_cancel():
-                    continue
-                if quiet:
-                    self._set_quiet(+1)
-                try:
-                    result = fn(*args)
-                except BaseException as exc:  # the submitter gets it, the lane serves on
-                    error: BaseException | None = exc
-                else:
-                    error = None
-                finally:
-                    if quiet:
-                        self._set_quiet(-1)
+                result = fn(*args)
+            except BaseException as exc:  # the submitter gets it, the lane serves on
+                error: BaseException | None = exc
+            else:
+                error = None
             finally:
-                with self._cond:
-                    self._running -= 1
-                    if self._borrowed:  # a lane held back by the borrow may start now
-                        self._cond.notify_all()
+                if quiet:
+                    self._set_quiet(-1)
             # Settled after the quiet job ended: what its future's callbacks
             # start (answers, the next batch) runs with reading allowed again.
             if error is not None:
                 future.set_exception(error)
             else:
                 future.set_result(result)
-
-    def run_here(self, fn: Callable[..., T], *args: Any) -> tuple[bool, T | None]:
-        """Run ``fn(*args)`` on the calling thread in a free lane's place: (True, its result), or
-        (False, None) without running it when no lane is free or a job waits (submit it then).
-
-        While it runs that lane takes no job, so it never overlaps more work
-        than the lanes run at once; a job submitted meanwhile starts when it
-        returns.  ``fn``'s exception propagates, the lane freed first.
-        """
-        with self._cond:
-            if self._closed or self._queue or any(self._own) or self._running + self._borrowed >= self.count:
-                return False, None
-            self._borrowed += 1
-        try:
-            return True, fn(*args)
-        finally:
-            with self._cond:
-                self._borrowed -= 1
-                if self._queue or any(self._own):  # submitted while it ran: a lane may take it now
-                    self._cond.notify_all()
 
     def _set_quiet(self, change: int) -> None:
         with self._quiet:

@@ -175,16 +175,14 @@ def assert_none_overlaps(calls, batches, what: str) -> None:
 
 @pytest.mark.slow
 def test_on_cpu_requests_are_decoded_on_the_lane_between_batches(make_handler):
-    """The CPU default: a decode never overlaps a batch on the same cores (it would stall the batch's team).
-    A request that finds the lane free is decoded on the event loop in the lane's place (``run_here``)."""
+    """The CPU default: a decode never overlaps a batch on the same cores (it would stall the batch's team)."""
     handler, ctx = make_handler(worker_batches=[1, 1, 2, 4], pool_slots=8)
     assert handler.lanes.count == 1 and handler.decoder.where == "on the CPU lanes"
     decodes = []
     handler.decoder._decode = Intervals(handler.decoder._decode, decodes)
     batches = serve_recording(handler, ctx, good=6)
     assert len(decodes) == 7  # the malformed row too
-    assert {name for name, _, _ in batches} == {"lane_0"}
-    assert {name for name, _, _ in decodes} <= {"lane_0", threading.current_thread().name}
+    assert {name for name, _, _ in decodes + batches} == {"lane_0"}
     assert_none_overlaps(decodes, batches, "a decode")
 
 
