@@ -42,6 +42,15 @@ DVABATCH = "dvabatch"
 NOWAIT_BATCH = 32
 
 
+AT = "@"  # "ebird@1baf14b": the system as the code of that commit serves it (``--base``)
+
+
+def at_commit(system: str) -> tuple[str, str | None]:
+    """(system, commit) of a name: ``ebird@1baf14b`` → (``ebird``, ``1baf14b``); no commit → None."""
+    name, _, commit = system.partition(AT)
+    return name, commit or None
+
+
 def ebird_system(decode_threads: str) -> str:
     """A system's name for Ebird with a decode placement ("auto": the runtime's default)."""
     if decode_threads == "auto":
@@ -55,6 +64,7 @@ def ebird_system(decode_threads: str) -> str:
 
 def decode_setting(system: str) -> int | str | None:
     """The archive's ``decode_threads`` for an Ebird system name (None: the default)."""
+    system, _ = at_commit(system)
     if system == EBIRD_EAGER:
         return None
     placement = system.removeprefix("ebird").removeprefix("-decode")
@@ -82,6 +92,9 @@ def is_baseline(system: str) -> bool:
 
 
 def label(system: str) -> str:
+    system, commit = at_commit(system)
+    if commit is not None:
+        return f"{label(system)} at {commit}"
     if system == BASELINE:
         return "NO Wait"
     if system == GRAPH_BASELINE:
@@ -370,14 +383,50 @@ def serve(
 # -- the parent --------------------------------------------------------------
 
 
+def serve_from(tree: str, conn: Connection, *args: Any) -> None:
+    """``serve`` with the repository's modules imported from ``tree`` (another commit's checkout).
+
+    The spawned interpreter has imported this checkout's modules to reach
+    this function; they are dropped and the tree's imported in their place,
+    so the handler, its runtime and the driver are all that commit's.
+    """
+    import importlib
+    import sys
+
+    ours = {"archiver", "bench", "handlers", "model_store", "packrat_plugin", "serving_harness", "windtunnel"}
+    for name in [n for n in sys.modules if n.split(".")[0] in ours]:
+        del sys.modules[name]
+    sys.path.insert(0, tree)
+    theirs = importlib.import_module("bench.direct_systems")
+    for module in (theirs, importlib.import_module("handlers")):
+        if not str(module.__file__).startswith(tree):
+            conn.send(("error", f"{module.__name__} came from {module.__file__}, not {tree}"))
+            return
+    theirs.serve(conn, *args)
+
+
 class SystemProcess:
     def __init__(
-        self, system: str, model: str, mode: str, model_dir: Path, device: str, max_batch: int | None = None
+        self,
+        system: str,
+        model: str,
+        mode: str,
+        model_dir: Path,
+        device: str,
+        max_batch: int | None = None,
+        tree: Path | None = None,
     ) -> None:
+        """``system`` served in a process of its own; ``tree``: by the code checked out there (a name
+        ``ebird@REV`` serves ``ebird`` so)."""
         self.system = system
         ctx = mp.get_context("spawn")  # a fresh interpreter: no torch thread state shared with the parent
         self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=serve, args=(child, system, model, mode, str(model_dir), device, max_batch))
+        served, _ = at_commit(system)
+        args = (child, served, model, mode, str(model_dir), device, max_batch)
+        if tree is None:
+            self.process = ctx.Process(target=serve, args=args)
+        else:
+            self.process = ctx.Process(target=serve_from, args=(str(tree), *args))
         self.process.start()
         self.device: str | None = None
 

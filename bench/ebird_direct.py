@@ -27,6 +27,15 @@ against the same baselines; token models get requests of mixed lengths
 (``bench/dvabatch.py``'s ``TOKEN_LENGTH_MIX``), which the baselines pad to
 the sequence length and DVABatch to its length classes.
 
+``--base REV`` serves the handler a second time, as the code of commit REV
+serves it (``ebird@REV``, from a git worktree made for the run): both
+commits take turns on the same arrivals at the same rates, so a change's
+before and after are read side by side in one run (two runs set their
+loads from two capacity readings, and near a handler's knee that alone
+moves its mean by tens of times).  Its column ``Ebird ÷ Ebird at REV`` is
+the change's effect; with ``--twin`` beside it, NO Wait's twin gives the
+band within which it is none.
+
 ``--twin`` serves NO Wait a second time as a system of its own
 (``nowait-twin``): its ratio to NO Wait, on the same arrivals, is the band
 inside which this bench cannot tell two systems apart on this machine.
@@ -59,8 +68,10 @@ latency is reported per repeat, as median and spread.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -80,6 +91,7 @@ from bench.direct_systems import (
     SAME_EXECUTION,
     TWIN,
     SystemProcess,
+    at_commit,
     ebird_system,
     execution_twin,
     is_baseline,
@@ -111,14 +123,48 @@ def mean_batch(runs: dict[int, int]) -> float:
     return sum(size * n for size, n in runs.items()) / batches if batches else math.nan
 
 
+REPOSITORY = Path(__file__).resolve().parent.parent
+
+
+def resolve_commit(rev: str) -> str:
+    """``rev``'s short hash in this repository; ValueError if it names no commit."""
+    found = subprocess.run(
+        ["git", "-C", str(REPOSITORY), "rev-parse", "--short=7", "--verify", "--quiet", f"{rev}^{{commit}}"],
+        capture_output=True,
+        text=True,
+    )
+    if found.returncode != 0:
+        raise ValueError(f"{rev!r} names no commit of {REPOSITORY}")
+    return found.stdout.strip()
+
+
+@contextlib.contextmanager
+def checkout(commit: str | None, where: Path):
+    """A detached worktree of ``commit`` at ``where`` for the run, removed after it (None: nothing)."""
+    if commit is None:
+        yield None
+        return
+    git = ["git", "-C", str(REPOSITORY), "worktree"]
+    subprocess.run([*git, "add", "--detach", "--force", str(where), commit], check=True, capture_output=True)
+    try:
+        yield where
+    finally:
+        subprocess.run([*git, "remove", "--force", str(where)], capture_output=True)
+
+
 def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     spec = get_spec(args.model, args.mode)
     model_dir = model_dir_for(spec, workdir / "model")
     names = [*args.systems, BASELINE]
     systems: dict[str, SystemProcess] = {}
-    try:
+    with contextlib.ExitStack() as stack:
+        tree = stack.enter_context(checkout(args.base, workdir / "base"))
+        stack.callback(lambda: [proc.close() for proc in systems.values()])
         for name in names:
-            systems[name] = SystemProcess(name, args.model, args.mode, model_dir, args.device, args.max_batch)
+            systems[name] = SystemProcess(
+                name, args.model, args.mode, model_dir, args.device, args.max_batch,
+                tree=tree if at_commit(name)[1] else None,
+            )  # fmt: skip
         for proc in systems.values():
             proc.wait_ready()
         for proc in systems.values():  # first kernels, allocator, lazy imports
@@ -141,9 +187,6 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                                      "mean_batch": mean_batch(counters["batches"]),
                                      "stages_ms": counters["stages_ms"], **latency_stats(results)})  # fmt: skip
                         bar.update()
-    finally:
-        for proc in systems.values():
-            proc.close()
     return {
         "model": spec.name,
         "mode": spec.mode,
@@ -171,6 +214,11 @@ def best_baseline(runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]
     return [min(repeat, key=lambda x: x["mean_ms"]) for repeat in zip(*baselines, strict=True)]
 
 
+def base_of(system: str, systems: list[str] | dict[str, Any]) -> str | None:
+    """The same system at the ``--base`` commit, where one is measured."""
+    return next((n for n in systems if at_commit(n)[1] is not None and at_commit(n)[0] == system), None)
+
+
 def summary(data: dict[str, Any]) -> list[dict[str, Any]]:
     """Per load: each system's median mean and p99 over repeats, and each Ebird ÷ NO Wait per repeat."""
     out = []
@@ -195,6 +243,8 @@ def summary(data: dict[str, Any]) -> list[dict[str, Any]]:
                 row[name]["vs_graphs"] = ratio_spread(system_runs, runs[twin])
             if not is_baseline(name) and name not in (GRAPH_BASELINE, SAME_EXECUTION, TWIN):
                 row[name]["vs_best"] = ratio_spread(system_runs, best_baseline(runs))
+            if (base := base_of(name, runs)) is not None:
+                row[name]["vs_base"] = ratio_spread(system_runs, runs[base])
         out.append(row)
     return out
 
@@ -222,7 +272,7 @@ def render(data: dict[str, Any], stem: str) -> str:
             out.append(f"{s['mean_ms']:.1f} ({s['p99_ms']:.0f})")
             if n != BASELINE:
                 out.append(f"**{s['ratio']:.2f}×** ({s['ratio_min']:.2f}–{s['ratio_max']:.2f})")
-            for key in ("vs_graphs", "vs_best"):
+            for key in ("vs_graphs", "vs_best", "vs_base"):
                 if key in s:
                     g = s[key]
                     out.append(f"**{g['ratio']:.2f}×** ({g['ratio_min']:.2f}–{g['ratio_max']:.2f})")
@@ -239,6 +289,8 @@ def render(data: dict[str, Any], stem: str) -> str:
             header.append(f"{label(n)} ÷ {label(twin)}")
         if not is_baseline(n) and n not in (GRAPH_BASELINE, SAME_EXECUTION, TWIN):
             header.append(f"{label(n)} ÷ better stock baseline")
+        if (base := base_of(n, names)) is not None:
+            header.append(f"{label(n)} ÷ {label(base)}")
     header += ["mean batch (" + " / ".join(label(n) for n in names) + ")", "requests (failed)"]
     stable = [cells(r) for r in data["summary"] if not r["overload"]]
     overload = [cells(r) for r in data["summary"] if r["overload"]]
@@ -335,6 +387,13 @@ def main(argv: list[str] | None = None) -> int:
         help="every system's largest batch (Ebird's largest worker, DVABatch's max_batch, NO Wait's batch_size); "
         f"default: each one's own (Ebird 16, DVABatch 16, NO Wait {NOWAIT_BATCH})",
     )
+    parser.add_argument(
+        "--base",
+        default=None,
+        metavar="REV",
+        help="also serve the handler as commit REV's code does (a worktree for the run), on the same arrivals: "
+        "a change's before and after in one run",
+    )
     parser.add_argument("--quick", action="store_true", help="8 s runs, 2 repeats, short capacity step")
     parser.add_argument("--suffix", default="", help="appended to the output files' name")
     add_output_arguments(parser)
@@ -374,6 +433,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.same_execution:
         args.systems.append(SAME_EXECUTION)
     args.systems += [f"wait{w:g}" for w in waits]
+    if args.base is not None:
+        try:
+            args.base = resolve_commit(args.base)
+        except ValueError as exc:
+            parser.error(f"--base: {exc}")
+        args.systems.insert(1, f"{args.systems[0]}@{args.base}")
     if args.twin:
         args.systems.append(TWIN)
 
