@@ -96,16 +96,25 @@ def read_answer_frame(sock: socket.socket) -> tuple[int, str, list[Answer]]:
 STREAM_NEXT = "ts_stream_next"  # TorchServe's header: "true" on a streamed answer's parts, "false" on its end
 
 
-def read_answers(sock: socket.socket, requests: int) -> list[tuple[int, Answer]]:
+def read_answers(sock: socket.socket, requests: int, error_ends: bool = True) -> list[tuple[int, Answer]]:
     """The next ``requests`` answers as TorchServe's frontend delivers them to clients, each with the
     code of the frame that began it: an answer sent whole in one frame, or as a stream
     (``ts_stream_next: true`` on its parts, ``false`` on its end) read to its end, its parts' bodies
-    joined; an answer keeps its first part's status and headers, as the client's HTTP response does."""
+    joined; an answer keeps its first part's status and headers, as the client's HTTP response does.
+
+    ``error_ends`` (the lean pump's framing, ``worker_pump.framed_final``): a request's error sent
+    whole in a frame that succeeded is followed by an empty end for its request, which the frontend
+    takes as leave to forget the request and delivers nothing of; read and dropped here, the last too.
+    """
     done: list[tuple[int, Answer]] = []
     streaming: dict[str, tuple[int, Answer]] = {}
-    while len(done) < requests:
+    ending: set[str] = set()  # errors sent whole, their ends still to come
+    while len(done) < requests or ending:
         code, _, answers = read_answer_frame(sock)
         for part in answers:
+            if part.request_id in ending and part.headers.get(STREAM_NEXT) == "false":
+                ending.discard(part.request_id)
+                continue
             opened = streaming.pop(part.request_id, None)
             if opened is None:
                 code_of, answer = code, part
@@ -115,6 +124,14 @@ def read_answers(sock: socket.socket, requests: int) -> list[tuple[int, Answer]]
                 streaming[part.request_id] = (code_of, answer)
             else:
                 done.append((code_of, answer))
+                if (
+                    error_ends
+                    and code == 200
+                    and opened is None
+                    and STREAM_NEXT not in part.headers
+                    and part.status >= 400
+                ):
+                    ending.add(part.request_id)
     return done
 
 

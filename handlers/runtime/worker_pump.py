@@ -373,15 +373,22 @@ def framed_final(answers: list[Any], context: Any) -> bytes:
     end, frames written together, as TorchServe streams: the client gets the
     same status, headers and body, chunked.  Except an error answer (status
     400 and up): TorchServe closes the connection after an error's status
-    line, so a streamed one would lose its body; it goes as before, whole,
-    and its request stays in the frontend's map.
+    line, so a streamed one would lose its body.  It goes whole, and then an
+    empty end marked ``ts_stream_next: false`` follows it: the frontend
+    forgets the request on that end, and what it would write for it (an
+    empty last chunk) goes to a connection it is closing, after a response
+    whose length it already sent, so the client sees the error alone.
     """
     from ts.protocol.otf_message_handler import create_predict_response
 
-    streamed, whole = _split_by_status(context)
+    streamed, whole, errors = _split_by_status(context)
     out = bytearray()
     if whole:  # errors, and the last part of an answer already streaming (framed as its stream's end)
         out += create_predict_response(answers, whole, "Prediction success", 200, context)
+    if errors:  # their requests' ends, set after the errors were framed without them
+        for index in errors:
+            context.set_response_header(index, "ts_stream_next", "false")
+        out += create_predict_response([b""] * len(answers), errors, "Prediction success", 200, context)
     if streamed:
         # ``ts_stream_next=True`` marks each answer a stream's part; framing the empty end after it turns the
         # marker to "false" (TorchServe's ``send_intermediate_predict_response`` and final answer do the same).
@@ -390,16 +397,19 @@ def framed_final(answers: list[Any], context: Any) -> bytes:
     return bytes(out)
 
 
-def _split_by_status(context: Any) -> tuple[dict[int, str], dict[int, str]]:
+def _split_by_status(context: Any) -> tuple[dict[int, str], dict[int, str], dict[int, str]]:
     """The message's request ids (index → id) whose answers go as one-part streams (status below 400, or
-    none set), and those framed as they are: errors, and answers whose stream a handler began itself
-    (their last part, which TorchServe's framing marks as the stream's end)."""
-    streamed, whole = {}, {}
+    none set); those framed as they are: errors, and answers whose stream a handler began itself (their
+    last part, which TorchServe's framing marks as the stream's end); and, of those, the errors."""
+    streamed, whole, errors = {}, {}, {}
     for index, request_id in context.request_ids.items():
         status, _ = context.get_response_status(index)
         began = context.get_response_headers(index).get("ts_stream_next") == "true"
-        (whole if began or (status is not None and status >= 400) else streamed)[index] = request_id
-    return streamed, whole
+        failed = not began and status is not None and status >= 400
+        (whole if began or failed else streamed)[index] = request_id
+        if failed:
+            errors[index] = request_id
+    return streamed, whole, errors
 
 
 def answered_as_streams(answers: list[Any], context: Any) -> list[Any]:
@@ -414,7 +424,7 @@ def answered_as_streams(answers: list[Any], context: Any) -> list[Any]:
     """
     from ts.handler_utils.utils import send_intermediate_predict_response
 
-    streamed, _ = _split_by_status(context)
+    streamed, _, _ = _split_by_status(context)
     if not streamed:
         return answers
     send_intermediate_predict_response(answers, streamed, "Intermediate response", 200, context)

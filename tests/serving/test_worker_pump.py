@@ -18,6 +18,7 @@ import socket
 import threading
 import time
 
+import aiohttp
 import pytest
 
 from archiver.options import ServingOptions, model_config
@@ -105,17 +106,19 @@ def test_interleaved_messages_each_get_their_own_answer_and_status():
     pump.frontend.close()
 
 
-def test_an_answer_goes_as_a_one_part_stream_and_an_error_answer_whole():
+def test_an_answer_goes_as_a_one_part_stream_and_an_error_answer_whole_then_its_end():
     """TorchServe's frontend forgets a request only at a stream's end, and closes the connection after an
     error's status line (so an error streamed would lose its body): the frames as the frontend reads them.
-    A stream its handler began is ended with the answer."""
+    An error goes whole, then an empty end lets the frontend forget it; a stream its handler began is
+    ended with the answer."""
     pump = PumpUnderTest()
     pump.send(Request("ok", b"fine"), Request("bad", b"bad"), Request("began", b"began"))
-    frames = [read_answer_frame(pump.frontend) for _ in range(3)]
+    frames = [read_answer_frame(pump.frontend) for _ in range(4)]
     got = [(a.request_id, a.status, a.headers.get("ts_stream_next"), a.body) for *_, part in frames for a in part]
     assert got == [
         ("bad", 400, None, b'{"id": "bad"}'),
         ("began", 200, "false", b'{"id": "began"}'),  # the end of the stream its handler began
+        ("bad", 400, "false", b""),  # the error's end, after it
         ("ok", 200, "true", b'{"id": "ok"}'),
         ("ok", 200, "false", b""),
     ]
@@ -286,3 +289,40 @@ def test_torchserve_pump_when_the_archive_asks_for_it(torchserve, ts_pumped):
         assert time.monotonic() < deadline, f"{prints} of {sent} messages printed"
         time.sleep(0.2)
     assert any("TorchServe's message pump" in line for line in worker_log(torchserve, model))
+
+
+@pytest.mark.torchserve
+def test_the_frontend_forgets_requests_answered_with_an_error_and_their_clients_get_it_whole(served, torchserve):
+    """An error answer goes whole (a streamed one would lose its body: TorchServe closes the connection after
+    an error's status line), then an empty end marks its request done, so the frontend holds none of them:
+    a client flooding a worker with bad requests must not grow the frontend's heap."""
+    model = served("resnet50", "eager", "ebird")
+    url = f"{torchserve.inference_url}/predictions/{model}"
+    post_good(torchserve, model, 4)  # the worker warm
+    before = requests_held(torchserve)
+    answers = post_all(url, [b"{not json"] * 30 + [b"\xff\xd8 not a jpeg"] * 30)
+    assert [status for status, _ in answers] == [400] * 30 + [415] * 30
+    assert all("message" in json.loads(body) for _, body in answers)  # each error's body reached its client
+    assert requests_held(torchserve) - before <= 2  # 60 before
+    post_good(torchserve, model, 4)  # and it serves on
+    # One client on one connection at a time, errors and answers in turn: nothing written for an error's end
+    # reaches the next answer's client (TorchServe closes the connection after an error; aiohttp reconnects).
+    good = jpeg_bytes(seed=3)
+    assert post_in_turn(url, [b"{not json", good, b"{not json", good, good]) == [400, 200, 400, 200, 200]
+    assert requests_held(torchserve) - before <= 2
+
+
+def post_in_turn(url: str, payloads: list[bytes]) -> list[int]:
+    """Each payload after the last one's answer, over one client connection at most: the statuses."""
+
+    async def send() -> list[int]:
+        connector = aiohttp.TCPConnector(limit=1)
+        async with aiohttp.ClientSession(connector=connector) as session:
+            statuses = []
+            for payload in payloads:
+                async with session.post(url, data=payload) as resp:
+                    await resp.read()
+                    statuses.append(resp.status)
+            return statuses
+
+    return asyncio.run(send())
