@@ -31,8 +31,8 @@ the sequence length and DVABatch to its length classes.
 serves it (``ebird@REV``, from a git worktree made for the run): both
 commits take turns on the same arrivals at the same rates, so a change's
 before and after are read side by side in one run (two runs set their
-loads from two capacity readings, and near a handler's knee that alone
-moves its mean by tens of times).  Its column ``Ebird ÷ Ebird at REV`` is
+loads from two capacity readings, 9 % apart on the 2-vCPU VM, and at
+Ebird's knee two runs of the same code differed 2-3× in mean).  Its column ``Ebird ÷ Ebird at REV`` is
 the change's effect; with ``--twin`` beside it, NO Wait's twin gives the
 band within which it is none.
 
