@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from handlers.codecs import ModelInput
@@ -81,6 +81,18 @@ class Admission:
                 return
         self.metrics.admission_waited()
         self._waiting.append(_Waiting(item, admitted, failed, gone))
+
+    def submit_many(self, items: Sequence[ModelInput]) -> list[Any]:
+        """Admit what the engine takes of ``items`` now, in one call, if nobody waits ahead of them:
+        for each one taken, its future or the error that refused it (``Engine.try_submit_many``).
+
+        The rest, from the first one not in the returned list, have not been
+        offered to the engine and must go through ``submit``, in order.
+        Raises what the engine raises for all of them (closing).
+        """
+        if self._waiting:
+            return []
+        return self.engine.try_submit_many(items)
 
     def _admit_waiting(self) -> None:
         """Admit waiting inputs in arrival order until the engine is full again."""
