@@ -28,7 +28,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -138,45 +138,25 @@ class EbirdEngine(Engine):
     # -- admission (handler's thread) ----------------------------------------
 
     def try_submit(self, item: ModelInput) -> TicketFuture | None:
-        taken = self.try_submit_many((item,))
-        if not taken:
-            return None
-        if isinstance(taken[0], Exception):
-            raise taken[0]
-        return taken[0]
-
-    def try_submit_many(self, items: Sequence[ModelInput]) -> list[TicketFuture | Exception]:
-        """``try_submit`` for a burst: its tickets placed under one lock, the scheduler woken once."""
         if self._closing:
             raise ServiceUnavailable("worker is shutting down")
-        taken: list[TicketFuture | Exception] = []
-        placed: list[tuple[int, Ticket, ModelInput]] = []
-        for item in items:
-            if not self.pool.fits(item):
-                taken.append(bad_request(f"input shapes {[list(s) for s in item.shapes]} do not fit this input pool"))
-                continue
-            slot = self.pool.reserve()
-            if slot is None:
-                break
-            ticket = Ticket()
-            placed.append((slot, ticket, item))
-            taken.append(ticket.future)
-        if not placed:
-            return taken
-        with self._cond:  # tickets in place before ``write`` makes their slots ready for a batch
-            for slot, ticket, item in placed:
-                self._tickets[slot] = ticket
-                self._outstanding.add(ticket)
-                if self._lanes is not None:
-                    self.pool.write(slot, item)
-            if self._lanes is not None:
+        if not self.pool.fits(item):
+            raise bad_request(f"input shapes {[list(shape) for shape in item.shapes]} do not fit this input pool")
+        slot = self.pool.reserve()
+        if slot is None:
+            return None
+        ticket = Ticket()
+        with self._cond:  # the ticket is in place before ``write`` makes its slot ready for a batch
+            self._tickets[slot] = ticket
+            self._outstanding.add(ticket)
+            if self._lanes is not None:  # on a CPU ``write`` keeps a reference: no copy held under the lock
+                self.pool.write(slot, item)
                 self._wake_scheduler_if_it_may_act()
-                return taken
-        for slot, _, item in placed:
-            self.pool.write(slot, item)
+                return ticket.future
+        self.pool.write(slot, item)
         with self._cond:
             self._wake_scheduler_if_it_may_act()
-        return taken
+        return ticket.future
 
     # -- the loop: state → policy → dispatch -----------------------------------
 

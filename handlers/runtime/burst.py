@@ -16,11 +16,10 @@ request is a small record moved along by callbacks:
 
 - the burst is decoded as one entry of the decoder's lane job (or one part
   per decode thread), delivered to the loop in one wake-up;
-- its decoded inputs go into their engine in one call
-  (``Engine.try_submit_many``: Ebird places them under one lock and wakes
-  its scheduler once); those the engine has no room for wait in line with
-  the per-message path's waiters, as entries of the engine's admission
-  queue (``admission.py``);
+- its decoded inputs go into their engine in one call of its admission
+  line (``Admission.submit_many``); those the engine has no room for wait
+  in line with the per-message path's waiters, as entries of the engine's
+  admission queue (``admission.py``);
 - the burst is one entry of the response-timeout watch (``BurstGroup``), and
   enters and leaves the late-binding register (``arrivals.py``) at once;
 - each ticket's done-callback puts its request in the loop's
@@ -249,7 +248,7 @@ class BurstServer:
         for admission, waiting in lines.values():
             try:
                 taken = admission.submit_many([request.item for request in waiting])
-            except Exception as exc:  # the engine refuses them all (closing)
+            except Exception as exc:  # a bug: these requests fail, the rest of the burst is served
                 for request in waiting:
                     self.finish(request, error=exc)
                 continue

@@ -326,26 +326,6 @@ class Engine(abc.ABC):
         ``ServiceUnavailable`` once closing.  Called from one thread only.
         """
 
-    def try_submit_many(self, items: Sequence[ModelInput]) -> list[TicketFuture | Exception]:
-        """Admit ``items`` in order until one finds no room: for each one taken, its future or the
-        error that refused it (``try_submit``'s); shorter than ``items`` once the engine is full.
-
-        A burst of requests decoded together is admitted in one call; an
-        engine whose admission takes a lock and wakes its scheduler overrides
-        this to do both once for all of them.  Called from one thread only.
-        """
-        taken: list[TicketFuture | Exception] = []
-        for item in items:
-            try:
-                future = self.try_submit(item)
-            except Exception as exc:
-                taken.append(exc)
-                continue
-            if future is None:
-                break
-            taken.append(future)
-        return taken
-
     @abc.abstractmethod
     def close(self, timeout_s: float = 30.0) -> None:
         """Stop admitting, finish what was admitted within ``timeout_s``, fail the rest with 503."""

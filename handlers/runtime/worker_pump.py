@@ -35,7 +35,10 @@ recorded (once per turn of the loop for the messages answered in it, as the
 sync worker records it once per batch: ``_note_prediction_time``), the
 answer framed by TorchServe's own ``create_predict_response``, 507 for
 ``MemoryError``, the status of a ``PredictionException``, 503 for any other
-failure.  When the frontend disconnects, ``run`` returns, as
+failure.  A failure is each of the message's requests' own status
+(``failed_message``), never the message's: TorchServe's async frontend
+answers a message-level error code by failing every request it holds for
+the worker, so one broken message would fail its neighbours.  When the frontend disconnects, ``run`` returns, as
 TorchServe's pump does (its reader calls ``sys.exit`` then); a reader or
 writer that fails otherwise ends ``run`` with the traceback, which
 TorchServe's worker raises.
@@ -72,12 +75,15 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from handlers.errors import ResponseError, ServiceUnavailable
+
 logger = logging.getLogger(__name__)
 
 LEAN = "lean"
 TORCHSERVE = "torchserve"
 PUMPS = (LEAN, TORCHSERVE)
 CHECKED_TORCHSERVE = ("0.12.0",)
+PREDICTION_FAILED = "Prediction failed"  # a failure's reason, as TorchServe words it
 # At most this many waiting messages are read before the loop gets them: a burst's decode and
 # admission run in one turn of the loop, and a much longer turn would delay the answers it delivers.
 MAX_BURST = 64
@@ -201,7 +207,7 @@ class WorkerPump:
                 rows, context = self._message_call(message)
             except Exception:  # a frame that cannot be read: 503 for each id it names, as ``_answer`` does
                 logger.exception("async worker: could not read a message")
-                if (response := _failure_response(message)) is not None:
+                if (response := self._failure_response(message)) is not None:
                     self._answers.put(response)
                 continue
             calls.append((rows, context))
@@ -220,8 +226,8 @@ class WorkerPump:
         except Exception:  # a handler bug: what it has not answered gets 503, the worker serves on
             logger.exception("async worker: the handler failed a burst of %d message(s)", len(calls))
             for index, (_, context) in enumerate(calls):
-                if not answered[index] and (response := _failure_response_for(context)) is not None:
-                    self._answers.put(response)
+                if not answered[index]:
+                    self._answers.put(failed_message(context, ServiceUnavailable(PREDICTION_FAILED)))
 
     def _start(self, message: list[dict[str, Any]]) -> None:
         task = asyncio.get_running_loop().create_task(self._answer(message))
@@ -233,30 +239,44 @@ class WorkerPump:
             response = await self.predict(message)
         except Exception:  # a frame ``predict`` could not read or answer: 503 for each id it names
             logger.exception("async worker: could not answer a message")
-            response = _failure_response(message)
+            response = self._failure_response(message)
         if response is not None:  # None: a rank other than 0 of a distributed worker, which never answers
             self._answers.put(response)
 
     async def predict(self, message: list[dict[str, Any]]) -> bytes | bytearray | None:
         """One message's answer, framed for the frontend (TorchServe's ``predict`` contract)."""
-        from ts.protocol.otf_message_handler import create_predict_response
         from ts.service import PredictionException
 
         rows, context = self._message_call(message)
-        request_ids = context.request_ids
         started = time.time()
         try:
             answers = await self.service._entry_point(rows, context)
         except MemoryError:
             logger.exception("async worker: out of memory")
-            return create_predict_response(None, request_ids, "Out of resources", 507)
+            return failed_message(context, ResponseError(507, "Out of resources"))
         except PredictionException as exc:
             logger.exception("async worker: prediction error")
-            return create_predict_response(None, request_ids, exc.message, exc.error_code)
+            return failed_message(context, ResponseError(exc.error_code, exc.message))
         except Exception:
             logger.exception("async worker: the handler failed")
-            return create_predict_response(None, request_ids, "Prediction failed", 503)
+            return failed_message(context, ServiceUnavailable(PREDICTION_FAILED))
         return self._framed(answers, len(rows), context, started)
+
+    def _failure_response(self, message: list[dict[str, Any]]) -> bytes | None:
+        """503 for every request of a message that could not be read or answered whose id can be read,
+        so none waits for its timeout (None: no id readable)."""
+        from ts.context import RequestProcessor
+
+        request_ids = {}
+        for index, row in enumerate(message):
+            with contextlib.suppress(AttributeError, KeyError, TypeError, UnicodeDecodeError):
+                request_ids[index] = row["requestId"].decode("utf-8")
+        if not request_ids:
+            return None
+        context = message_context(self.service.context)
+        context.request_ids = request_ids
+        context.request_processor = [RequestProcessor({}) for _ in range(max(request_ids) + 1)]
+        return failed_message(context, ServiceUnavailable(PREDICTION_FAILED))
 
     def _message_call(self, message: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], Any]:
         """A message's rows and its own context, as the entry point takes them."""
@@ -274,12 +294,9 @@ class WorkerPump:
     def _framed(self, answers: Any, count: int, context: Any, started: float) -> bytes | bytearray | None:
         """A message's answers framed for the frontend, its prediction time noted (``_note_prediction_time``);
         503 for each of its requests if the handler did not answer one per request."""
-        from ts.protocol.otf_message_handler import create_predict_response
-
-        request_ids = context.request_ids
         if not isinstance(answers, list) or len(answers) != count:
             logger.error("async worker: the handler answered %r for %d request(s)", type(answers), count)
-            return create_predict_response(None, request_ids, "Invalid model predict output", 503)
+            return failed_message(context, ServiceUnavailable("Invalid model predict output"))
         if context.metrics is not None:
             self._note_prediction_time(context, (time.time() - started) * 1000)
         return framed_final(answers, context)
@@ -431,21 +448,19 @@ def answered_as_streams(answers: list[Any], context: Any) -> list[Any]:
     return [b"" if i in streamed else answer for i, answer in enumerate(answers)]
 
 
-def _failure_response_for(context: Any) -> bytes | bytearray | None:
-    """503 for every request of a message whose context was made."""
-    from ts.protocol.otf_message_handler import create_predict_response
+def failed_message(context: Any, error: ResponseError) -> bytes:
+    """Every request of a message answered ``error`` as its own status, framed as ``framed_final``
+    frames an error (whole, then its end), in a frame whose own code is 200.
 
-    return create_predict_response(None, context.request_ids, "Prediction failed", 503)
-
-
-def _failure_response(message: list[dict[str, Any]]) -> bytes | bytearray | None:
-    """503 for every request of ``message`` whose id can be read, so none waits for its timeout."""
-    from ts.protocol.otf_message_handler import create_predict_response
-
-    request_ids = {}
-    for index, row in enumerate(message):
-        with contextlib.suppress(AttributeError, KeyError, TypeError, UnicodeDecodeError):
-            request_ids[index] = row["requestId"].decode("utf-8")
-    if not request_ids:
-        return None
-    return create_predict_response(None, request_ids, "Prediction failed", 503)
+    TorchServe's async frontend reads a frame's code as the message's: on
+    anything but 200 it fails every request it holds for this worker
+    (``AsyncBatchAggregator.sendResponse``), not only the message's, so
+    a handler that broke on one message would fail each request other
+    clients had in flight beside it.  Framed per request, only the
+    message's own requests get the error, and the frontend forgets them at
+    their ends.
+    """
+    answers: list[Any] = [b""] * (max(context.request_ids, default=-1) + 1)
+    for index in context.request_ids:
+        answers[index] = error.answer(context, index)
+    return framed_final(answers, context)

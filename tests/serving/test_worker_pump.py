@@ -14,13 +14,18 @@ import asyncio
 import json
 import logging
 import random
+import re
+import shutil
 import socket
 import threading
 import time
+import zipfile
+from pathlib import Path
 
 import aiohttp
 import pytest
 
+from archiver.build import build_archive
 from archiver.options import ServingOptions, model_config
 from bench.ts_frames import Request, inference_frame, read_answer_frame, read_answers, torchserve_service
 from handlers.runtime.worker_pump import LEAN, TORCHSERVE, WorkerPump, parse_worker_pump
@@ -125,10 +130,16 @@ def test_an_answer_goes_as_a_one_part_stream_and_an_error_answer_whole_then_its_
     pump.frontend.close()
 
 
-def test_a_failing_handler_answers_503_for_its_message_and_the_pump_serves_on():
+def test_a_failing_handler_answers_503_for_each_request_of_its_message_and_the_pump_serves_on():
+    """The failure is each request's own status in a frame whose code is 200: TorchServe's async
+    frontend fails every request it holds for the worker on a frame coded otherwise."""
     pump = PumpUnderTest()
-    pump.send(Request("broken", b"boom"))
-    assert pump.answers(1) == {"broken": (503, 503, "", b"error")}
+    pump.send(Request("broken", b"boom"), Request("beside", b"fine"))
+    answers = pump.answers(2)
+    for request_id in ("broken", "beside"):  # the message's requests, both
+        code, status, phrase, body = answers[request_id]
+        assert (code, status, phrase) == (200, 503, "Prediction failed")
+        assert json.loads(body)["message"] == "Prediction failed"
     pump.send(Request("after", b"fine"))
     assert pump.answers(1)["after"][:2] == (200, 200)
     pump.frontend.close()
@@ -227,7 +238,7 @@ def test_messages_waiting_together_reach_serve_burst_in_one_call_each_answered(c
     answers = under_test.answers(3)
     assert entry.bursts[-1] == 3
     assert answers["first"][:2] == (200, 200)
-    assert answers["second"][:2] == (503, 503) and answers["third"][:2] == (503, 503)
+    assert answers["second"][:2] == (200, 503) and answers["third"][:2] == (200, 503)  # their own 503s
     under_test.send(Request("after", b"x"))
     assert under_test.answers(1)["after"][:2] == (200, 200)
     frontend.close()
@@ -326,3 +337,72 @@ def post_in_turn(url: str, payloads: list[bytes]) -> list[int]:
             return statuses
 
     return asyncio.run(send())
+
+
+CRASHING_ENTRY = '''"""Ebird, except that a message "crash" breaks the handler past its own error answers."""
+
+import logging
+
+from handlers.ebird.handler import EbirdHandler
+
+
+class CrashingEbird(EbirdHandler):
+    def serve_burst(self, calls, done):
+        if any(bytes(rows[0].get("body") or b"") == b"crash" for rows, _ in calls):
+            logging.getLogger(__name__).warning("crashing with %d request(s) in flight", self.unanswered)
+            raise RuntimeError("a handler bug")
+        super().serve_burst(calls, done)
+'''
+
+
+def with_entry_module(archive: Path, source: str) -> None:
+    """Replace ``archive``'s handler module (the one its manifest names) with ``source``."""
+    with zipfile.ZipFile(archive) as mar:
+        handler = json.loads(mar.read("MAR-INF/MANIFEST.json"))["model"]["handler"]
+        entries = [(info, mar.read(info)) for info in mar.infolist() if info.filename != handler]
+    with zipfile.ZipFile(archive, "w", zipfile.ZIP_DEFLATED) as mar:
+        for info, data in entries:
+            mar.writestr(info, data)
+        mar.writestr(handler, source)
+
+
+@pytest.mark.torchserve
+def test_a_message_the_handler_breaks_on_fails_alone_not_the_requests_in_flight_beside_it(
+    torchserve, model_store_dir, tmp_path
+):
+    """A handler that fails on one message (here: raises from ``serve_burst``) gets its requests answered
+    503 each, in a frame whose code is 200: TorchServe's async frontend answers a frame coded 503 by
+    failing every request it holds for the worker, so the requests other clients had in flight would
+    have failed with it."""
+    built = build_archive(
+        get_spec("resnet50", "eager"), tmp_path, ServingOptions(handler="ebird", handler_settings=EBIRD)
+    )
+    with_entry_module(built, CRASHING_ENTRY)
+    target = model_store_dir / "resnet50_eager-ebird-crashing.mar"
+    shutil.copy(built, target)
+    torchserve.management().register(target.name, model_name="ebird-crashing", initial_workers=1)
+    try:
+        url = f"{torchserve.inference_url}/predictions/ebird-crashing"
+        post_good(torchserve, "ebird-crashing", 2)  # the worker warm
+
+        async def neighbours_then_crash() -> tuple[list[tuple[int, str]], tuple[int, str]]:
+            async with aiohttp.ClientSession() as session:
+
+                async def post(body: bytes) -> tuple[int, str]:
+                    async with session.post(url, data=body) as resp:
+                        return resp.status, await resp.text()
+
+                beside = [asyncio.create_task(post(jpeg_bytes(seed=i))) for i in range(16)]
+                await asyncio.sleep(0.3)  # admitted and running: 16 ResNet-50 images take seconds on a CPU
+                crashed = await post(b"crash")
+                return list(await asyncio.gather(*beside)), crashed
+
+        beside, (status, body) = asyncio.run(neighbours_then_crash())
+        assert status == 503 and json.loads(body)["message"] == "Prediction failed"
+        assert [code for code, _ in beside] == [200] * 16, beside  # each 503 too, framed with code 503
+        in_flight = [int(n) for n in re.findall(r"crashing with (\d+) request", "\n".join(
+            worker_log(torchserve, "ebird-crashing")))]  # fmt: skip
+        assert in_flight and in_flight[-1] >= 1, in_flight  # they were in flight when it broke
+        post_good(torchserve, "ebird-crashing", 2)  # and it serves on
+    finally:
+        torchserve.management().unregister("ebird-crashing")

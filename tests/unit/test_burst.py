@@ -32,7 +32,6 @@ from handlers.dvabatch.handler import DvaBatchHandler
 from handlers.ebird.handler import EbirdHandler
 from handlers.reef.handler import ReefHandler
 from handlers.runtime.burst import BurstServer
-from handlers.runtime.engine import Engine
 from model_store.catalog import get_spec
 from model_store.samples import request_body
 
@@ -170,20 +169,20 @@ def test_a_request_past_its_deadline_is_answered_503_once_and_its_late_result_is
     handler, load = make_handler("ebird")
     engine = next(iter(handler.engines.values()))
     release = threading.Event()
-    submit = engine.try_submit_many
+    submit = engine.try_submit
 
-    def try_submit_behind_a_busy_lane(items):  # the batch this request joins cannot start until released
+    def try_submit_behind_a_busy_lane(item):  # the batch this request joins cannot start until released
         handler.lanes.submit(release.wait)
-        return submit(items)
+        return submit(item)
 
-    engine.try_submit_many = try_submit_behind_a_busy_lane  # a burst's admission, and ``try_submit``'s
+    engine.try_submit = try_submit_behind_a_busy_lane
     handler.response_timeout_s = 0.2
     try:
         [[(status, body)]] = burst(handler, load, [rows(1)], then=release.set)  # the batch ends after the 503
     finally:
         release.set()
     assert status == 503 and "response timeout" in json.loads(body)["message"]
-    engine.try_submit_many = submit
+    engine.try_submit = submit
     handler.response_timeout_s = 120
     [[(status, _)]] = burst(handler, load, [rows(1)])  # and it serves on
     assert status == 200
@@ -223,17 +222,18 @@ def test_requests_still_waiting_for_room_at_their_deadline_get_a_503_saying_so_a
     handler, load = make_handler("ebird", pool_slots=4, worker_batches=[1, 2, 4])
     engine = next(iter(handler.engines.values()))
     release = threading.Event()
-    submit = engine.try_submit_many
+    submit = engine.try_submit
     entered: list[object] = []
 
-    def try_submit_behind_a_busy_lane(items):  # no batch can run, so no room comes back, until released
+    def try_submit_behind_a_busy_lane(item):  # no batch can run, so no room comes back, until released
         if not entered:
             handler.lanes.submit(release.wait)
-        taken = submit(items)
-        entered.extend(taken)
-        return taken
+        future = submit(item)
+        if future is not None:
+            entered.append(item)
+        return future
 
-    engine.try_submit_many = try_submit_behind_a_busy_lane  # a burst's admission, and ``try_submit``'s
+    engine.try_submit = try_submit_behind_a_busy_lane
     handler.response_timeout_s = 0.3
     try:
         answers = burst(handler, load, [[row] for row in rows(8)], then=release.set)
@@ -245,7 +245,7 @@ def test_requests_still_waiting_for_room_at_their_deadline_get_a_503_saying_so_a
     assert len(full) == 4, messages
     assert all("response timeout" in m for m in messages if m not in full)  # admitted; their batch never ran
     assert len(entered) == 4  # those that gave up waiting were skipped once room came back
-    engine.try_submit_many = submit
+    engine.try_submit = submit
     handler.response_timeout_s = 120
     assert [status for [(status, _)] in burst(handler, load, [[row] for row in rows(6)])] == [200] * 6
     assert handler.unanswered == 0
@@ -268,17 +268,7 @@ def count_submissions(handler) -> list[object]:
             reached.append(item)
             return submit(item)
 
-        def try_submit_many(items, submit=engine.try_submit_many):  # a burst's admission
-            taken = submit(items)
-            reached.extend(items[: len(taken)])
-            return taken
-
-        # Each input counted once: the engine's own ``try_submit_many`` takes ``try_submit``'s inputs
-        # too (Ebird), or the base class's calls ``try_submit`` for each.
-        if type(engine).try_submit_many is Engine.try_submit_many:
-            engine.try_submit = try_submit
-        else:
-            engine.try_submit_many = try_submit_many
+        engine.try_submit = try_submit
     return reached
 
 
