@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from handlers.codecs import ModelInput
@@ -81,32 +81,6 @@ class Admission:
                 return
         self.metrics.admission_waited()
         self._waiting.append(_Waiting(item, admitted, failed, gone))
-
-    def submit_many(self, items: Sequence[ModelInput]) -> list[Any]:
-        """Admit what the engine takes of ``items`` now, in order, if nobody waits ahead of them: for
-        each one taken, its future or the error that refused it (``try_submit`` raised).
-
-        The rest, from the first one the engine had no room for, have not
-        been offered to it and must go through ``submit``, in order.  The
-        engine is offered them one at a time, as ``submit`` would: Ebird
-        wakes its scheduler at the first, so a batch can start on it while
-        the rest are placed (placing a burst under one lock and waking the
-        scheduler once, tried, doubled the mean latency under Poisson
-        arrivals on a one-layer BERT: its batches started later and grew).
-        """
-        taken: list[Any] = []
-        if self._waiting:
-            return taken
-        for item in items:
-            try:
-                future = self.engine.try_submit(item)
-            except Exception as exc:
-                taken.append(exc)
-                continue
-            if future is None:
-                break
-            taken.append(future)
-        return taken
 
     def _admit_waiting(self) -> None:
         """Admit waiting inputs in arrival order until the engine is full again."""

@@ -21,7 +21,7 @@ listeners, so a request that fails to decode still releases a held batch.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 
 class Arrivals:
@@ -41,26 +41,12 @@ class Arrivals:
             self._pending.add(token)
             return token
 
-    def enter_many(self, count: int) -> range:
-        """Register ``count`` requests received together (a burst), in order: their tokens."""
-        with self._lock:
-            first = self._next
-            self._next += count
-            tokens = range(first, first + count)
-            self._pending.update(tokens)
-            return tokens
-
     def leave(self, token: int) -> None:
         """The request has reached an engine or was refused.  Idempotent."""
-        self.leave_many((token,))
-
-    def leave_many(self, tokens: Iterable[int]) -> None:
-        """Several requests have reached an engine or were refused: listeners hear it once.  Idempotent."""
         with self._lock:
-            before = len(self._pending)
-            self._pending.difference_update(tokens)
-            if len(self._pending) == before:
+            if token not in self._pending:
                 return
+            self._pending.discard(token)
         for listener in self._listeners:
             listener()
 

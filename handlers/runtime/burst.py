@@ -16,21 +16,11 @@ request is a small record moved along by callbacks:
 
 - the burst is decoded as one entry of the decoder's lane job (or one part
   per decode thread), delivered to the loop in one wake-up;
-- its decoded inputs go into their engine in one call of its admission
-  line (``Admission.submit_many``); those the engine has no room for wait
-  in line with the per-message path's waiters, as entries of the engine's
-  admission queue (``admission.py``);
-- the burst is one entry of the response-timeout watch (``BurstGroup``), and
-  enters and leaves the late-binding register (``arrivals.py``) at once;
-- each ticket's done-callback puts its request in the loop's
-  ``AnswerInbox``, which a batch's answers reach in one wake-up; the loop
-  settles them in one call, their stage times and counts handed to the
-  metrics once, and each answer goes to ``done``.
-
-In a cProfile of Ebird serving a one-layer BERT to 64 closed-loop clients,
-doing these steps per burst and per batch instead of per request took the
-event loop from 184 to 139 function calls per request (the bench's own
-clients included).
+- each decoded input goes straight into its engine (``try_submit``); when
+  the engine is full it waits in line with the per-message path's waiters,
+  as an entry of the engine's admission queue (``admission.py``);
+- the engine's future calls back through the loop's mailbox, so a batch's
+  answers reach the loop in one wake-up; each answer then goes to ``done``.
 
 What a request sees is what ``handle`` gives it: the same decode errors and
 4xx answers, the same admission order and backpressure, the response
@@ -45,7 +35,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -53,7 +42,7 @@ from typing import Any
 from handlers.codecs import ModelInput, is_describe
 from handlers.errors import ResponseError, ServiceUnavailable
 from handlers.runtime.admission import FULL_FOR_THE_TIMEOUT
-from handlers.runtime.engine import StageSums
+from handlers.runtime.engine import stage_breakdown
 from handlers.runtime.loop_mailbox import mailbox_for
 
 logger = logging.getLogger(__name__)
@@ -63,10 +52,15 @@ Done = Callable[[int, list[Any]], None]  # called once per call, on the loop: it
 
 
 class BurstRequest:
-    """One request of a burst, from receipt to its answer."""
+    """One request of a burst, from receipt to its answer.
+
+    ``done`` and ``set_exception`` let ``Deadlines`` watch it as it watches
+    an asyncio future: a request still unanswered at its deadline is
+    answered 503 then, and its late result is dropped.
+    """
 
     __slots__ = ("call", "row", "context", "reply", "server", "received", "decoded", "admitted", "arrival", "item",
-                 "bind", "future", "finished", "group", "inbox")  # fmt: skip
+                 "bind", "future", "finished")  # fmt: skip
 
     def __init__(self, call: int, row: dict[str, Any], context: Any, reply: Done, server: BurstServer) -> None:
         self.call = call  # its message's index in the burst
@@ -80,8 +74,6 @@ class BurstRequest:
         self.bind: Callable[[ModelInput], ModelInput] | None = None  # from ``route_request``
         self.future: Any = None  # the engine's ``TicketFuture`` once admitted
         self.finished = False
-        self.group: BurstGroup | None = None  # once routed
-        self.inbox: AnswerInbox | None = None  # where its engine's answer goes, once admitted
 
     def done(self) -> bool:
         return self.finished
@@ -97,66 +89,6 @@ class BurstRequest:
         """Its engine refused it (closing, or an input it can never take)."""
         self.server.finish(self, error=error)
 
-    def answered(self, _future: Any) -> None:
-        """Its engine answered (on the thread that ran its batch)."""
-        self.inbox.put(self)
-
-
-class BurstGroup:
-    """A burst's requests under one ``Deadlines`` watch: they share the response timeout, counted
-    from the same receipt, so one entry in the watch's queue stands for all of them.
-
-    ``done`` and ``set_exception`` are what the watch calls on what it
-    watches: at the deadline every request of the burst still unanswered
-    is answered 503 (``BurstRequest.set_exception``), and its late result
-    is dropped.
-    """
-
-    __slots__ = ("requests", "open")
-
-    def __init__(self, requests: list[BurstRequest]) -> None:
-        self.requests = requests
-        self.open = len(requests)  # not yet answered
-
-    def done(self) -> bool:
-        return self.open == 0
-
-    def set_exception(self, error: BaseException) -> None:
-        for request in self.requests:
-            if not request.finished:
-                request.set_exception(error)
-
-
-class AnswerInbox:
-    """Admitted requests whose engine answered, handed to one event loop's ``settle`` together.
-
-    An engine answers a batch's tickets one after another on its lane; each
-    request's done-callback puts it here, and the first one of a batch posts
-    the drain through the loop's mailbox (inside the batch's ``one_wakeup``,
-    so the loop wakes once for it).  The loop then settles the batch's
-    requests in one call: their stage times and counts go to the metrics
-    once, not request by request.
-    """
-
-    def __init__(self, mailbox: Any, settle: Callable[[list[BurstRequest]], None]) -> None:
-        self._lock = threading.Lock()
-        self._answered: list[BurstRequest] = []
-        self._mailbox = mailbox
-        self._settle = settle
-
-    def put(self, request: BurstRequest) -> None:
-        """From any thread."""
-        with self._lock:
-            first = not self._answered
-            self._answered.append(request)
-        if first:
-            self._mailbox.post(self._drain)
-
-    def _drain(self) -> None:
-        with self._lock:
-            answered, self._answered = self._answered, []
-        self._settle(answered)
-
 
 class BurstServer:
     """The callback path of one ``AsyncModelHandler`` (see the module's docstring)."""
@@ -165,7 +97,7 @@ class BurstServer:
         self.handler = handler
         self._tasks: set[asyncio.Task] = set()  # messages served by ``handle``
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._inbox: AnswerInbox | None = None
+        self._mailbox: Any = None
         self._deadlines: Any = None
 
     def serve(self, calls: Sequence[Call], done: Done) -> None:
@@ -182,12 +114,13 @@ class BurstServer:
         handler.count_unanswered(len(requests))
         received = time.monotonic()
         loop = asyncio.get_running_loop()
-        if self._loop is not loop:  # the loop's inbox and deadline watch, made once per loop
-            self._loop, self._deadlines = loop, handler.deadlines_on(loop)
-            self._inbox = AnswerInbox(mailbox_for(loop), self._settle)
+        if self._loop is not loop:  # the loop's mailbox and deadline watch, looked up once per loop
+            self._loop, self._mailbox, self._deadlines = loop, mailbox_for(loop), handler.deadlines_on(loop)
         # The response timeout counts from receipt, as TorchServe's does: a request whose decode or wait
         # for room outlasts it is answered 503 then, not when its decode ends.
         deadline = loop.time() + handler.response_timeout_s
+        watch = self._deadlines.watch
+        arrivals = handler.arrivals
         routed, decodes = [], []
         for request in requests:
             request.received = received
@@ -196,24 +129,18 @@ class BurstServer:
             except Exception as exc:  # refused by its headers (REEF: an unknown model): its own 4xx
                 self.finish(request, error=exc)
                 continue
+            if arrivals is not None:
+                request.arrival = arrivals.enter()
+            watch(request, deadline)
             routed.append(request)
             decodes.append(decode)
-        if not routed:
-            return
-        group = BurstGroup(routed)
-        for request in routed:
-            request.group = group
-        if handler.arrivals is not None:
-            for request, token in zip(routed, handler.arrivals.enter_many(len(routed)), strict=True):
-                request.arrival = token
-        self._deadlines.watch(group, deadline)
-        handler.decoder.decode_burst([r.row for r in routed], functools.partial(self._decoded, routed), decodes)
+        if routed:
+            handler.decoder.decode_burst([r.row for r in routed], functools.partial(self._decoded, routed), decodes)
 
     # -- the steps ------------------------------------------------------------
 
     def _decoded(self, requests: list[BurstRequest], first: int, outcomes: list[tuple[Any, Any]]) -> None:
         decoded = time.monotonic()
-        ready = []
         for request, (item, error) in zip(requests[first : first + len(outcomes)], outcomes, strict=True):
             if request.finished:  # answered 503 at its deadline while it was decoding
                 continue
@@ -226,104 +153,52 @@ class BurstServer:
             except Exception as exc:
                 self.finish(request, error=exc)
                 continue
-            ready.append(request)
-        if ready:
-            self._admit(ready)
+            self._admit(request)
 
-    def _admit(self, requests: list[BurstRequest]) -> None:
-        """Admit decoded requests in order: what each engine takes now in one call
-        (``Admission.submit_many``), the rest one by one into its line, to wait their turn there."""
-        handler, loop = self.handler, self._loop
-        lines: dict[int, tuple[Any, list[BurstRequest]]] = {}
-        for request in requests:
-            try:
-                admission = handler.admission_of(loop, request.item)
-            except ResponseError as exc:  # an input layout the archive does not declare: its own 400
-                self.finish(request, error=exc)
-                continue
-            line = lines.get(id(admission))
-            if line is None:
-                line = lines[id(admission)] = (admission, [])
-            line[1].append(request)
-        for admission, waiting in lines.values():
-            try:
-                taken = admission.submit_many([request.item for request in waiting])
-            except Exception as exc:  # a bug: these requests fail, the rest of the burst is served
-                for request in waiting:
-                    self.finish(request, error=exc)
-                continue
-            admitted = []
-            for request, outcome in zip(waiting, taken, strict=False):  # ``taken``: a prefix of them
-                if isinstance(outcome, Exception):
-                    self.finish(request, error=outcome)
-                else:
-                    admitted.append((request, outcome))
-            self._admitted(admitted)
-            for request in waiting[len(taken) :]:
-                admission.submit(request.item, functools.partial(self._admitted_one, request), request.refused,
-                                 request.done)  # fmt: skip
-
-    def _admitted_one(self, request: BurstRequest, future: Any) -> None:
-        self._admitted([(request, future)])
-
-    def _admitted(self, admitted: list[tuple[BurstRequest, Any]]) -> None:
-        if not admitted:
+    def _admit(self, request: BurstRequest) -> None:
+        try:
+            admission = self.handler.admission_of(self._loop, request.item)
+        except ResponseError as exc:  # an input layout the archive does not declare: its own 400
+            self.finish(request, error=exc)
             return
-        handler = self.handler
-        now = time.monotonic()
-        encode_on_engine = handler.encode_on_engine
-        left = []
-        for request, future in admitted:
-            request.admitted = now
-            request.future = future
-            request.inbox = self._inbox
-            if encode_on_engine and hasattr(future, "encode"):  # a ``TicketFuture``
-                future.encode = handler.encoder_for(request.item)
-            if request.arrival is not None:
-                left.append(request.arrival)
-                request.arrival = None
-            future.add_done_callback(request.answered)
-        if left:
-            handler.arrivals.leave_many(left)
-        handler.metrics.request_admitted(len(admitted))
+        admission.submit(request.item, functools.partial(self._admitted, request), request.refused, request.done)
 
-    def _settle(self, answered: list[BurstRequest]) -> None:
-        """Answer the requests an engine answered (``AnswerInbox``), on the loop, in one call."""
+    def _admitted(self, request: BurstRequest, future: Any) -> None:
         handler = self.handler
-        sums = StageSums()
-        replies = []
+        request.admitted = time.monotonic()
+        request.future = future
+        if handler.encode_on_engine and hasattr(future, "encode"):  # a ``TicketFuture``
+            future.encode = handler.encoder_for(request.item)
+        if request.arrival is not None:
+            handler.arrivals.leave(request.arrival)
+            request.arrival = None
+        handler.metrics.request_admitted()
+        post, settled = self._mailbox.post, functools.partial(self._settled, request)
+        future.add_done_callback(lambda _: post(settled))
+
+    def _settled(self, request: BurstRequest) -> None:
+        if request.finished:  # answered 503 at its deadline already
+            return
+        future = request.future
         woken = time.monotonic()
-        for request in answered:
-            if request.finished:  # answered 503 at its deadline already
-                continue
-            future = request.future
-            try:
-                output = future.result()
-                encoded = getattr(future, "encoded", False)
-                answer = output if encoded else handler.encoder_for(request.item)(output)
-            except Exception as exc:
-                self.finish(request, error=exc)
-                continue
-            sums.add(request.received, request.decoded, request.admitted, getattr(future, "times", None), woken,
-                     woken if encoded else time.monotonic())  # fmt: skip
-            request.finished = True
-            request.group.open -= 1
-            replies.append((request, answer))
-        if not replies:
+        try:
+            output = future.result()
+            encoded = getattr(future, "encoded", False)
+            answer = output if encoded else self.handler.encoder_for(request.item)(output)
+        except Exception as exc:
+            self.finish(request, error=exc)
             return
-        handler.metrics.add_stages(sums.seconds, sums.counts)
-        handler.metrics.request_answered(len(replies))
-        handler.count_unanswered(-len(replies))
-        for request, answer in replies:
-            request.reply(request.call, [answer])
+        times = getattr(future, "times", None)
+        self.handler.metrics.stages(
+            stage_breakdown(request.received, request.decoded, request.admitted, times, woken, time.monotonic())
+        )
+        self.finish(request, answer=answer)
 
     def finish(self, request: BurstRequest, answer: Any = None, error: BaseException | None = None) -> None:
         """Answer ``request`` once: its answer, or ``error`` as its own status (never the message's)."""
         if request.finished:
             return
         request.finished = True
-        if request.group is not None:
-            request.group.open -= 1
         handler = self.handler
         if request.arrival is not None:  # refused before admission: a held batch need not wait for it
             handler.arrivals.leave(request.arrival)

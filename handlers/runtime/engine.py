@@ -52,64 +52,19 @@ def stage_breakdown(
     An answer encoded where its batch finished (``TicketFuture.encode``)
     counts that time as ``encode``, not ``release``.
     """
-    sums = StageSums()
-    sums.add(received, decoded, admitted, times, woken, answered)
-    return sums.seconds
-
-
-class StageSums:
-    """Several requests' ``stage_breakdown``, summed as they are added: per stage, seconds and requests.
-
-    The callback path answers a batch's requests in one turn of the event
-    loop and hands their stage times to the metrics once
-    (``HandlerMetrics.add_stages``): a dictionary and a lock per request
-    were a visible part of the loop's time per request on a tiny model.
-    Plain attributes, not a dictionary, since ``add`` runs per request.
-    """
-
-    __slots__ = ("decode", "admission", "queue", "batch", "release", "wakeup", "engine", "encode", "timed", "untimed")
-
-    def __init__(self) -> None:
-        self.decode = self.admission = self.queue = self.batch = self.release = 0.0
-        self.wakeup = self.engine = self.encode = 0.0
-        self.timed = self.untimed = 0  # requests with the engine's inner times, and without
-
-    def add(
-        self, received: float, decoded: float, admitted: float, times: StageTimes | None, woken: float, answered: float
-    ) -> None:
-        self.decode += _positive(decoded - received)
-        self.admission += _positive(admitted - decoded)
-        encoded = times.encode_seconds if times is not None else 0.0
-        if times is None or times.started is None or times.finished is None or times.settled is None:
-            self.untimed += 1
-            self.engine += _positive(woken - admitted - encoded)
-        else:
-            self.timed += 1
-            self.queue += _positive(times.started - times.arrived)
-            self.batch += _positive(times.finished - times.started)
-            self.release += _positive(times.settled - times.finished - encoded)
-            self.wakeup += _positive(woken - times.settled)
-        self.encode += _positive(answered - woken + encoded)
-
-    @property
-    def seconds(self) -> dict[str, float]:
-        """Each stage's seconds, summed over the requests that passed it, in the stages' order."""
-        return {stage: getattr(self, stage) for stage in self._stages()}
-
-    @property
-    def counts(self) -> dict[str, int]:
-        """How many requests each stage's seconds sum over."""
-        requests = self.timed + self.untimed
-        inner = {"queue": self.timed, "batch": self.timed, "release": self.timed, "wakeup": self.timed}
-        return {stage: inner.get(stage, self.untimed if stage == "engine" else requests) for stage in self._stages()}
-
-    def _stages(self) -> list[str]:
-        inner = ["queue", "batch", "release", "wakeup"] if self.timed else []
-        return ["decode", "admission", *inner, *(["engine"] if self.untimed else []), "encode"]
-
-
-def _positive(seconds: float) -> float:
-    return seconds if seconds > 0.0 else 0.0
+    stages = {"decode": decoded - received, "admission": admitted - decoded}
+    encoded = times.encode_seconds if times is not None else 0.0
+    if times is None or None in (times.started, times.finished, times.settled):
+        stages["engine"] = woken - admitted - encoded
+    else:
+        stages.update(
+            queue=times.started - times.arrived,
+            batch=times.finished - times.started,
+            release=times.settled - times.finished - encoded,
+            wakeup=woken - times.settled,
+        )
+    stages["encode"] = answered - woken + encoded
+    return {k: max(0.0, v) for k, v in stages.items()}
 
 
 class RowsEncoder:

@@ -182,13 +182,13 @@ class HandlerMetrics:
     # so it takes no lock there.  The count is written before the flag: a flush that clears the flag and
     # then reads the count reports this change or the next flush does.
 
-    def request_admitted(self, count: int = 1) -> None:
-        self.inflight += count
+    def request_admitted(self) -> None:
+        self.inflight += 1
         self._inflight_changed = True
         self._emit_now_if_unbatched()
 
-    def request_answered(self, count: int = 1) -> None:
-        self.inflight -= count
+    def request_answered(self) -> None:
+        self.inflight -= 1
         self._inflight_changed = True
         self._emit_now_if_unbatched()
 
@@ -232,16 +232,6 @@ class HandlerMetrics:
             for stage, value in seconds.items():
                 self.stage_seconds[stage] += value * requests
                 self.stage_counts[stage] += requests
-            self._stages_changed = True
-        self._emit_now_if_unbatched()
-
-    def add_stages(self, seconds: dict[str, float], counts: dict[str, int]) -> None:
-        """Several requests' time per stage at once: each stage's total seconds and how many
-        requests spent them (``engine.StageSums``)."""
-        with self._lock:
-            for stage, value in seconds.items():
-                self.stage_seconds[stage] += value
-                self.stage_counts[stage] += counts[stage]
             self._stages_changed = True
         self._emit_now_if_unbatched()
 
