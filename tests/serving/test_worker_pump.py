@@ -145,6 +145,20 @@ def test_a_failing_handler_answers_503_for_each_request_of_its_message_and_the_p
     pump.frontend.close()
 
 
+def test_a_message_that_cannot_be_read_gets_a_503_for_each_request_id_it_names_in_a_frame_coded_200():
+    """A row whose request id can be read is answered 503 alone, whatever its place in the message;
+    a row without one cannot be answered (the frontend times it out), and does not stop the others."""
+    pump = PumpUnderTest()
+    response = pump.pump._failure_response([{"requestId": b"first"}, {"no id": b""}, {"requestId": b"third"}])
+    reader, writer = socket.socketpair()
+    writer.sendall(response)
+    reader.settimeout(5)
+    answers = {answer.request_id: (code, answer.status, answer.phrase) for code, answer in read_answers(reader, 2)}
+    assert answers == {"first": (200, 503, "Prediction failed"), "third": (200, 503, "Prediction failed")}
+    assert pump.pump._failure_response([{"no id": b""}]) is None
+    pump.frontend.close()
+
+
 def test_the_pump_ends_cleanly_when_the_frontend_disconnects():
     pump = PumpUnderTest()
     pump.send(Request("only", b"fine"))
