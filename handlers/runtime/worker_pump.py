@@ -38,10 +38,10 @@ answer framed by TorchServe's own ``create_predict_response``, 507 for
 failure.  A failure is each of the message's requests' own status
 (``failed_message``), never the message's: TorchServe's async frontend
 answers a message-level error code by failing every request it holds for
-the worker, so one broken message would fail its neighbours.  When the frontend disconnects, ``run`` returns, as
-TorchServe's pump does (its reader calls ``sys.exit`` then); a reader or
-writer that fails otherwise ends ``run`` with the traceback, which
-TorchServe's worker raises.
+the worker, so one broken message would fail its neighbours.  When the
+frontend disconnects, ``run`` returns, as TorchServe's pump does (its
+reader calls ``sys.exit`` then); a reader or writer that fails otherwise
+ends ``run`` with the traceback, which TorchServe's worker raises.
 
 ``install`` swaps it in for ``AsyncService.run``; the async handlers call it
 from ``initialize``, which TorchServe runs before it builds its
@@ -256,7 +256,8 @@ class WorkerPump:
             return failed_message(context, ResponseError(507, "Out of resources"))
         except PredictionException as exc:
             logger.exception("async worker: prediction error")
-            return failed_message(context, ResponseError(exc.error_code, exc.message))
+            code = exc.error_code if isinstance(exc.error_code, int) and 400 <= exc.error_code < 600 else 500
+            return failed_message(context, ResponseError(code, exc.message))
         except Exception:
             logger.exception("async worker: the handler failed")
             return failed_message(context, ServiceUnavailable(PREDICTION_FAILED))
