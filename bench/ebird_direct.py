@@ -169,10 +169,15 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             proc.wait_ready()
         for proc in systems.values():  # first kernels, allocator, lazy imports
             proc.run("closed", 300.0, clients=args.clients, seconds=args.warmup_seconds)
-        capacity, host_cpu = {}, {}
-        for name, proc in systems.items():
-            closed, _ = proc.run("closed", 300.0, clients=args.clients, seconds=args.capacity_seconds)
-            capacity[name], host_cpu[name] = closed["throughput"], closed["cpu_us_per_request"]
+        capacity_runs: dict[str, list[float]] = {name: [] for name in systems}
+        host_runs: dict[str, list[dict[str, float]]] = {name: [] for name in systems}
+        for r in range(args.capacity_repeats):  # rounds, each system once, the order reversed every other round
+            for name in names if r % 2 == 0 else names[::-1]:
+                closed, _ = systems[name].run("closed", 300.0, clients=args.clients, seconds=args.capacity_seconds)
+                capacity_runs[name].append(closed["throughput"])
+                host_runs[name].append(closed["cpu_us_per_request"])
+        capacity = {name: statistics.median(runs) for name, runs in capacity_runs.items()}
+        host_cpu = {name: median_by_role(runs) for name, runs in host_runs.items()}
         best = max(capacity.values())
         rows = []
         total = len(args.fractions) * args.repeats * len(names)
@@ -193,6 +198,7 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "device": systems[BASELINE].device,
         "systems": names,
         "capacity": capacity,
+        "capacity_runs": capacity_runs,
         "host_cpu_us": host_cpu,
         "max_batch": args.max_batch,
         "clients": args.clients,
@@ -200,6 +206,24 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "repeats": args.repeats,
         "rows": rows,
     }
+
+
+def median_by_role(runs: list[dict[str, float]]) -> dict[str, float]:
+    """Host µs per request by thread role, the median over capacity rounds (a role a round lacks: 0)."""
+    roles = dict.fromkeys(role for run in runs for role in run)
+    return {role: statistics.median(run.get(role, 0.0) for run in runs) for role in roles}
+
+
+def capacity_spread(capacity_runs: dict[str, list[float]]) -> dict[str, dict[str, float]]:
+    """Each system's closed-loop capacity over the rounds (median, min, max) and its ratio to NO Wait's
+    round by round (median, min, max): rounds run back to back, so a ratio within a round is read on
+    the same state of the machine, which drifts between rounds on a shared VM."""
+    out = {}
+    for name, runs in capacity_runs.items():
+        ratios = [a / b for a, b in zip(runs, capacity_runs[BASELINE], strict=True)]
+        out[name] = {"median": statistics.median(runs), "min": min(runs), "max": max(runs)}
+        out[name].update(ratio=statistics.median(ratios), ratio_min=min(ratios), ratio_max=max(ratios))
+    return out
 
 
 def ratio_spread(runs: list[dict[str, Any]], baseline: list[dict[str, Any]]) -> dict[str, float]:
@@ -295,6 +319,9 @@ def render(data: dict[str, Any], stem: str) -> str:
     stable = [cells(r) for r in data["summary"] if not r["overload"]]
     overload = [cells(r) for r in data["summary"] if r["overload"]]
     capacity = ", ".join(f"{label(n)} {v:.1f} req/s" for n, v in data["capacity"].items())
+    rounds = len(next(iter(data.get("capacity_runs", {}).values()), []))
+    if rounds > 1:
+        capacity += f" (medians of {rounds} rounds; spread and ratios below the table)"
     text = (
         f"# {label(data['systems'][0])} vs NO Wait, handlers driven in-process: {data['model']} ({data['mode']}) "
         f"on {data['device']}\n\n"
@@ -309,6 +336,18 @@ def render(data: dict[str, Any], stem: str) -> str:
         f"repeat, whichever of NO Wait and the waiting ones had the lower mean.\n\n"
         f"{markdown_table(header, stable)}\n"
     )
+    if rounds > 1:
+        spread = capacity_spread(data["capacity_runs"])
+        capacity_rows = [
+            [label(n), f"{c['median']:.0f} ({c['min']:.0f}–{c['max']:.0f})",
+             f"**{c['ratio']:.2f}×** ({c['ratio_min']:.2f}–{c['ratio_max']:.2f})"]
+            for n, c in spread.items()
+        ]  # fmt: skip
+        text += (
+            f"\nCapacity (closed loop, {data['clients']} in flight), {rounds} rounds of every system back to back, "
+            "the order reversed every other round; the ratio to NO Wait is taken within each round:\n\n"
+            f"{markdown_table(['system', 'req/s median (min–max)', '÷ NO Wait, per round (min–max)'], capacity_rows)}\n"
+        )
     if "host_cpu_us" in data:  # runs before this column existed have none
         roles = list(dict.fromkeys(role for n in names for role in data["host_cpu_us"][n]))
         host_rows = [
@@ -319,7 +358,8 @@ def render(data: dict[str, Any], stem: str) -> str:
         ]  # fmt: skip
         text += (
             "\nHost CPU per answered request while capacity was measured (µs, from each thread's CPU time in "
-            "/proc; the event loop also runs the in-process load generator, alike for every system; OpenMP: the "
+            f"/proc{', role by role the median of the rounds' if rounds > 1 else ''}; the event loop also runs "
+            "the in-process load generator, alike for every system; OpenMP: the "
             "intra-op team's other threads, which spin while waiting; Python: every thread but those):\n\n"
             f"{markdown_table(['system', 'req/s', *roles, 'Python'], host_rows)}\n"
         )
@@ -354,6 +394,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--clients", type=int, default=64, help="in flight while capacity is measured")
     parser.add_argument("--capacity-seconds", type=float, default=8.0)
+    parser.add_argument(
+        "--capacity-repeats",
+        type=int,
+        default=1,
+        help="rounds of the capacity step, every system once per round (order reversed every other round): "
+        "the table then gives each capacity's spread and its ratio to NO Wait's round by round",
+    )
     parser.add_argument("--warmup-seconds", type=float, default=3.0)
     parser.add_argument(
         "--ebird-decode-threads",
@@ -411,6 +458,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--max-batch must be a power of two ≥ 1 (Ebird's worker sizes are)")
     if not args.fractions or min(args.fractions) <= 0:
         parser.error("--fractions must be positive numbers")
+    if args.capacity_repeats < 1:
+        parser.error("--capacity-repeats must be at least 1")
     import torch
 
     if args.device == "auto":

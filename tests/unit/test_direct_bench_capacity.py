@@ -1,0 +1,30 @@
+"""``bench.ebird_direct --capacity-repeats N``: capacity read in rounds, each system's ratio to NO Wait per round."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.ebird_direct import capacity_spread, main, median_by_role
+
+
+def test_each_capacity_is_the_median_of_its_rounds_and_its_ratio_is_taken_within_each_round() -> None:
+    # The machine slows in round 2: every system reads lower, the ratio within the round does not move.
+    runs = {"ebird": [800.0, 400.0, 900.0], "nowait-twin": [1000.0, 520.0, 1000.0], "nowait": [1000.0, 500.0, 1000.0]}
+    spread = capacity_spread(runs)
+    assert spread["ebird"] == pytest.approx(
+        {"median": 800.0, "min": 400.0, "max": 900.0, "ratio": 0.8, "ratio_min": 0.8, "ratio_max": 0.9}
+    )
+    assert spread["nowait"]["ratio"] == spread["nowait"]["ratio_min"] == 1.0
+    assert spread["nowait-twin"]["ratio_max"] == pytest.approx(1.04)
+
+
+def test_host_time_per_role_is_the_median_of_the_rounds_and_a_role_a_round_lacks_counts_zero() -> None:
+    rounds = [{"event loop": 30.0, "lanes": 70.0}, {"event loop": 50.0, "lanes": 90.0, "other": 3.0},
+              {"event loop": 40.0, "lanes": 80.0}]  # fmt: skip
+    assert median_by_role(rounds) == {"event loop": 40.0, "lanes": 80.0, "other": 0.0}
+
+
+def test_fewer_than_one_capacity_round_is_refused(capsys) -> None:
+    with pytest.raises(SystemExit):
+        main(["--capacity-repeats", "0", "--device", "cpu"])
+    assert "--capacity-repeats must be at least 1" in capsys.readouterr().err
