@@ -9,7 +9,6 @@ called exactly as ``ts.model_loader`` and ``ts.service`` /
 from __future__ import annotations
 
 import asyncio
-import copy
 import json
 from pathlib import Path
 from typing import Any
@@ -74,19 +73,16 @@ def group_load_context(
     return worker_context("group-direct", model_dir, {"model": {"modelName": "group"}}, yaml_config, gpu)
 
 
-def request_context(
-    load: Context, n_requests: int, headers: dict[str, str] | None = None, *, lean: bool = False
-) -> Context:
-    """A message's own context, with one status slot per request.
+def request_context(load: Context, n_requests: int, headers: dict[str, str] | None = None) -> Context:
+    """A message's own context, with one status slot per request: the shallow copy the async handlers'
+    own message pump makes (``worker_pump.message_context``), which is what serves them inside
+    TorchServe.  (A deep copy, as ``ts.async_service.predict`` makes, cost about 1 ms of the event
+    loop's time per request in a cProfile of Ebird on bert-tiny1, which TorchServe never pays there.)"""
+    return with_requests(message_context(load), n_requests, headers)
 
-    ``lean``: the shallow copy the async handlers' own message pump makes
-    (``worker_pump.message_context``), which is what serves them inside
-    TorchServe; otherwise the deep copy ``ts.async_service.predict`` and
-    the sync worker make.  Deep-copying the context per request costs about
-    1 ms of the event loop's time (a cProfile of Ebird on bert-tiny1), which
-    would be charged to the handler though TorchServe never pays it there.
-    """
-    ctx = message_context(load) if lean else copy.deepcopy(load)
+
+def with_requests(ctx: Context, n_requests: int, headers: dict[str, str] | None = None) -> Context:
+    """``ctx`` with a message's request ids and one request processor (status slot) per request."""
     ctx.request_ids = {i: f"req-{i}" for i in range(n_requests)}
     ctx.request_processor = [RequestProcessor(dict(headers or {})) for _ in range(n_requests)]
     return ctx
@@ -99,7 +95,7 @@ def as_client_sees(answer: Any) -> Any:
 
 async def call(handler: Any, load: Context, row: dict, headers: dict[str, str] | None = None) -> tuple[int, Any]:
     """One request through an async handler's ``handle``, with the client's ``headers``: (status, answer)."""
-    ctx = request_context(load, 1, headers, lean=True)
+    ctx = request_context(load, 1, headers)
     [answer] = await handler.handle([row], ctx)
     status, _ = ctx.get_response_status(0)
     return status, as_client_sees(answer)
@@ -132,7 +128,7 @@ class BurstCaller:
 
     def _hand_over(self) -> None:
         burst, self._pending = self._pending, []
-        calls = [([row], request_context(self.load, 1, headers, lean=True)) for row, headers, _ in burst]
+        calls = [([row], request_context(self.load, 1, headers)) for row, headers, _ in burst]
 
         def done(index: int, answers: list[Any]) -> None:
             [answer] = answers
@@ -151,8 +147,6 @@ def call_batch(handler: Any, load: Context, rows: list[dict]) -> list[tuple[int,
     that the sync worker never pays).  So batches must not overlap on one
     ``load``, which a sync worker's one thread guarantees.
     """
-    ctx = load
-    ctx.request_ids = {i: f"req-{i}" for i in range(len(rows))}
-    ctx.request_processor = [RequestProcessor({}) for _ in rows]
+    ctx = with_requests(load, len(rows))
     answers = handler.handle(rows, ctx)
     return [(ctx.get_response_status(i)[0], as_client_sees(answer)) for i, answer in enumerate(answers)]

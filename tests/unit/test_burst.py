@@ -79,10 +79,7 @@ def burst(handler, load, messages: list[list[dict]], headers=None, then=None) ->
     async def main():
         loop = asyncio.get_running_loop()
         per_message = headers if isinstance(headers, list) else [headers] * len(messages)
-        calls = [
-            (data, request_context(load, len(data), h, lean=True))
-            for data, h in zip(messages, per_message, strict=True)
-        ]
+        calls = [(data, request_context(load, len(data), h)) for data, h in zip(messages, per_message, strict=True)]
         answered = [loop.create_future() for _ in calls]
         times = [0] * len(calls)
 
