@@ -274,9 +274,7 @@ class WorkerPump:
                 request_ids[index] = row["requestId"].decode("utf-8")
         if not request_ids:
             return None
-        context = message_context(self.service.context)
-        context.request_ids = request_ids
-        context.request_processor = [RequestProcessor({}) for _ in range(max(request_ids) + 1)]
+        context = self._context_for(request_ids, [RequestProcessor({}) for _ in range(max(request_ids) + 1)])
         return failed_message(context, ServiceUnavailable(PREDICTION_FAILED))
 
     def _message_call(self, message: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], Any]:
@@ -284,13 +282,18 @@ class WorkerPump:
         from ts.service import Service
 
         headers, rows, request_ids = Service.retrieve_data_for_inference(message)
+        return rows, self._context_for(request_ids, headers)
+
+    def _context_for(self, request_ids: dict[int, str], processors: list[Any]) -> Any:
+        """A message's own context (``message_context``) naming its requests: their ids, and one request
+        processor each (headers, and the status its answer gets)."""
         context = message_context(self.service.context)
         context.request_ids = request_ids
-        context.request_processor = headers
+        context.request_processor = processors
         context.cl_socket = self.service.cl_socket
         if context.metrics is not None:
             context.metrics.request_ids = request_ids
-        return rows, context
+        return context
 
     def _framed(self, answers: Any, count: int, context: Any, started: float) -> bytes | bytearray | None:
         """A message's answers framed for the frontend, its prediction time noted (``_note_prediction_time``);
