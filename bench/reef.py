@@ -213,8 +213,8 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             l1_ms[name] = single.mean_latency_ms()
         # RT clients share --rt-load: each keeps the worker busy rt_load / (number of RT clients) of the time.
         rt_rates = {n: args.rt_load / len(l1_ms) / (ms / 1e3) for n, ms in l1_ms.items()}
-        log = server.log_dir / "model_log.log"
-        offset = log.stat().st_size if log.exists() else 0
+        log = server.model_log
+        offset = server.model_log_size()
         order = list(POLICIES)
         for repeat in range(args.repeats):
             for policy in order if repeat % 2 == 0 else order[::-1]:

@@ -41,6 +41,7 @@ class PackratController:
         base_config: Path | None = None,
         inference_host: str = "127.0.0.1",
         status_host: str = "127.0.0.1",
+        log_config: Path | None = None,
     ) -> None:
         self.workdir = Path(workdir).resolve()
         self.targets = targets
@@ -51,7 +52,8 @@ class PackratController:
         kwargs = {"base_config": base_config} if base_config else {}
         self.server = TorchServeProcess(
             self.workdir / "torchserve", self.model_store, ports=ports,
-            env={PLAN_DIR_ENV: str(self.store.root)}, inference_host=inference_host, **kwargs,
+            env={PLAN_DIR_ENV: str(self.store.root)}, inference_host=inference_host, log_config=log_config,
+            **kwargs,
         )  # fmt: skip
         self.models: dict[str, ModelController] = {}
         self.division: DivisionPolicy | None = None

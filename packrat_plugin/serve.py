@@ -61,6 +61,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="profile per model (default: profiles/<catalog name>.json)")  # fmt: skip
     p.add_argument("--config", type=Path, default=REPO_CONFIG, help="TorchServe config.properties")
     p.add_argument("--free-ports", action="store_true", help="ignore the config's ports, take free ones")
+    p.add_argument("--log-config", type=Path, default=None, metavar="LOG4J2_XML",
+                   help="TorchServe's log4j2 file (default: its log files, rolled at 100 MB, never daily)")  # fmt: skip
     p.add_argument("--status-port", type=int, default=DEFAULT_STATUS_PORT)
     p.add_argument("--status-host", default="127.0.0.1",
                    help="address the status and /metrics server binds (0.0.0.0 in a scraped pod)")  # fmt: skip
@@ -224,7 +226,7 @@ def run_serve(args: argparse.Namespace) -> int:
     controller = PackratController(
         args.workdir, targets_from(args), config_from(args), ports=ports,
         status_port=args.status_port, base_config=args.config, inference_host=_inference_host(args.config),
-        status_host=args.status_host,
+        status_host=args.status_host, log_config=args.log_config,
     )  # fmt: skip
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -28,6 +28,7 @@ import requests
 
 from serving_harness.clients import InferenceClient, ManagementClient, MetricsClient
 from serving_harness.jsonfile import write_json_atomic
+from serving_harness.log_config import write_log_config
 from serving_harness.processes import pid_alive
 
 REPO_CONFIG = Path(__file__).resolve().parent.parent / "config.properties"
@@ -84,8 +85,10 @@ class TorchServeProcess:
     """A TorchServe instance rooted in ``workdir``.
 
     ``workdir`` receives ``config.properties`` (the repo's file with this
-    instance's ports and model store), ``logs/`` and ``tmp/``.  Extra
-    properties override the repo's.
+    instance's ports and model store), ``log4j2.xml``, ``logs/`` and ``tmp/``.
+    Extra properties override the repo's.  ``log_config`` is a log4j2 file of
+    the caller's; without one the server logs as ``log_config.log4j2_xml``
+    says: TorchServe's files, rolled by size and never at midnight.
     """
 
     def __init__(
@@ -97,6 +100,7 @@ class TorchServeProcess:
         extra_properties: dict[str, str] | None = None,
         env: dict[str, str] | None = None,
         inference_host: str = "127.0.0.1",
+        log_config: Path | None = None,
     ) -> None:
         self.workdir = Path(workdir).resolve()
         # Where the inference API listens (0.0.0.0 in a container that serves its pod's traffic); the
@@ -109,6 +113,8 @@ class TorchServeProcess:
         self.extra_env = env or {}
         self.log_dir = self.workdir / "logs"
         self.config_path = self.workdir / "config.properties"
+        self.log_config = Path(log_config).resolve() if log_config is not None else self.workdir / "log4j2.xml"
+        self._own_log_config = log_config is None
         self.proc: subprocess.Popen | None = None
         self._stdout = None
         self.attached_pid: int | None = None  # a server an earlier process of this workdir left running
@@ -174,6 +180,10 @@ class TorchServeProcess:
         tmp = self.workdir / "tmp"
         tmp.mkdir(exist_ok=True)
         self.write_config()
+        if self._own_log_config:
+            write_log_config(self.log_config)
+        elif not self.log_config.is_file():
+            raise TorchServeError(f"log config {self.log_config} does not exist")
         env = dict(os.environ)
         env.update(
             {
@@ -193,6 +203,7 @@ class TorchServeProcess:
             torchserve, "--start", "--foreground",
             "--ts-config", str(self.config_path),
             "--model-store", str(self.model_store),
+            "--log-config", str(self.log_config),
             "--ncs", "--disable-token-auth", "--enable-model-api",
         ]  # fmt: skip
         self._stdout = open(self.log_dir / "torchserve.stdout.log", "wb")  # noqa: SIM115 (lives as long as the server)
@@ -304,10 +315,23 @@ class TorchServeProcess:
                 chunks.append(f"--- {name} (last {len(tail)} lines) ---\n" + "\n".join(tail))
         return "\n".join(chunks) or "(no logs)"
 
+    @property
+    def model_log(self) -> Path:
+        """The workers' stdout and stderr as the frontend logs them (one file for the server's life: see
+        ``log_config``)."""
+        return self.log_dir / "model_log.log"
+
     def model_log_size(self) -> int:
         """Where the model log ends now: pass it to ``model_log_lines`` to read only what comes after."""
-        path = self.log_dir / "model_log.log"
-        return path.stat().st_size if path.exists() else 0
+        return self.model_log.stat().st_size if self.model_log.exists() else 0
+
+    def model_log_text(self, since: int = 0) -> str:
+        """The model log from byte ``since`` on ('' while it does not exist)."""
+        if not self.model_log.exists():
+            return ""
+        with self.model_log.open("rb") as f:
+            f.seek(since)
+            return f.read().decode(errors="replace")
 
     def model_log_lines(self, containing: str, since: int = 0, timeout_s: float = 10.0) -> list[str]:
         """The model log's lines after byte ``since`` that contain ``containing``, waiting up to ``timeout_s``.
@@ -317,14 +341,9 @@ class TorchServeProcess:
         answer can arrive before the line the worker printed on its way.  So a caller that looks for
         a line right after an answer polls, and gets an empty list only when the line never came.
         """
-        path = self.log_dir / "model_log.log"
         deadline = time.monotonic() + timeout_s
         while True:
-            found: list[str] = []
-            if path.exists():
-                with path.open(errors="replace") as f:
-                    f.seek(since)
-                    found = [line for line in f if containing in line]
+            found = [line for line in self.model_log_text(since).splitlines() if containing in line]
             if found or time.monotonic() >= deadline:
                 return found
             time.sleep(0.1)

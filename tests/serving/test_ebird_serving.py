@@ -183,7 +183,7 @@ def serve_good_and_bad(torchserve, model: str, good: int) -> int:
 
 def worker_log(torchserve, model: str) -> list[str]:
     """The model log's lines from ``model``'s workers (TorchServe names each line's thread after the model)."""
-    lines = (torchserve.log_dir / "model_log.log").read_text(errors="replace").splitlines()
+    lines = torchserve.model_log_text().splitlines()
     return [line for line in lines if f"-{model}_" in line]
 
 

@@ -40,7 +40,7 @@ def nimble(torchserve, model_store_dir):
 
 
 def model_log(torchserve) -> list[str]:
-    return [line for line in (torchserve.log_dir / "model_log.log").read_text().splitlines() if MODEL in line]
+    return [line for line in torchserve.model_log_text().splitlines() if MODEL in line]
 
 
 def fallback_lines(torchserve) -> list[str]:

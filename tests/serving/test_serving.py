@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import subprocess
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +16,8 @@ import yaml
 from model_store.catalog import ModelSpec, get_spec
 from model_store.factory import outputs_close
 from serving_harness.clients import TorchServeAPIError
+from serving_harness.log_config import log4j2_xml
+from serving_harness.torchserve import TorchServeError, TorchServeProcess
 from tests.metrics_endpoint import handler_metric, requests_batched
 from tests.payloads import image_tensor_json, jpeg_bytes, png_bytes, reference_logits, token_ids_json
 
@@ -49,6 +54,36 @@ def test_unpacked_archives_stay_inside_the_servers_workdir(served, torchserve):
     served("resnet50", "eager")
     unpacked = torchserve.workdir / "tmp" / "models"
     assert unpacked.is_dir() and any(unpacked.iterdir())  # removed with the workdir, not left in /tmp
+
+
+def log4j_flags(server: TorchServeProcess) -> list[str]:
+    """The log4j configuration flags on the command lines of the server's process group (the JVM's)."""
+    pids = subprocess.run(["pgrep", "-g", str(server.proc.pid)], capture_output=True, text=True).stdout.split()
+    flags = []
+    for pid in pids:
+        with contextlib.suppress(FileNotFoundError):
+            args = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+            flags += [arg for arg in args if arg.startswith("-Dlog4j.configurationFile=")]
+    return flags
+
+
+def test_the_frontend_logs_with_the_harness_config_into_the_servers_own_files(served, torchserve):
+    """The JVM was given the workdir's log4j2.xml (size-only rolling: no midnight roll under a reader) and
+    the worker's start-up reached ``model_log.log`` through it, its thread named after the model."""
+    model = served("resnet50", "eager")
+    assert log4j_flags(torchserve) == [f"-Dlog4j.configurationFile=file://{torchserve.workdir / 'log4j2.xml'}"]
+    assert torchserve.model_log_lines(f"-{model}_", timeout_s=5)
+
+
+def test_a_log_config_of_the_callers_own_replaces_the_harness_one(model_store_dir, tmp_path):
+    missing = TorchServeProcess(tmp_path / "missing", model_store_dir, log_config=tmp_path / "nowhere.xml")
+    with pytest.raises(TorchServeError, match="nowhere.xml does not exist"):
+        missing.start()
+    own = tmp_path / "own.xml"
+    own.write_text(log4j2_xml(roll_mb=1, keep=1))
+    with TorchServeProcess(tmp_path / "own", model_store_dir, log_config=own) as server:
+        assert log4j_flags(server) == [f"-Dlog4j.configurationFile=file://{own}"]
+        assert not (server.workdir / "log4j2.xml").exists()
 
 
 def test_archive_carries_the_spec_and_the_handler(archive):

@@ -121,7 +121,7 @@ def test_packrat_serves_a_users_archive_pinned_per_slot_with_the_handlers_own_an
 
 def reported_threads(controller: PackratController, model: str, version: str, worker_id: str) -> tuple[list, int]:
     """The cores and intra-op threads the worker's own torch reported once the user's handler had initialised."""
-    log = (controller.server.log_dir / "model_log.log").read_text(errors="replace")
+    log = controller.server.model_log_text()
     found = re.findall(rf"W-{worker_id}-{model}_{version}-stdout .* in Packrat's slot: cores \[([\d, ]+)\], (\d+) "
                        "intra-op threads", log)  # fmt: skip
     assert found, f"no start-up line from worker {worker_id} of {model} v{version}"
