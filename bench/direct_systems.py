@@ -1,6 +1,6 @@
 """The systems ``bench/ebird_direct.py`` compares, each served in-process in a process of its own.
 
-A system's name says what runs (``ebird``, ``nowait``, ``waitN``, ``dvabatch``,
+A system's name says what runs (``ebird``, ``nowait``, ``waitN``, ``dvabatch``, ``reef``,
 the twin and graph variants); ``make_driver`` builds its handler as TorchServe's
 Python worker would (``bench/direct.py``) and a driver that feeds it requests:
 one ``handle`` call per request for the async handlers, the frontend's
@@ -23,11 +23,12 @@ from pathlib import Path
 from typing import Any
 
 from archiver.options import ServingOptions
-from bench.direct import BurstCaller, call_batch, load_context
+from bench.direct import BurstCaller, call_batch, group_load_context, load_context
 from handlers.dvabatch.handler import DvaBatchHandler
 from handlers.ebird.handler import EbirdHandler
 from handlers.ebird.scheduler import default_worker_batches
 from handlers.plain_handler import PlainModelHandler
+from handlers.reef.handler import ReefHandler
 from handlers.runtime.decode import BATCHED, LANE
 from model_store.catalog import get_spec
 from serving_harness.loadgen import LoadResult, Sample
@@ -39,6 +40,7 @@ SAME_EXECUTION = "nowait-graphs-batched"
 TWIN = "nowait-twin"  # NO Wait again, as a system of its own: its ratio to NO Wait is the bench's A/A band
 EBIRD_EAGER = "ebird-eager"
 DVABATCH = "dvabatch"
+REEF = "reef"  # REEF serving the one model as its real-time member: its RT path, the host-bound measure
 NOWAIT_BATCH = 32
 
 
@@ -107,6 +109,8 @@ def label(system: str) -> str:
         return "Ebird"
     if system == DVABATCH:
         return "DVABatch"
+    if system == REEF:
+        return "REEF (real-time)"
     if system.startswith("wait"):
         return f"wait {wait_ms(system):g} ms"
     if system == EBIRD_EAGER:
@@ -213,8 +217,8 @@ def make_driver(
 ) -> tuple[Any, Any]:
     """(driver, handler) for one system, initialised as TorchServe would initialise its worker.
 
-    ``max_batch``: every system's largest batch (Ebird's largest worker, DVABatch's ``max_batch``,
-    the frontend's ``batch_size`` for the plain handler); None: each one's default.
+    ``max_batch``: every system's largest batch (Ebird's largest worker, DVABatch's ``max_batch``, REEF's
+    ``rt_max_batch``, the frontend's ``batch_size`` for the plain handler); None: each one's default.
     """
     spec = get_spec(model, mode)
     gpu = 0 if device == "cuda" else None
@@ -236,6 +240,15 @@ def make_driver(
         )
         ctx = load_context(spec, Path(model_dir), options, gpu=gpu)
         handler = DvaBatchHandler()
+        handler.initialize(ctx)
+        return AsyncDriver(handler, ctx), handler
+    if system == REEF:  # a one-model group archive whose model is real-time: no header needed
+        settings = (("realtime", (model,)),)
+        if max_batch is not None:
+            settings += (("rt_max_batch", max_batch), ("max_inflight", max(64, 2 * max_batch)))
+        options = ServingOptions(handler="reef", handler_settings=settings)
+        ctx = group_load_context([spec], Path(model_dir) / "group", options, gpu)
+        handler = ReefHandler()
         handler.initialize(ctx)
         return AsyncDriver(handler, ctx), handler
     delay_ms = wait_ms(system) if system.startswith("wait") else 0.0
@@ -282,15 +295,15 @@ async def play(times: list[float], send: Callable[[int], Awaitable[int]]) -> Loa
 
 def thread_role(name: str | None) -> str:
     """Which part of a system a thread of its process is: the event loop (and the load generator on
-    it), the sync worker, a CPU lane, an OpenMP team thread (not a Python thread), or another."""
+    it), the sync worker, a CPU lane, a decode thread, REEF's executors, an OpenMP team thread (not a
+    Python thread), or another."""
     if name is None:
         return "OpenMP"
     if name == "MainThread":
         return "event loop"
-    if name.startswith("worker"):
-        return "worker"
-    if name.startswith("lane"):
-        return "lanes"
+    for prefix, role in (("worker", "worker"), ("lane", "lanes"), ("decode", "decode"), ("reef-", "executors")):
+        if name.startswith(prefix):
+            return role
     return "other"
 
 

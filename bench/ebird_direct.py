@@ -25,7 +25,10 @@ DVABatch paper).
 ``--handler dvabatch`` drives DVABatch (``dvabatch``) in Ebird's place
 against the same baselines; token models get requests of mixed lengths
 (``bench/dvabatch.py``'s ``TOKEN_LENGTH_MIX``), which the baselines pad to
-the sequence length and DVABatch to its length classes.
+the sequence length and DVABatch to its length classes.  ``--handler reef``
+drives REEF with the model as its one real-time member (``reef``): its
+real-time path, request by request, against the same baselines (its
+best-effort preemption is ``bench/reef_direct.py``'s).
 
 ``--base REV`` serves the handler a second time, as the code of commit REV
 serves it (``ebird@REV``, from a git worktree made for the run): both
@@ -88,6 +91,7 @@ from bench.direct_systems import (
     EBIRD_EAGER,
     GRAPH_BASELINE,
     NOWAIT_BATCH,
+    REEF,
     SAME_EXECUTION,
     TWIN,
     SystemProcess,
@@ -409,7 +413,12 @@ def main(argv: list[str] | None = None) -> int:
         "lane = on the CPU lane between batches; batched = JPEGs in batches by torchvision's decoder, nvJPEG on "
         "CUDA; auto = the device's default)",
     )
-    parser.add_argument("--handler", default="ebird", choices=("ebird", "dvabatch"), help="the handler to measure")
+    parser.add_argument(
+        "--handler",
+        default="ebird",
+        choices=("ebird", "dvabatch", "reef"),
+        help="the handler to measure (reef: its real-time path, the model its one RT member)",
+    )
     parser.add_argument("--wait-ms", default="", help="waiting baselines: the frontend's max_batch_delay, e.g. 5,10")
     parser.add_argument(
         "--graphs-compare",
@@ -431,8 +440,8 @@ def main(argv: list[str] | None = None) -> int:
         "--max-batch",
         type=int,
         default=None,
-        help="every system's largest batch (Ebird's largest worker, DVABatch's max_batch, NO Wait's batch_size); "
-        f"default: each one's own (Ebird 16, DVABatch 16, NO Wait {NOWAIT_BATCH})",
+        help="every system's largest batch (Ebird's largest worker, DVABatch's max_batch, REEF's rt_max_batch, "
+        f"NO Wait's batch_size); default: each one's own (Ebird 16, DVABatch 16, REEF 4, NO Wait {NOWAIT_BATCH})",
     )
     parser.add_argument(
         "--base",
@@ -466,8 +475,8 @@ def main(argv: list[str] | None = None) -> int:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     elif args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: CUDA is not available on this machine (use --device cpu)")
-    if args.handler == "dvabatch":
-        args.systems = [DVABATCH]
+    if args.handler in (DVABATCH, REEF):
+        args.systems = [args.handler]
     if args.graphs_compare is None:
         args.graphs_compare = args.device == "cuda" and args.handler == "ebird"
     if args.graphs_compare:  # on a CPU the graph settings are ignored: a dry run of the four systems' code

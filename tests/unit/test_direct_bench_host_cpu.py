@@ -14,6 +14,8 @@ def test_threads_are_named_into_roles() -> None:
     assert thread_role("lane_1") == "lanes"
     assert thread_role(None) == "OpenMP"  # not a Python thread: an intra-op team's
     assert thread_role("ebird-scheduler") == "other"
+    assert thread_role("decode_0") == "decode"
+    assert thread_role("reef-rt") == thread_role("reef-be-bert-tiny1") == "executors"
 
 
 def test_a_busy_lane_thread_shows_its_cpu_under_lanes() -> None:
