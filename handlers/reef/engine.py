@@ -38,6 +38,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -104,8 +105,9 @@ class Member:
     sliced: SegmentedModel
     example: ModelInput  # one request's input layout
 
-    @property
+    @functools.cached_property
     def layout(self) -> tuple:
+        """The input layout a request must have (checked at every admission, so worked out once)."""
         return layout_of(self.example)
 
 
@@ -136,7 +138,13 @@ class ReefEngine(Engine):
         self._rt: deque[_Queued] = deque()
         self._be: dict[str, deque[_Queued]] = {name: deque() for name in self.members}
         self._outstanding: set[Ticket] = set()
-        self._cond = threading.Condition()
+        # One lock, one condition per queue and one for answers: an admission wakes only the executor
+        # of its queue (one notify), not every executor to find its own queue empty again, and a
+        # batch's answers wake only a close waiting for them.
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._rt_ready = threading.Condition(self._lock)
+        self._be_ready = {name: threading.Condition(self._lock) for name in self.members}
         self._closing = False
         self._stopping = False
         # CPU: an RT batch runs alone, on every core; BE batches run side by side,
@@ -246,18 +254,22 @@ class ReefEngine(Engine):
                 if self._gated:
                     self.gate.raise_realtime()  # BE stops before its next unit, from now
                 self._rt.append((ticket, item))
+                self._rt_ready.notify()
             else:
                 self._be[item.model].append((ticket, item))
-            self._cond.notify_all()
+                self._be_ready[item.model].notify()
         return ticket.future
 
     # -- executors ---------------------------------------------------------------------
 
-    def _next(self, queue: deque[_Queued], limit: int, same_model: bool) -> list[_Queued] | None:
-        """Up to ``limit`` requests from the head of ``queue`` (one model's run, for the RT queue); None: stop."""
-        with self._cond:
+    def _next(
+        self, queue: deque[_Queued], ready: threading.Condition, limit: int, same_model: bool
+    ) -> list[_Queued] | None:
+        """Up to ``limit`` requests from the head of ``queue`` (one model's run, for the RT queue), waiting on
+        ``ready`` (the queue's condition) while it is empty; None: stop."""
+        with self._lock:
             while not queue and not self._stopping:
-                self._cond.wait()
+                ready.wait()
             if self._stopping:
                 return None
             batch = [queue.popleft()]
@@ -269,7 +281,7 @@ class ReefEngine(Engine):
         torch.set_num_threads(self._rt_threads)
         if not self._warm_up_here(warm, lambda: self._warm_whole()):
             return
-        while (batch := self._next(self._rt, self.config.rt_max_batch, same_model=True)) is not None:
+        while (batch := self._next(self._rt, self._rt_ready, self.config.rt_max_batch, same_model=True)) is not None:
             member = self.members[batch[0][1].model]
             if not self._gated:
                 self._run(batch, lambda inputs, m=member: m.model(*inputs), self._rt_stream)
@@ -297,7 +309,8 @@ class ReefEngine(Engine):
         if not self._warm_up_here(warm, lambda: self._warm_units(member)):
             return
         stream = self._be_streams[name]
-        while (batch := self._next(self._be[name], self.config.be_max_batch, same_model=False)) is not None:
+        ready = self._be_ready[name]
+        while (batch := self._next(self._be[name], ready, self.config.be_max_batch, same_model=False)) is not None:
             with self._be_slots:
                 with self._cond:
                     self._be_busy += 1
@@ -415,7 +428,11 @@ class ReefEngine(Engine):
             warm.result()
 
     def _stop(self) -> None:
+        """With the lock held (``drain_then_stop``): every executor ends at its next wait."""
         self._stopping = True
+        self._rt_ready.notify_all()
+        for ready in self._be_ready.values():
+            ready.notify_all()
 
     def close(self, timeout_s: float = 30.0) -> None:
         deadline = time.monotonic() + timeout_s

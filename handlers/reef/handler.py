@@ -20,7 +20,7 @@ import torch
 
 from handlers.codecs import DEFAULT_MAX_PAYLOAD_BYTES, InputCodec, ModelInput
 from handlers.errors import RequestError, bad_request
-from handlers.reef.config import MODEL_HEADER, PRIORITY_HEADER, ReefConfig
+from handlers.reef.config import MODEL_HEADER, PRIORITY_HEADER, REALTIME, ReefConfig
 from handlers.reef.engine import Member, ReefEngine, RoutedInput
 from handlers.runtime.async_handler import (
     DEFAULT_RESPONSE_TIMEOUT_S,
@@ -59,6 +59,7 @@ class ReefHandler(AsyncModelHandler):
         super().__init__()
         self.config = ReefConfig()
         self.codecs: dict[str, InputCodec] = {}
+        self.encode_setting: str | None = None  # the archive's encode_answers (None: by priority)
 
     def create_engine(self, layout_example: ModelInput) -> ReefEngine:
         raise NotImplementedError("REEF builds one engine for all of its models in initialize")
@@ -96,7 +97,8 @@ class ReefHandler(AsyncModelHandler):
             torch.set_num_threads(1)  # this thread runs the event loop; the executors own the cores
         self.spec, self.codec = specs[0], self.codecs[specs[0].name]
         self.decoder = self._reef_decoder(handler_config.get("decode_threads"))
-        self.encode_on_engine = self._encode_on_engine(parse_encode_answers(handler_config.get("encode_answers")))
+        self.encode_setting = parse_encode_answers(handler_config.get("encode_answers"))
+        self.encode_on_engine = self._encode_on_engine(self.encode_setting)
         self.metrics = HandlerMetrics.for_worker(context, handler_config)
         engine = ReefEngine(members, self.device, self.config, self.metrics, self.cpu_threads)
         engine.warm_up()
@@ -113,6 +115,17 @@ class ReefHandler(AsyncModelHandler):
             self.decoder.where,
             pump,
         )
+
+    def encodes_on_engine(self, item: ModelInput) -> bool:
+        """By default a real-time batch's answers are encoded on the RT executor, in one call as the batch
+        ends: it runs alone (best-effort units wait at the gate until it is done), so its encoding
+        starts no OpenMP team beside another, and the event loop is spared the torch and JSON work per
+        request (~60 µs each on a one-layer BERT: ``docs/benchmarks/host_path.md``).  Best-effort answers
+        stay on the loop (see ``_encode_on_engine``).  ``encode_answers`` set in the archive decides
+        for both."""
+        if self.encode_setting is None:
+            return getattr(item, "priority", None) == REALTIME
+        return self.encode_on_engine
 
     def _reef_decoder(self, setting: Any) -> RequestDecoder:
         placement = parse_decode_threads(setting)

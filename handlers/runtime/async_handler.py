@@ -288,13 +288,19 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
         ``settle_batch`` call, between two batches); elsewhere on the event loop.  REEF's CPU executors
         are not lanes: a best-effort batch's answers encoded on its executor (GPT-2's 50k logits a row)
         start an OpenMP team beside the real-time batch's, and on 2 vCPUs two teams stalled RT answers
-        to a 350 ms p99 in two of three quick workload-T runs (``docs/benchmarks/host_path.md``)."""
+        to a 350 ms p99 in two of three quick workload-T runs (``docs/benchmarks/host_path.md``); it
+        decides per request instead (``ReefHandler.encodes_on_engine``)."""
         if setting is None:
             return self.lanes is not None
         if setting == ENGINE and self.lanes is None:
             logger.warning("no CPU lanes on %s: encode_answers 'engine' becomes 'loop'", self.device)
             return False
         return setting == ENGINE
+
+    def encodes_on_engine(self, item: ModelInput) -> bool:
+        """Whether ``item``'s answer is encoded on the thread that settles it (``encode_on_engine``); a
+        handler whose engine threads differ by request (REEF's priorities) decides per request."""
+        return self.encode_on_engine
 
     def _make_decoder(self, placement: int | str | None) -> RequestDecoder | BatchedJpegDecoder:
         if placement == BATCHED:
@@ -410,7 +416,7 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
         admission = self.admission_of(loop, item)
         future = await admission.admit(item, deadline)
         admitted = time.monotonic()
-        if self.encode_on_engine and hasattr(future, "encode"):  # a ``TicketFuture``
+        if self.encodes_on_engine(item) and hasattr(future, "encode"):  # a ``TicketFuture``
             future.encode = self.encoder_for(item)
         if arrival is not None:
             self.arrivals.leave(arrival)

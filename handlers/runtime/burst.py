@@ -167,7 +167,7 @@ class BurstServer:
         handler = self.handler
         request.admitted = time.monotonic()
         request.future = future
-        if handler.encode_on_engine and hasattr(future, "encode"):  # a ``TicketFuture``
+        if handler.encodes_on_engine(request.item) and hasattr(future, "encode"):  # a ``TicketFuture``
             future.encode = handler.encoder_for(request.item)
         if request.arrival is not None:
             handler.arrivals.leave(request.arrival)

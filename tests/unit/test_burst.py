@@ -30,7 +30,7 @@ from bench.direct import (
 from bench.dvabatch import bench_payloads, dvabatch_token_lengths
 from handlers.dvabatch.handler import DvaBatchHandler
 from handlers.ebird.handler import EbirdHandler
-from handlers.reef.handler import ReefHandler
+from handlers.reef.handler import ENGINE_KEY, ReefHandler
 from handlers.runtime.burst import BurstServer
 from model_store.catalog import get_spec
 from model_store.samples import request_body
@@ -186,21 +186,35 @@ def test_a_request_past_its_deadline_is_answered_503_once_and_its_late_result_is
     assert handler.unanswered == 0
 
 
-def test_reef_routes_each_request_of_a_burst_by_its_own_headers(tmp_path, keep_handlers):
-    """REEF picks the member from each request's headers (``route_request``): in one burst, requests for
-    both members at both priorities are answered as ``handle`` answers them, and a request naming no
-    member it serves gets its own 404 while the rest are served."""
+def reef_pair(tmp_path, keep_handlers, **handler_config):
+    """A REEF handler serving the one-layer BERT (real-time) and GPT-2 (best-effort), ``handler_config``
+    added to its archive's ``handler:`` section; (handler, load context, three request rows per member)."""
     specs = [SPEC, get_spec("gpt2-tiny1", "eager")]
     options = ServingOptions(handler="reef", handler_settings=(("realtime", ["bert-tiny1"]),))
     load = group_load_context(specs, tmp_path / "weights", options)
+    load.model_yaml_config["handler"].update(handler_config)
     handler = keep_handlers(ReefHandler())
     handler.initialize(load)
     bodies = {spec.name: [{"body": request_body(p)} for p in bench_payloads(spec, count=3)[0]] for spec in specs}
+    return handler, load, bodies
+
+
+def both_priorities(bodies) -> tuple[list[list[dict]], list[dict[str, str]]]:
+    """Three one-request messages per member, each at its member's default priority, interleaved."""
     messages, headers = [], []
     for i in range(3):
         for name, priority in (("bert-tiny1", "realtime"), ("gpt2-tiny1", "best-effort")):
             messages.append([bodies[name][i]])
             headers.append({"X-Model": name, "X-Priority": priority})
+    return messages, headers
+
+
+def test_reef_routes_each_request_of_a_burst_by_its_own_headers(tmp_path, keep_handlers):
+    """REEF picks the member from each request's headers (``route_request``): in one burst, requests for
+    both members at both priorities are answered as ``handle`` answers them, and a request naming no
+    member it serves gets its own 404 while the rest are served."""
+    handler, load, bodies = reef_pair(tmp_path, keep_handlers)
+    messages, headers = both_priorities(bodies)
     messages.append([bodies["bert-tiny1"][0]])
     headers.append({"X-Model": "resnet50"})
     expected = [asyncio.run(call(handler, load, m[0], h)) for m, h in zip(messages[:-1], headers[:-1], strict=True)]
@@ -211,6 +225,42 @@ def test_reef_routes_each_request_of_a_burst_by_its_own_headers(tmp_path, keep_h
     status, body = answers[-1][0]
     assert status == 404 and "resnet50" in json.loads(body)["message"]
     assert handler.unanswered == 0
+
+
+@pytest.mark.parametrize(("setting", "realtime_on_engine"), [({}, True), ({"encode_answers": "loop"}, False)])
+def test_reef_encodes_real_time_answers_on_their_executor_and_best_effort_ones_on_the_loop(
+    tmp_path, keep_handlers, setting, realtime_on_engine
+):
+    """By default a real-time batch's answers are encoded by the RT executor as the batch ends (in one
+    call, while best-effort units wait at the gate) and best-effort answers on the event loop; the
+    archive's ``encode_answers: loop`` puts both on the loop.  The answers are the same either way."""
+    handler, load, bodies = reef_pair(tmp_path, keep_handlers, **setting)
+    messages, headers = both_priorities(bodies)
+    expected = [asyncio.run(call(handler, load, m[0], h)) for m, h in zip(messages, headers, strict=True)]
+    engine = handler.engines[ENGINE_KEY]
+    submitted: list[tuple[str, object]] = []
+    all_admitted = threading.Event()
+
+    def try_submit(item, submit=engine.try_submit):
+        future = submit(item)
+        submitted.append((item.priority, future))
+        return future
+
+    def request_admitted(admitted=handler.metrics.request_admitted):  # after the request's encoder was set
+        admitted()
+        if len(submitted) == len(messages):
+            all_admitted.set()
+
+    def run_when_all_are_admitted(batch, forward, stream, run=engine._run):  # no batch ends before that
+        all_admitted.wait(30)
+        return run(batch, forward, stream)
+
+    engine.try_submit, engine._run = try_submit, run_when_all_are_admitted
+    handler.metrics.request_admitted = request_admitted
+    answers = burst(handler, load, messages, headers)
+    assert_same([a[0] for a in answers], expected)
+    encoded = {priority: [future.encoded for p, future in submitted if p == priority] for priority, _ in submitted}
+    assert encoded == {"realtime": [realtime_on_engine] * 3, "best-effort": [False] * 3}
 
 
 def test_requests_still_waiting_for_room_at_their_deadline_get_a_503_saying_so_and_never_reach_the_engine(
