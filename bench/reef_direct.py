@@ -248,7 +248,8 @@ def render_with_host(data: dict[str, Any], stem: str) -> str:
     return text + (
         "\n\nREEF's real-time path at capacity (RT clients alone in closed loop, before the runs above): answers/s "
         "and host CPU per answer, µs by thread role, from each thread's CPU time in /proc (the event loop also runs "
-        "the load generator; other: REEF's executor threads; Python: every thread but the OpenMP team's):\n\n"
+        "the load generator; executors: REEF's RT and BE executor threads; decode: its decode thread; Python: every "
+        "thread but the OpenMP team's):\n\n"
         f"{table}\n"
     )
 
