@@ -7,7 +7,7 @@
 #
 # A device call runs ten minutes at most, so tier 0 comes as two calls, `0a`
 # (new_cuda hostbound ebird_same: step limits 490 s in all) and then `0b`
-# (dvabatch orca: 380 s); each call packs its own results.tar.
+# (hostbound_reef dvabatch orca: 500 s); each call packs its own results.tar.
 #
 # Tier 0 (about 13 minutes; prepared 2026-11-28/29, no loan since): the new
 # CUDA code's tests (new_cuda: REEF green contexts and BE graphs, Orca decode
@@ -52,7 +52,7 @@ work=$(mktemp -d)
 export PYTHONPATH="$PWD/.site:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
 
-tier0="new_cuda hostbound ebird_same dvabatch orca"
+tier0="new_cuda hostbound ebird_same hostbound_reef dvabatch orca"
 tier1="tests ebird ebird_same jpeg nimble_effnet"
 tier2="dvabatch reef_c reef_a"
 tier3="orca nimble_inception nimble_resnet50 nimble_fault"
@@ -61,7 +61,7 @@ for arg in "${@:-1}"; do
     case $arg in
         0) steps+="$tier0 " ;;
         0a) steps+="new_cuda hostbound ebird_same " ;;
-        0b) steps+="dvabatch orca " ;;
+        0b) steps+="hostbound_reef dvabatch orca " ;;
         1) steps+="$tier1 " ;;
         2) steps+="$tier2 " ;;
         3) steps+="$tier3 " ;;
@@ -108,6 +108,10 @@ step new_cuda 90 "$py" -m pytest -q -p no:cacheprovider -rs tests/gpu/test_reef_
 step hostbound 200 bash -c "for h in ebird dvabatch; do $py -m bench.ebird_direct --handler \$h --model bert-tiny1 \
     --device $dev --twin --max-batch 32 --fractions 0.3,0.85 --seconds $secs --repeats 1 --capacity-seconds $cap \
     --warmup-seconds $warm --suffix _hostbound --out-dir $work || exit 1; done"
+# REEF's real-time path in the same regime (its answers encoded on the RT executor since 2026-11-30).
+step hostbound_reef 120 "$py" -m bench.ebird_direct --handler reef --model bert-tiny1 --device "$dev" --twin \
+    --max-batch 32 --fractions 0.3,0.85 --seconds "$secs" --repeats 1 --capacity-seconds "$cap" \
+    --warmup-seconds "$warm" --suffix _hostbound --out-dir "$work"
 
 # -- tier 1 ---------------------------------------------------------------
 # Every test that skips without CUDA: tests/gpu, and the device-parametrized tests whose cuda case sits
