@@ -120,7 +120,7 @@ class ReefHandler(AsyncModelHandler):
         """By default a real-time batch's answers are encoded on the RT executor, in one call as the batch
         ends: it runs alone (best-effort units wait at the gate until it is done), so its encoding
         starts no OpenMP team beside another, and the event loop is spared the torch and JSON work per
-        request (~60 µs each on a one-layer BERT: ``docs/benchmarks/host_path.md``).  Best-effort answers
+        request (~40 µs each on a one-layer BERT: ``docs/benchmarks/host_path.md``).  Best-effort answers
         stay on the loop (see ``_encode_on_engine``).  ``encode_answers`` set in the archive decides
         for both."""
         if self.encode_setting is None:
