@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
-import subprocess
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -18,6 +16,7 @@ from model_store.factory import outputs_close
 from serving_harness.clients import TorchServeAPIError
 from serving_harness.log_config import log4j2_xml
 from serving_harness.torchserve import TorchServeError, TorchServeProcess
+from tests.frontend_heap import frontend_pid
 from tests.metrics_endpoint import handler_metric, requests_batched
 from tests.payloads import image_tensor_json, jpeg_bytes, png_bytes, reference_logits, token_ids_json
 
@@ -57,14 +56,9 @@ def test_unpacked_archives_stay_inside_the_servers_workdir(served, torchserve):
 
 
 def log4j_flags(server: TorchServeProcess) -> list[str]:
-    """The log4j configuration flags on the command lines of the server's process group (the JVM's)."""
-    pids = subprocess.run(["pgrep", "-g", str(server.proc.pid)], capture_output=True, text=True).stdout.split()
-    flags = []
-    for pid in pids:
-        with contextlib.suppress(FileNotFoundError):
-            args = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
-            flags += [arg for arg in args if arg.startswith("-Dlog4j.configurationFile=")]
-    return flags
+    """The log4j configuration flags on the frontend's (the JVM's) command line."""
+    args = Path(f"/proc/{frontend_pid(server)}/cmdline").read_bytes().decode().split("\0")
+    return [arg for arg in args if arg.startswith("-Dlog4j.configurationFile=")]
 
 
 def test_the_frontend_logs_with_the_harness_config_into_the_servers_own_files(served, torchserve):
