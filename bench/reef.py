@@ -163,18 +163,12 @@ async def one_run(
     return merged, list(results[len(rt_loads) :])
 
 
-def preemptions_since(log: Path, offset: int) -> tuple[list[float], int]:
-    """Preemption latencies (ms) the worker logged after byte ``offset``, and the new offset."""
-    if not log.exists():
-        return [], offset
-    with log.open("rb") as f:
-        f.seek(offset)
-        text = f.read().decode(errors="replace")
-        end = f.tell()
+def preemption_latencies(log_text: str) -> list[float]:
+    """Preemption latencies (ms) in the worker's log lines (``PREEMPTION_LOG``)."""
     pattern = re.compile(
         re.escape(PREEMPTION_LOG) + r" \d+ best-effort unit\(s\) in flight; real-time waited ([0-9.]+) ms"
     )
-    return [float(m.group(1)) for m in pattern.finditer(text)], end
+    return [float(m.group(1)) for m in pattern.finditer(log_text)]
 
 
 def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
@@ -213,7 +207,6 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             l1_ms[name] = single.mean_latency_ms()
         # RT clients share --rt-load: each keeps the worker busy rt_load / (number of RT clients) of the time.
         rt_rates = {n: args.rt_load / len(l1_ms) / (ms / 1e3) for n, ms in l1_ms.items()}
-        log = server.model_log
         offset = server.model_log_size()
         order = list(POLICIES)
         for repeat in range(args.repeats):
@@ -225,7 +218,8 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                 )
                 wall = time.monotonic() - started
                 time.sleep(0.5)  # the worker's log line of the last preemption
-                latencies, offset = preemptions_since(log, offset)
+                text, offset = server.model_log_read(offset)
+                latencies = preemption_latencies(text)
                 rows[policy].append(run_row(rt, be_results, wall, latencies if policy in ("reef", "rt-only") else []))
                 print(f"repeat {repeat + 1}/{args.repeats} {policy}: {summary_line(rows[policy][-1])}", flush=True)
     return summarise(args, workload, names, settings, rows, l1_ms, rt_rates, bound_ms)

@@ -327,11 +327,18 @@ class TorchServeProcess:
 
     def model_log_text(self, since: int = 0) -> str:
         """The model log from byte ``since`` on ('' while it does not exist)."""
+        return self.model_log_read(since)[0]
+
+    def model_log_read(self, since: int = 0) -> tuple[str, int]:
+        """The model log from byte ``since`` on, and the byte where what was read ends: the ``since`` of
+        the next read, so that a caller reading as the log grows sees each line once.  ('', ``since``)
+        while the log does not exist."""
         if not self.model_log.exists():
-            return ""
+            return "", since
         with self.model_log.open("rb") as f:
             f.seek(since)
-            return f.read().decode(errors="replace")
+            data = f.read()
+        return data.decode(errors="replace"), since + len(data)
 
     def model_log_lines(self, containing: str, since: int = 0, timeout_s: float = 10.0) -> list[str]:
         """The model log's lines after byte ``since`` that contain ``containing``, waiting up to ``timeout_s``.

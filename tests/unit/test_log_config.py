@@ -7,6 +7,7 @@ import xml.etree.ElementTree as ET
 import pytest
 
 from serving_harness.log_config import DETAILED_LINE, LOG_FILES, log4j2_xml
+from serving_harness.torchserve import TorchServeProcess
 
 
 def appenders(xml: str) -> dict[str, ET.Element]:
@@ -40,3 +41,19 @@ def test_the_model_log_keeps_the_worker_thread_in_each_line_and_receives_the_wor
 def test_a_config_that_could_not_keep_a_log_is_refused(roll_mb, keep):
     with pytest.raises(ValueError, match="at least 1"):
         log4j2_xml(roll_mb, keep)
+
+
+def test_reading_the_model_log_as_it_grows_sees_each_line_once(tmp_path):
+    """``model_log_read`` hands back where its read ended, so a reader that passes it on (bench/reef.py
+    counting preemptions between runs) neither misses a line nor counts one twice."""
+    server = TorchServeProcess(tmp_path / "ts", tmp_path / "store")
+    assert server.model_log_read(0) == ("", 0)  # no log yet: nothing read, nothing skipped
+    server.log_dir.mkdir(parents=True)
+    with server.model_log.open("a", encoding="utf-8") as log:
+        log.write("first ünïcode line\n")
+    text, offset = server.model_log_read(0)
+    assert text == "first ünïcode line\n" and offset == server.model_log_size()
+    with server.model_log.open("a", encoding="utf-8") as log:
+        log.write("second line\n")
+    assert server.model_log_read(offset) == ("second line\n", server.model_log_size())
+    assert server.model_log_text(offset) == "second line\n"

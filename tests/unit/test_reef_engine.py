@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 from torch import fx, nn
 
+from bench.reef import preemption_latencies
 from handlers.codecs import ModelInput
 from handlers.errors import RequestError, ServiceUnavailable
 from handlers.reef.config import BEST_EFFORT, REALTIME, ReefConfig, ReefConfigError
@@ -133,7 +135,8 @@ def expected(eng: ReefEngine, model: str, x: torch.Tensor) -> torch.Tensor:
         return eng.members[model].model(x.unsqueeze(0))[0]
 
 
-def test_a_real_time_request_preempts_a_best_effort_batch_which_restores_with_the_same_result(engine):
+def test_a_real_time_request_preempts_a_best_effort_batch_which_restores_with_the_same_result(engine, caplog):
+    caplog.set_level(logging.INFO, logger="handlers.reef.engine")
     HOLD.clear()
     RT_HOLD.clear()
     INSIDE.clear()
@@ -157,6 +160,8 @@ def test_a_real_time_request_preempts_a_best_effort_batch_which_restores_with_th
     assert engine.metrics.snapshot()["operations"] == {"preempt": 1, "resume": 1}  # what TorchServe is told
     [preemption] = engine.preemptions
     assert preemption.interrupted == 1 and preemption.latency_s > 0
+    # The worker's log line, read back as bench/reef.py reads TorchServe's model log.
+    assert preemption_latencies(caplog.text) == [pytest.approx(1e3 * preemption.latency_s, abs=0.005)]
     assert not engine.gate.realtime_mode  # normal mode once the RT queue is empty
     if engine.be_programs:  # the BE batch ran each of its three units as one program of its bucket
         assert engine.be_programs["held"].calls == {(0, 1): 1, (1, 1): 1, (2, 1): 1}
