@@ -220,6 +220,8 @@ def config_from(args: argparse.Namespace) -> ControllerConfig:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    if args.log_config is not None and not args.log_config.is_file():  # before profiling, which takes minutes
+        raise ValueError(f"--log-config: no log4j2 file at {args.log_config}")
     # The status server binds its port only once TorchServe serves: a free port chosen for TorchServe
     # must not be it (a controller once died on "Address already in use" there).
     ports = Ports.free(exclude=[args.status_port]) if args.free_ports else _ports_from(args.config)

@@ -56,3 +56,15 @@ def test_serve_lists_six_policy_flags_where_it_listed_twenty_one():
     section = help_text.split("reconfiguration policy")[1].split("several models")[0]
     flags = {line.split()[0] for line in section.splitlines() if line.strip().startswith("--")}
     assert flags == {"--up-confirm", "--down-confirm", "--min-gain", "--standby-workers", "--no-calibrate", "--tune"}
+
+
+def test_a_missing_log_config_is_refused_in_one_line_before_anything_is_profiled_or_started(tmp_path, capsys):
+    from packrat_plugin.cli import main
+
+    archive = tmp_path / "m.mar"  # never read: the log config is checked first
+    missing = tmp_path / "nowhere" / "log4j2.xml"
+    work = tmp_path / "work"
+    code = main(["serve", "--models", f"m={archive}", "--workdir", str(work), "--log-config", str(missing)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.strip() == f"packrat serve: error: --log-config: no log4j2 file at {missing}"
+    assert not work.exists()  # no TorchServe workdir was made
