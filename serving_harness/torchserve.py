@@ -326,18 +326,19 @@ class TorchServeProcess:
         return self.model_log.stat().st_size if self.model_log.exists() else 0
 
     def model_log_text(self, since: int = 0) -> str:
-        """The model log from byte ``since`` on ('' while it does not exist)."""
+        """The model log's whole lines from byte ``since`` on ('' while it does not exist)."""
         return self.model_log_read(since)[0]
 
     def model_log_read(self, since: int = 0) -> tuple[str, int]:
-        """The model log from byte ``since`` on, and the byte where what was read ends: the ``since`` of
-        the next read, so that a caller reading as the log grows sees each line once.  ('', ``since``)
-        while the log does not exist."""
+        """The model log's whole lines from byte ``since`` on, and the byte where they end: the ``since``
+        of the next read.  A line the frontend is still writing is left for that read, so a caller
+        reading as the log grows sees each line once and whole.  ('', ``since``) while there is none."""
         if not self.model_log.exists():
             return "", since
         with self.model_log.open("rb") as f:
             f.seek(since)
             data = f.read()
+        data = data[: data.rfind(b"\n") + 1]
         return data.decode(errors="replace"), since + len(data)
 
     def model_log_lines(self, containing: str, since: int = 0, timeout_s: float = 10.0) -> list[str]:

@@ -44,8 +44,8 @@ def test_a_config_that_could_not_keep_a_log_is_refused(roll_mb, keep):
 
 
 def test_reading_the_model_log_as_it_grows_sees_each_line_once(tmp_path):
-    """``model_log_read`` hands back where its read ended, so a reader that passes it on (bench/reef.py
-    counting preemptions between runs) neither misses a line nor counts one twice."""
+    """``model_log_read`` hands back where its whole lines end, so a reader that passes it on (bench/reef.py
+    counting preemptions between runs) neither misses a line, nor counts one twice, nor gets half of one."""
     server = TorchServeProcess(tmp_path / "ts", tmp_path / "store")
     assert server.model_log_read(0) == ("", 0)  # no log yet: nothing read, nothing skipped
     server.log_dir.mkdir(parents=True)
@@ -54,6 +54,9 @@ def test_reading_the_model_log_as_it_grows_sees_each_line_once(tmp_path):
     text, offset = server.model_log_read(0)
     assert text == "first ünïcode line\n" and offset == server.model_log_size()
     with server.model_log.open("a", encoding="utf-8") as log:
-        log.write("second line\n")
-    assert server.model_log_read(offset) == ("second line\n", server.model_log_size())
-    assert server.model_log_text(offset) == "second line\n"
+        log.write("second line\nthird, being writ")
+    assert server.model_log_read(offset) == ("second line\n", offset + len(b"second line\n"))
+    text, offset = server.model_log_read(offset)
+    with server.model_log.open("a", encoding="utf-8") as log:
+        log.write("ten\n")
+    assert server.model_log_read(offset) == ("third, being written\n", server.model_log_size())
