@@ -470,7 +470,7 @@ def test_bad_ebird_config_is_refused_at_build_time(settings, message):
 @pytest.mark.slow
 def test_a_request_is_unanswered_from_the_moment_it_is_read_not_only_once_admitted(make_handler):
     """Packrat's drain reads this count: a request still decoding is in the worker, though no engine holds it."""
-    handler, ctx = make_handler()
+    handler, ctx = make_handler(worker_batches=[1, 2], pool_slots=4)  # small workers: a quick start-up timing
     published: list[int] = []
     handler.unanswered_changed = published.append
     decode = handler.decode_request
