@@ -183,8 +183,7 @@ def serve_good_and_bad(torchserve, model: str, good: int) -> int:
 
 def worker_log(torchserve, model: str) -> list[str]:
     """The model log's lines from ``model``'s workers (TorchServe names each line's thread after the model)."""
-    lines = torchserve.model_log_text().splitlines()
-    return [line for line in lines if f"-{model}_" in line]
+    return torchserve.model_log_lines(f"-{model}_", timeout_s=0)
 
 
 def test_the_default_cpu_lane_rule_caps_batches_by_measured_cost_inside_torchserve(

@@ -40,7 +40,7 @@ def nimble(torchserve, model_store_dir):
 
 
 def model_log(torchserve) -> list[str]:
-    return [line for line in torchserve.model_log_text().splitlines() if MODEL in line]
+    return torchserve.model_log_lines(MODEL, timeout_s=0)
 
 
 def fallback_lines(torchserve) -> list[str]:
