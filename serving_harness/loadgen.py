@@ -8,6 +8,11 @@ Open loop: arrivals follow a schedule of phases ``(seconds, rate)``
 (uniform or Poisson inter-arrival gaps) regardless of how fast answers come,
 so queueing shows up as latency.  Step and diurnal loads are schedules.
 
+Either may be given ``until``, a ``threading.Event`` another thread sets to
+end the load early (a test that loads a server until it sees a swap): no
+new request is sent once it is set, and those in flight are awaited and
+counted as any other.
+
 Every request is accounted for: its send time, latency and status; a
 connection error or timeout is recorded as status 0, never dropped.
 """
@@ -17,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import math
 import random
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -100,15 +106,18 @@ async def closed_loop(
     duration_s: float,
     timeout_s: float = 300.0,
     headers: dict[str, str] | None = None,
+    until: threading.Event | None = None,
 ) -> LoadResult:
+    """``concurrency`` clients for ``duration_s`` seconds, or until ``until`` is set if that comes first."""
     samples: list[Sample] = []
     t0 = time.perf_counter()
     deadline = t0 + duration_s
     counter = iter(range(1 << 62))
+    stopped = until.is_set if until is not None else lambda: False
     async with _session(timeout_s, concurrency) as session:
 
         async def client() -> None:
-            while time.perf_counter() < deadline:
+            while time.perf_counter() < deadline and not stopped():
                 await _send(session, url, payloads(next(counter)), t0, samples, headers)
 
         await asyncio.gather(*(client() for _ in range(concurrency)))
@@ -124,16 +133,21 @@ async def open_loop(
     timeout_s: float = 300.0,
     max_in_flight: int = 2000,
     headers: dict[str, str] | None = None,
+    until: threading.Event | None = None,
 ) -> LoadResult:
-    """``phases``: [(seconds, requests per second), ...] played in order; ``headers`` go with every request."""
+    """``phases``: [(seconds, requests per second), ...] played in order, or until ``until`` is set if that
+    comes first; ``headers`` go with every request."""
     samples: list[Sample] = []
     tasks: list[asyncio.Task] = []
     t0 = time.perf_counter()
+    stopped = until.is_set if until is not None else lambda: False
     async with _session(timeout_s, max_in_flight) as session:
         for i, at in enumerate(arrival_times(phases, poisson, seed)):
             delay = t0 + at - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
+            if stopped():
+                break
             tasks.append(asyncio.create_task(_send(session, url, payloads(i), t0, samples, headers)))
         await asyncio.gather(*tasks)
     return LoadResult(samples, time.perf_counter() - t0)

@@ -70,10 +70,11 @@ def test_a_killed_controller_restarted_takes_over_its_torchserve_without_a_faile
         payloads = [client_payload(SPEC, seed=i) for i in range(8)]
         results: list[LoadResult] = []
 
-        def load(clients: int, seconds: float) -> None:
-            results.append(run(closed_loop(url, lambda n: payloads[n % 8], clients, seconds)))
+        def load(clients: int, until: threading.Event) -> None:  # a minute at most, ended by ``until``
+            results.append(run(closed_loop(url, lambda n: payloads[n % 8], clients, 60.0, until=until)))
 
-        one_client = threading.Thread(target=load, args=(1, 20.0))
+        across_the_restart = threading.Event()
+        one_client = threading.Thread(target=load, args=(1, across_the_restart))
         one_client.start()
         time.sleep(4.0)
         os.kill(first.pid, signal.SIGKILL)  # the controller alone: TorchServe runs in a session of its own
@@ -89,8 +90,25 @@ def test_a_killed_controller_restarted_takes_over_its_torchserve_without_a_faile
         assert model["plan"]["instances"] == plan["instances"] and model["swaps"] == 0
         assert adopted["inference_url"] == started["inference_url"]  # the same server, not a new one
         print(f"the restarted controller answered /status {attached_s:.1f} s after its start")
+        time.sleep(2.0)  # the one client served on under the restarted controller
+        across_the_restart.set()
         one_client.join()
-        load(8, 25.0)  # a later load change: the restarted controller moves as usual (a cold swap here)
+
+        # A later load change: the restarted controller moves as usual (a cold swap here).  Eight clients
+        # until the split serves, then two seconds more of them on it.
+        def moved() -> dict | None:
+            now = (status(status_port) or {}).get("models", {}).get("resnet50")
+            return now if now and now["swaps"] >= 1 and now["plan"]["instances"][0]["threads"] == 1 else None
+
+        swapped = threading.Event()
+        eight_clients = threading.Thread(target=load, args=(8, swapped))
+        eight_clients.start()
+        try:
+            wait_for(moved, 50, "the restarted controller's swap to the split under eight clients")
+            time.sleep(2.0)
+        finally:
+            swapped.set()
+            eight_clients.join()
         time.sleep(1.0)
         after = status(status_port)["models"]["resnet50"]
         assert after["swaps"] >= 1 and after["plan"]["instances"][0]["threads"] == 1, after["plan"]
