@@ -187,3 +187,37 @@ def test_chunked_prefill_answers_prompts_of_every_length_served_together_as_gene
         ids = tokenizer.encode(prompt)
         assert answer.choices[0].text == text_of(tokenizer, greedy(model, ids, 10)), prompt
         assert answer.usage.prompt_tokens == len(ids)
+
+
+# Eight prompts of different lengths, for the loads below: twice as many clients as the archive's KV slots.
+LOAD_PROMPTS = [*PROMPTS, "a", "serving under load", "the lazy dog sleeps", "seven", "one more prompt of words"]
+
+
+def test_under_eight_clients_and_a_poisson_rate_every_completion_is_answered_and_equals_generate(served, torchserve):
+    """The loads users make, on the route they use: eight clients that each wait for their answer before
+    asking again (twice the archive's four KV slots, so requests queue for a slot), a third of them streamed,
+    each answer its own prompt's greedy one; then Poisson arrivals at 60 a second for 2 s, sent whether or
+    not the last were answered: every one answered 200, none lost."""
+    client, model, tokenizer = served
+    asks = [(LOAD_PROMPTS[(k + j) % 8], (4, 9)[(k + j) % 2], (k + j) % 3 == 0) for k in range(8) for j in range(4)]
+    expected = {(p, n): text_of(tokenizer, greedy(model, tokenizer.encode(p), n)) for p, n, _ in asks}
+
+    def ask(prompt: str, n: int, stream: bool) -> str:
+        answer = client.completions.create(model=NAME, prompt=prompt, max_tokens=n, temperature=0, stream=stream)
+        return "".join(c.choices[0].text for c in answer) if stream else answer.choices[0].text
+
+    def one_client(k: int) -> list[str]:  # four requests in turn
+        return [ask(*a) for a in asks[4 * k : 4 * k + 4]]
+
+    with ThreadPoolExecutor(8) as pool:
+        texts = [text for answers in pool.map(one_client, range(8)) for text in answers]
+    assert len(texts) == len(asks)
+    wrong = [(p, n, s, t) for (p, n, s), t in zip(asks, texts, strict=True) if t != expected[(p, n)]]
+    assert wrong == [], wrong[:3]
+
+    from serving_harness.loadgen import open_loop, run
+
+    url = f"{torchserve.inference_url}/predictions/{NAME}/1.0/v1/completions"
+    body = {"model": NAME, "max_tokens": 6, "temperature": 0}
+    result = run(open_loop(url, lambda i: {**body, "prompt": LOAD_PROMPTS[i % 8]}, [(2.0, 60.0)], seed=4))
+    assert len(result.samples) >= 80 and result.failed == 0, [s.status for s in result.samples if s.status != 200]
