@@ -128,8 +128,29 @@ def test_each_handler_serves_a_users_torch_model_archiver_archive_with_the_model
             assert torch.allclose(logits(url, payload), expected(files["net"], payload), atol=1e-4)
         bad = requests.post(url, json={"data": [[1.0, 2.0]]}, timeout=60)
         assert bad.status_code == 400 and "shape" in bad.json()["message"]
+        under_users_loads(url, [image_tensor_json(SHAPE_SPEC, seed=seed) for seed in range(4)], {"data": [[1.0, 2.0]]})
     finally:
         torchserve.management().unregister(name)
+
+
+def under_users_loads(url: str, good: list[dict], bad: dict, headers: tuple[dict, dict] = ({}, {})) -> None:
+    """Eight clients that each wait for their answer (1.5 s), then Poisson arrivals at 100 a second (1.5 s),
+    every fifth request a bad one: each bad request is answered 400, every other 200, and none is lost.
+    ``headers``: what every request of each load carries."""
+    from serving_harness.loadgen import closed_loop, open_loop, run
+
+    def payload(i: int) -> dict:
+        return bad if i % 5 == 4 else good[i % len(good)]
+
+    closed, open_ = headers
+    loads = (closed_loop(url, payload, 8, 1.5, headers=closed),
+             open_loop(url, payload, [(1.5, 100.0)], seed=2, headers=open_))  # fmt: skip
+    for load in loads:
+        result = run(load)
+        sent = len(result.samples)  # every request sent has its sample, answered or not (payload i for i < sent)
+        statuses = sorted(s.status for s in result.samples)
+        bad_sent = sum(i % 5 == 4 for i in range(sent))
+        assert sent >= 20 and statuses == [200] * (sent - bad_sent) + [400] * bad_sent, statuses[-5:]
 
 
 def test_reef_serves_a_group_of_the_users_own_models_each_with_its_answers(files, torchserve, model_store_dir,
@@ -149,6 +170,9 @@ def test_reef_serves_a_group_of_the_users_own_models_each_with_its_answers(files
         unknown = requests.post(url, json=image_tensor_json(SHAPE_SPEC, seed=0), headers={"X-Model": "resnet50"},
                                 timeout=60)  # fmt: skip
         assert unknown.status_code == 404 and "tinynet, othernet" in unknown.json()["message"]
+        # The real-time member under eight clients, then the best-effort one under a rate.
+        good = [image_tensor_json(SHAPE_SPEC, seed=seed) for seed in range(4)]
+        under_users_loads(url, good, {"data": [[1.0, 2.0]]}, ({"X-Model": "tinynet"}, {"X-Model": "othernet"}))
     finally:
         torchserve.management().unregister("users-reef")
 
