@@ -62,6 +62,7 @@ def test_a_killed_controller_restarted_takes_over_its_torchserve_without_a_faile
 
     first = serve()
     second = None
+    across_the_restart, swapped = threading.Event(), threading.Event()  # the two loads' ends
     try:
         started = wait_for(lambda: status(status_port), 240, "the first controller's /status")
         url = f"{started['inference_url']}/predictions/resnet50"
@@ -73,7 +74,6 @@ def test_a_killed_controller_restarted_takes_over_its_torchserve_without_a_faile
         def load(clients: int, until: threading.Event) -> None:  # a minute at most, ended by ``until``
             results.append(run(closed_loop(url, lambda n: payloads[n % 8], clients, 60.0, until=until)))
 
-        across_the_restart = threading.Event()
         one_client = threading.Thread(target=load, args=(1, across_the_restart))
         one_client.start()
         time.sleep(4.0)
@@ -100,7 +100,6 @@ def test_a_killed_controller_restarted_takes_over_its_torchserve_without_a_faile
             now = (status(status_port) or {}).get("models", {}).get("resnet50")
             return now if now and now["swaps"] >= 1 and now["plan"]["instances"][0]["threads"] == 1 else None
 
-        swapped = threading.Event()
         eight_clients = threading.Thread(target=load, args=(8, swapped))
         eight_clients.start()
         try:
@@ -116,6 +115,8 @@ def test_a_killed_controller_restarted_takes_over_its_torchserve_without_a_faile
         assert sum(len(r.samples) for r in results) > 20
         record = json.loads((tmp_path / "w" / "torchserve" / "torchserve.pid.json").read_text())
     finally:
+        across_the_restart.set()  # a load still running after a failure ends now, not at its minute
+        swapped.set()
         for proc in (first, second):
             if proc is not None and proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
