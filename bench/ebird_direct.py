@@ -212,6 +212,24 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     }
 
 
+def python_us(host_us: dict[str, float]) -> float:
+    """CPU µs per request of a system's Python threads: every role but the OpenMP team's."""
+    return sum(us for role, us in host_us.items() if role != "OpenMP")
+
+
+def python_cores(requests_per_s: float, host_us: dict[str, float]) -> float:
+    """How many cores' worth of CPU the Python threads used while serving ``requests_per_s``.
+
+    Threads that take turns on one GIL use about one core between them
+    (less the torch work some of them run with the GIL released), so a
+    reading near 1.0 says the system was bound by its Python time per
+    request, and its capacity is then about one over it: a handler can
+    only gain capacity by spending less Python per request, not by moving
+    that work to another thread.
+    """
+    return requests_per_s * python_us(host_us) / 1e6
+
+
 def median_by_role(runs: list[dict[str, float]]) -> dict[str, float]:
     """Host µs per request by thread role, the median over capacity rounds (a role a round lacks: 0)."""
     roles = dict.fromkeys(role for run in runs for role in run)
@@ -357,15 +375,18 @@ def render(data: dict[str, Any], stem: str) -> str:
         host_rows = [
             [label(n), f"{data['capacity'][n]:.0f}",
              *(f"{data['host_cpu_us'][n].get(role, 0.0):.0f}" for role in roles),
-             f"{sum(v for role, v in data['host_cpu_us'][n].items() if role != 'OpenMP'):.0f}"]
+             f"{python_us(data['host_cpu_us'][n]):.0f}",
+             f"{python_cores(data['capacity'][n], data['host_cpu_us'][n]):.2f}"]
             for n in names
         ]  # fmt: skip
         text += (
             "\nHost CPU per answered request while capacity was measured (µs, from each thread's CPU time in "
             f"/proc{', role by role the median of the rounds' if rounds > 1 else ''}; the event loop also runs "
             "the in-process load generator, alike for every system; OpenMP: the "
-            "intra-op team's other threads, which spin while waiting; Python: every thread but those):\n\n"
-            f"{markdown_table(['system', 'req/s', *roles, 'Python'], host_rows)}\n"
+            "intra-op team's other threads, which spin while waiting; Python: every thread but those; Python "
+            "cores: req/s × Python µs, the cores' worth of CPU the Python threads used, near 1.0 where they "
+            "take turns on one GIL and capacity is about one over the Python time per request):\n\n"
+            f"{markdown_table(['system', 'req/s', *roles, 'Python', 'Python cores'], host_rows)}\n"
         )
     stage_names = list(dict.fromkeys(s for r in data["summary"] for n in names for s in r[n]["stages_ms"]))
     stage_rows = [
