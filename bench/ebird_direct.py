@@ -220,12 +220,13 @@ def python_us(host_us: dict[str, float]) -> float:
 def python_cores(requests_per_s: float, host_us: dict[str, float]) -> float:
     """How many cores' worth of CPU the Python threads used while serving ``requests_per_s``.
 
-    Threads that take turns on one GIL use about one core between them
-    (less the torch work some of them run with the GIL released), so a
-    reading near 1.0 says the system was bound by its Python time per
-    request, and its capacity is then about one over it: a handler can
-    only gain capacity by spending less Python per request, not by moving
-    that work to another thread.
+    Threads that take turns on one GIL use about one core between them,
+    plus the torch work they run with the GIL released (all of a model's
+    work on a lane of one thread, which has no OpenMP team to share it).
+    So a reading near 1.0 says the system was bound by its Python time per
+    request, and its capacity is then about one over it: a handler gains
+    capacity by spending less Python per request, not by moving that work
+    to another thread.
     """
     return requests_per_s * python_us(host_us) / 1e6
 
@@ -385,7 +386,8 @@ def render(data: dict[str, Any], stem: str) -> str:
             "the in-process load generator, alike for every system; OpenMP: the "
             "intra-op team's other threads, which spin while waiting; Python: every thread but those; Python "
             "cores: req/s × Python µs, the cores' worth of CPU the Python threads used, near 1.0 where they "
-            "take turns on one GIL and capacity is about one over the Python time per request):\n\n"
+            "take turns on one GIL and capacity is about one over the Python time per request, above it by "
+            "the torch work they run with the GIL released):\n\n"
             f"{markdown_table(['system', 'req/s', *roles, 'Python', 'Python cores'], host_rows)}\n"
         )
     stage_names = list(dict.fromkeys(s for r in data["summary"] for n in names for s in r[n]["stages_ms"]))
