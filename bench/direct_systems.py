@@ -323,6 +323,11 @@ def cpu_seconds_by_role() -> dict[str, float]:
     return out
 
 
+def python_us(cpu_us: dict[str, float]) -> float:
+    """CPU µs per answer of a system's Python threads: every role's but the OpenMP team's (``thread_role``)."""
+    return sum(us for role, us in cpu_us.items() if role != "OpenMP")
+
+
 def cpu_us_per_answer(before: dict[str, float], after: dict[str, float], answered: int) -> dict[str, float]:
     """Each role's CPU between two ``cpu_seconds_by_role`` readings, in µs per answer (roles under 0.5 µs left out)."""
     per = {role: 1e6 * (after[role] - before.get(role, 0.0)) / max(answered, 1) for role in after}

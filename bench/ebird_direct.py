@@ -100,6 +100,7 @@ from bench.direct_systems import (
     execution_twin,
     is_baseline,
     label,
+    python_us,
 )
 from bench.report import (
     add_output_arguments,
@@ -210,11 +211,6 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "repeats": args.repeats,
         "rows": rows,
     }
-
-
-def python_us(host_us: dict[str, float]) -> float:
-    """CPU µs per request of a system's Python threads: every role but the OpenMP team's."""
-    return sum(us for role, us in host_us.items() if role != "OpenMP")
 
 
 def python_cores(requests_per_s: float, host_us: dict[str, float]) -> float:

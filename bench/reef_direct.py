@@ -48,7 +48,7 @@ if __package__ in (None, ""):  # `python bench/NAME.py` from the repository root
 
 from archiver.options import ServingOptions
 from bench.direct import BurstCaller, group_load_context
-from bench.direct_systems import cpu_seconds_by_role, cpu_us_per_answer, play
+from bench.direct_systems import cpu_seconds_by_role, cpu_us_per_answer, play, python_us
 from bench.reef import WORKLOADS, members_of, plot, render, run_row, summarise, workload_settings
 from bench.report import add_output_arguments, markdown_table, run_benchmark
 from handlers.reef.handler import ENGINE_KEY, ReefHandler
@@ -239,7 +239,7 @@ def render_with_host(data: dict[str, Any], stem: str) -> str:
         return text
     cpu = cap["cpu_us_per_answer"]
     roles = list(cpu)
-    python = sum(us for role, us in cpu.items() if role != "OpenMP")
+    python = python_us(cpu)
     table = markdown_table(
         ["RT model", "clients", "answers/s", *roles, "Python"],
         [[cap["model"], str(cap["clients"]), f"{cap['throughput']:.0f}", *(f"{cpu[r]:.0f}" for r in roles),
