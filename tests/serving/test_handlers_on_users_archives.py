@@ -24,6 +24,7 @@ import yaml
 from model_store.catalog import ModelSpec
 from model_store.samples import image_tensor_json
 from serving_harness.clients import TorchServeAPIError
+from serving_harness.loadgen import closed_loop, open_loop, run
 from tests.serving.test_users_models import TinyNet, tiny_net
 from tests.user_archives import ARCHIVER
 
@@ -137,7 +138,6 @@ def under_users_loads(url: str, good: list[dict], bad: dict, headers: tuple[dict
     """Eight clients that each wait for their answer (1.5 s), then Poisson arrivals at 100 a second (1.5 s),
     every fifth request a bad one: each bad request is answered 400, every other 200, and none is lost.
     ``headers``: what every request of each load carries."""
-    from serving_harness.loadgen import closed_loop, open_loop, run
 
     def payload(i: int) -> dict:
         return bad if i % 5 == 4 else good[i % len(good)]

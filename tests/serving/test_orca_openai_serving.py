@@ -15,6 +15,7 @@ import openai
 import pytest
 import torch
 
+from serving_harness.loadgen import open_loop, run
 from tests.serving.test_handlers_on_users_archives import ASYNC, user_archive
 from tests.user_archives import save_small_tokenizer, tokenizer_files
 
@@ -214,8 +215,6 @@ def test_under_eight_clients_and_a_poisson_rate_every_completion_is_answered_and
     assert len(texts) == len(asks)
     wrong = [(p, n, s, t) for (p, n, s), t in zip(asks, texts, strict=True) if t != expected[(p, n)]]
     assert wrong == [], wrong[:3]
-
-    from serving_harness.loadgen import open_loop, run
 
     url = f"{torchserve.inference_url}/predictions/{NAME}/1.0/v1/completions"
     body = {"model": NAME, "max_tokens": 6, "temperature": 0}

@@ -109,8 +109,7 @@ def test_a_killed_controller_restarted_takes_over_its_torchserve_without_a_faile
             swapped.set()
             eight_clients.join()
         time.sleep(1.0)
-        after = status(status_port)["models"]["resnet50"]
-        assert after["swaps"] >= 1 and after["plan"]["instances"][0]["threads"] == 1, after["plan"]
+        assert moved() is not None, status(status_port)  # still on the split once the clients have stopped
         assert sum(r.failed for r in results) == 0, [r.failed for r in results]
         assert sum(len(r.samples) for r in results) > 20
         record = json.loads((tmp_path / "w" / "torchserve" / "torchserve.pid.json").read_text())

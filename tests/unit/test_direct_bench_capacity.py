@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from bench.ebird_direct import capacity_spread, main, median_by_role, python_cores, python_us
+from bench.direct_systems import python_us
+from bench.ebird_direct import capacity_spread, main, median_by_role, python_cores
 
 
 def test_each_capacity_is_the_median_of_its_rounds_and_its_ratio_is_taken_within_each_round() -> None:
