@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -101,34 +102,54 @@ def _serve(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="start TorchServe under the Packrat controller")
     serve.add_serve_arguments(p)
     p.set_defaults(run=serve.run_serve)
-    s = sub.add_parser("status", help="print a running controller's state")
-    serve.add_status_arguments(s)
-    s.set_defaults(run=serve.run_status)
-    t = sub.add_parser("stop", help="stop the TorchServe `packrat serve` started (with or without its controller)")
-    serve.add_stop_arguments(t)
-    t.set_defaults(run=serve.run_stop)
     g = sub.add_parser("oip-grpc", help="serve the Open Inference Protocol over gRPC in front of a running TorchServe")
     serve.add_oip_grpc_arguments(g)
     g.set_defaults(run=serve.run_oip_grpc)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _serve_admin(sub: argparse._SubParsersAction) -> None:
+    from packrat_plugin import serve_admin
+
+    s = sub.add_parser("status", help="print a running controller's state")
+    serve_admin.add_status_arguments(s)
+    s.set_defaults(run=serve_admin.run_status)
+    t = sub.add_parser("stop", help="stop the TorchServe `packrat serve` started (with or without its controller)")
+    serve_admin.add_stop_arguments(t)
+    t.set_defaults(run=serve_admin.run_stop)
+
+
+# Every subcommand, by name, with the function that adds it (some add two).  A command line that names one
+# builds only that one's parser: building them all imports every subcommand's module, torch among them,
+# ~2.5 s before `packrat status` or `packrat stop` could run.
+BUILDERS: dict[str, Callable[[argparse._SubParsersAction], None]] = {
+    "archive": _archive,
+    "sklearn-archive": _sklearn_archive,
+    "sklearn-finetune": _sklearn_finetune,
+    "demo": _demo,
+    "bench": _bench,
+    "profile": _profile,
+    "segments": _segments,
+    "optimize": _optimize,
+    "serve": _serve,
+    "oip-grpc": _serve,
+    "status": _serve_admin,
+    "stop": _serve_admin,
+}
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser of every subcommand, or only of ``command``'s when it names one (see ``BUILDERS``)."""
     parser = argparse.ArgumentParser(prog="packrat", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    _archive(sub)
-    _sklearn_archive(sub)
-    _sklearn_finetune(sub)
-    _demo(sub)
-    _bench(sub)
-    _profile(sub)
-    _segments(sub)
-    _optimize(sub)
-    _serve(sub)
+    builders = [BUILDERS[command]] if command in BUILDERS else list(dict.fromkeys(BUILDERS.values()))
+    for build in builders:
+        build(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv[0] if argv else None).parse_args(argv)
     try:
         return args.run(args)
     except KeyboardInterrupt:

@@ -170,13 +170,15 @@ class MoveVerdict:
 
 
 def measure_the_move(archive: Path, start: Plan, end: Plan, payload: Callable[[int], Any], in_flight: int,
-                     moved: bool, workdir: Path, seconds: float = 5.0) -> MoveVerdict:  # fmt: skip
+                     moved: bool, workdir: Path, seconds: float = 5.0,
+                     warmup_seconds: float = 2.0) -> MoveVerdict:  # fmt: skip
     """Measure the starting plan against ``end`` (where Packrat moved, or where its model says it would
-    have) at ``in_flight``: interleaved in one TorchServe, the starting plan served twice for the A/A band."""
+    have) at ``in_flight``: interleaved in one TorchServe, the starting plan served twice for the A/A band;
+    three rounds of ``seconds`` per plan, after ``warmup_seconds`` each."""
     from packrat_plugin.compare import ComparisonConfig, compare_plans, paired_ratio
 
     a, b = (format_instances([i.to_dict() for i in plan.instances]) for plan in (start, end))
-    config = ComparisonConfig(batches=(in_flight,), seconds=seconds, warmup_seconds=2.0, repeats=3)
+    config = ComparisonConfig(batches=(in_flight,), seconds=seconds, warmup_seconds=warmup_seconds, repeats=3)
     results = compare_plans(archive, {"start": start, "end": end, "start_twin": start}, payload, workdir, in_flight,
                             config)  # fmt: skip
     return MoveVerdict(

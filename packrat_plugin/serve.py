@@ -1,14 +1,12 @@
-"""``packrat serve`` and ``packrat status``: the controller from the command line."""
+"""``packrat serve``: the controller from the command line (``serve_admin.py`` has ``status`` and ``stop``)."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
 import dataclasses
-import json
 import signal
 import threading
-import urllib.request
 from pathlib import Path
 
 from archiver.build import catalog_name
@@ -19,15 +17,12 @@ from packrat_plugin.division import OBJECTIVES, DivisionConfig
 from packrat_plugin.foreign import read_archive
 from packrat_plugin.load_monitor import MonitorConfig
 from packrat_plugin.model_control import ControllerConfig, ModelTarget
-from packrat_plugin.plan_types import format_instances
 from packrat_plugin.policy import PolicyConfig
 from packrat_plugin.profiler import profile_for_this_machine
+from packrat_plugin.serve_admin import DEFAULT_STATUS_PORT, DEFAULT_WORKDIR, format_status
 from packrat_plugin.swapper import SwapperConfig
 from serving_harness.oip_grpc import OipGrpcFront
-from serving_harness.torchserve import REPO_CONFIG, Ports, TorchServeProcess, read_properties
-
-DEFAULT_STATUS_PORT = 8083
-DEFAULT_WORKDIR = Path("logs/packrat")
+from serving_harness.torchserve import REPO_CONFIG, Ports, read_properties
 
 
 def _pairs(values: list[str], what: str) -> dict[str, str]:
@@ -263,76 +258,4 @@ def run_oip_grpc(args: argparse.Namespace) -> int:
     with OipGrpcFront(args.inference, args.management, args.port, args.host) as front:
         print(f"Open Inference Protocol gRPC on {args.host}:{front.port}, answered by TorchServe at {args.inference}")
         stop.wait()
-    return 0
-
-
-def format_status(status: dict) -> str:
-    lines = [f"{status.get('threads', '?')} cores: {status.get('cores_source', 'the affinity mask')}"]
-    division = status.get("division")
-    if division:
-        shares = ", ".join(f"{name}: {count}" for name, count in (division["cores"] or {}).items())
-        lines.append(f"cores divided ({division['objective']} latency, ≥{division['min_cores']} each): {shares}; "
-                     f"{division['moves']} re-division(s)")  # fmt: skip
-    lines.append(f"{'model':<14} {'ver':<10} {'plan':<26} {'B est':>6} {'queued':>7} {'busy':>5}  last swap")
-    for name, m in status["models"].items():
-        plan = m["plan"]
-        desc = format_instances(plan["instances"] if plan else None, labels=True)
-        last = m["last_swap"]
-        swap = (
-            f"{last['kind']}: serving after {last['serving_after_s']:.2f} s, done in {last['seconds']:.2f} s"
-            if last
-            else "-"
-        )
-        if m.get("mode") == "mixed":
-            desc += " (mixed)"
-        lines.append(
-            f"{name:<14} {m['active_version'] or '-':<10} {desc:<26} {m['estimated_batch']:>6} "
-            f"{m['pending_requests']:>7} {m['in_service']:>5}  {swap}"
-        )
-        if m["slots"]:
-            lines.append("    slots→cores: " + ", ".join(f"{i}:{s['cores']}" for i, s in enumerate(m["slots"])))
-        prepared = m.get("prepared") or {}
-        if prepared:
-            lines.append("    prepared for: " + ", ".join(
-                f"a {change} → B={p['batch']} ({p['version']}, {'warm' if p['warm'] else 'starting'})"
-                for change, p in prepared.items()))  # fmt: skip
-        if m["last_error"]:
-            lines.append(f"    last error: {m['last_error']}")
-    return "\n".join(lines)
-
-
-def add_status_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--url", default=f"http://127.0.0.1:{DEFAULT_STATUS_PORT}/status")
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--workdir", type=Path, default=DEFAULT_WORKDIR, help="`packrat serve`'s --workdir")
-
-
-def add_stop_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workdir", type=Path, default=DEFAULT_WORKDIR, help="`packrat serve`'s --workdir")
-
-
-def run_stop(args: argparse.Namespace) -> int:
-    """Stop the TorchServe ``packrat serve`` started from this workdir (and its workers), with or without a
-    controller still attached to it."""
-    server = TorchServeProcess(args.workdir / "torchserve", args.workdir / "model_store")
-    if not server.attach():
-        print(f"packrat stop: no TorchServe started from {args.workdir} is running")
-        return 1
-    url = server.inference_url
-    server.stop()
-    print(f"packrat stop: stopped the TorchServe at {url} started from {args.workdir}, and its workers")
-    return 0
-
-
-def run_status(args: argparse.Namespace) -> int:
-    try:
-        with urllib.request.urlopen(args.url, timeout=5) as resp:
-            status = json.load(resp)
-    except OSError as exc:
-        server = TorchServeProcess(args.workdir / "torchserve", args.workdir / "model_store")
-        orphan = (f"; the TorchServe it started is still serving at {server.inference_url} with no controller "
-                  f"attached: `packrat serve` with the same arguments takes it over, `packrat stop` stops it"
-                  if server.attach() else "")  # fmt: skip
-        raise RuntimeError(f"no Packrat controller answers at {args.url}: {exc}{orphan}") from None
-    print(json.dumps(status, indent=2) if args.json else format_status(status))
     return 0

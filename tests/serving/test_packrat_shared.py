@@ -21,7 +21,7 @@ from packrat_plugin.controller import PackratController
 from packrat_plugin.division import DivisionConfig
 from packrat_plugin.load_monitor import MonitorConfig
 from packrat_plugin.model_control import ControllerConfig, ModelTarget
-from packrat_plugin.serve import format_status
+from packrat_plugin.serve_admin import format_status
 from packrat_plugin.swapper import SwapperConfig
 from serving_harness.loadgen import open_loop, run
 from serving_harness.topology import CpuTopology
