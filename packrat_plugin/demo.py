@@ -75,7 +75,7 @@ def packrat_demo(args: argparse.Namespace) -> int:
     from packrat_plugin.controller import PackratController
     from packrat_plugin.model_control import ControllerConfig, ModelTarget
     from packrat_plugin.profiler import profile_for_this_machine
-    from packrat_plugin.serve import format_status
+    from packrat_plugin.serve_admin import format_status
     from serving_harness.loadgen import closed_loop, run
 
     spec = get_spec(args.model, "script")
@@ -95,6 +95,9 @@ def packrat_demo(args: argparse.Namespace) -> int:
               f"then {args.high} for {args.high_seconds:g} s")  # fmt: skip
         low = run(closed_loop(url, lambda n: payloads[n % 16], 1, args.low_seconds))
         high = run(closed_loop(url, lambda n: payloads[n % 16], args.high, args.high_seconds))
+        if not model.wait_for_swap():
+            print("a swap was still under way 300 s after the load ended")
+            return 1
         print(format_status(controller.status()))
         swaps = [s for s in model.swaps if s.kind != "initial"]
         decisions = list(model.decisions)

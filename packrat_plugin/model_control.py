@@ -386,6 +386,20 @@ class ModelController:
                 self.policy.record_swap(time.monotonic(), report.serving_after_s, report.warm)
             return report
 
+    def wait_for_swap(self, timeout_s: float = 300.0) -> bool:
+        """Block until no swap is under way (False: one still was after ``timeout_s``).
+
+        A reader of ``level``, ``swaps`` and ``decisions`` right after a load
+        may otherwise find a swap half done: its new version already
+        TorchServe's default, ``level`` still the old one until ``_apply``
+        returns.  ``make demo`` read that once and measured a move it was
+        making as a stay.
+        """
+        if not self.swap_lock.acquire(timeout=timeout_s):
+            return False
+        self.swap_lock.release()
+        return True
+
     def run(self, stop: threading.Event) -> None:
         period = self.config.monitor.period_s
         while not stop.is_set():

@@ -289,7 +289,7 @@ def test_a_closed_loop_step_ends_on_the_plan_that_served_its_requests_in_flight_
     payloads = [client_payload(SPEC, seed=i) for i in range(8)]
     url = f"{controller.server.inference_url}/predictions/resnet50"
     results = [run(closed_loop(url, lambda n: payloads[n % 8], k, seconds)) for k, seconds in ((1, 4.0), (8, 16.0))]
-    time.sleep(1.0)  # a swap in progress finishes
+    assert model.wait_for_swap()  # a swap under way finishes before the state is read
     assert sum(r.failed for r in results) == 0
     end = model.level
     moved = end.plan.instances != start.plan.instances

@@ -431,8 +431,25 @@ def test_closed_loop_latency_is_rounds_of_what_the_workers_take():
     lv = {level.batch: level for level in levels()}
     assert lv[1].closed_loop_latency_s(8) == pytest.approx(8 * 0.0881)  # one worker, b=1: eight rounds
     assert lv[8].closed_loop_latency_s(8) == pytest.approx(0.3715)  # two workers of b=4: one round
-    assert lv[16].closed_loop_latency_s(8) == pytest.approx(0.3715)  # b=8 caps take 4 each: the same round
+    # b=8 caps: the first worker to ask takes all eight (TorchServe's pollBatch), the other idles.
+    assert lv[16].closed_loop_latency_s(8) == pytest.approx(LATENCY_MS[(1, 8)] / 1000)
+    assert lv[16].closed_loop_latency_s(16) == pytest.approx(LATENCY_MS[(1, 8)] / 1000)  # both busy
     assert lv[2].closed_loop_latency_s(1) == pytest.approx(0.147)  # one request: one round of one
+
+
+def test_at_eight_in_flight_no_level_is_credited_with_workers_the_load_leaves_idle():
+    """The demo's profile on the 2-vCPU EPYC (2026-11-30), with only b=1 and b=8 credited: 2×⟨1,8⟩ at 8 in
+    flight is one worker's batch of eight (L[1][8] = 794 ms; TorchServe served 810), worse than the fat
+    worker's eight rounds (500 ms; served 578).  Spread as four per worker it read 423 ms, and the controller
+    moved there."""
+    latency = {(1, 1): 116.4, (1, 8): 794.0, (2, 1): 62.5, (2, 8): 503.2}
+    profile = Profile("resnet50", tuple(ProfilePoint(t, b, ms) for (t, b), ms in latency.items()))
+    policy = ReconfigurationPolicy(levels_for(KnapsackOptimizer(profile), threads=2, max_batch=16))
+    by_plan = {(lv.instances, lv.plan.instances[0].batch): lv for lv in policy.levels}
+    assert by_plan[(2, 8)].closed_loop_latency_s(8) == pytest.approx(0.794)
+    assert by_plan[(1, 1)].closed_loop_latency_s(8) == pytest.approx(8 * 0.0625)
+    best = policy.best_closed_loop(8)
+    assert best.plan.instances[0].batch == 1, best.plan.describe()
 
 
 def test_requests_in_flight_never_move_to_a_level_with_less_capacity():
