@@ -94,7 +94,7 @@ class Level:
 
         Why not ``N/i`` each: that spread credited a level larger than the
         load with all its workers.  On the 2-vCPU EPYC at 8 in flight it put
-        2×⟨1,8⟩ at ``L[1][4]`` = 423 ms, better than the fat worker's 500,
+        2×⟨1,8⟩ at a round of four, 407 ms, better than the fat worker's 500,
         and the controller moved there; TorchServe served it at 810 ms
         (``L[1][8]`` = 794: one worker took all eight) against the fat
         worker's 578, measured side by side by ``make demo``.

@@ -450,6 +450,12 @@ def test_at_eight_in_flight_no_level_is_credited_with_workers_the_load_leaves_id
     assert by_plan[(1, 1)].closed_loop_latency_s(8) == pytest.approx(8 * 0.0625)
     best = policy.best_closed_loop(8)
     assert best.plan.instances[0].batch == 1, best.plan.describe()
+    # What the fat worker's eight clients look like to the policy (8/0.58 s ≈ 14/s served): no move to 2×⟨1,8⟩.
+    # (Spread four per worker, the requests-in-flight rule moved there at the first observation.)
+    obs = dict(rate_short=13.8, rate_long=13.8, short_span_s=2.0, long_span_s=6.0, concurrency=8.0)
+    for now in (0.0, 0.5, 1.0, 5.0, 10.0):
+        decision = policy.observe(Observation(now, **obs), current=1, warm={2})
+        assert decision is None or decision.target.plan.instances[0].batch == 1, decision
 
 
 def test_requests_in_flight_never_move_to_a_level_with_less_capacity():
