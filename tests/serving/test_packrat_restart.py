@@ -162,3 +162,14 @@ def test_serve_refuses_in_one_line_a_torchserve_it_cannot_adopt_and_leaves_it_se
         assert [w["pid"] for v in after for w in v["workers"]] == [w["pid"] for v in before for w in v["workers"]]
         answer = server.inference().predict("resnet50", client_payload(SPEC, seed=1))
         assert answer.status == 200
+        # `packrat stop` (a process that never imports torch) stops the workdir's TorchServe, workers and all.
+        # The frontend is this test's child: a thread reaps it as it exits, as init would for `packrat serve`'s.
+        reaper = threading.Thread(target=server.proc.wait, daemon=True)
+        reaper.start()
+        stop = [sys.executable, "-m", "packrat_plugin.cli", "stop", "--workdir", str(workdir)]
+        stopped = subprocess.run(stop, capture_output=True, text=True, timeout=120)
+        assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+        said = f"packrat stop: stopped the TorchServe at {server.inference_url} started from {workdir}, and its workers"
+        assert stopped.stdout.strip() == said
+        reaper.join(timeout=30)
+        assert server.proc.returncode is not None and not server.pid_file.exists()
