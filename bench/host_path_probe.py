@@ -1,0 +1,268 @@
+"""Probes of an async handler's host path: is it the hand-off, or the bookkeeping, that costs?
+
+    python -m bench.host_path_probe --handler ebird --model bert-tiny1 --rounds 3
+
+On the one-layer BERT an async handler serves about 0.6× what the plain
+handler behind the frontend's batching serves, and its Python threads use
+one core between them (``docs/benchmarks/host_path.md``).  Two explanations
+remained, and each probe changes one thing in a fresh process so that its
+effect can be read beside the handler as it ships:
+
+- ``as-is`` and ``as-is-twin``: the handler as it ships, twice: the A/A band.
+- ``wake-keeps-gil``: a lane or engine thread that posts answers wakes the
+  event loop without giving up the GIL (the wake-up byte is written with
+  ``libc.write`` called through ``ctypes.PyDLL``, which keeps the GIL, where
+  ``call_soon_threadsafe``'s socket write releases it and must take it back,
+  so the lane waits there while the loop runs).  If waiting for the loop at
+  each hand-off is what holds the lane back, this serves more.
+- ``no-bookkeeping``: per-request bookkeeping switched off: stage metrics
+  and their breakdown, the in-flight counts, the response-timeout watch and
+  the unanswered count.  A ceiling, not a setting: what the runtime could
+  gain by making all of it free.
+
+Every probe is served in its own process, in turn, ``--rounds`` times (the
+order rotating each round), with the same load: a closed loop of
+``--clients`` for the capacity, then Poisson arrivals at each of ``--rates``
+(absolute, so every probe sees the same arrivals).  Ratios are read within
+each round against ``as-is`` of that round.  A diagnosis tool: the probes
+patch the runtime inside the bench's own processes and never ship.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import random
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+if __package__ in (None, ""):  # `python bench/NAME.py` from the repository root
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.report import add_output_arguments, markdown_table, provenance, provenance_block, write_outputs
+
+MODULE = "bench.host_path_probe"
+AS_IS = "as-is"
+PROBES = (AS_IS, "as-is-twin", "wake-keeps-gil", "no-bookkeeping")
+HANDLERS = ("ebird", "dvabatch", "reef")
+
+
+# -- the probes (inside a probe's own process) --------------------------------
+
+
+def wake_keeping_the_gil() -> None:
+    """Make ``LoopMailbox`` wake its loop from other threads without releasing the GIL."""
+    import asyncio
+
+    from handlers.runtime.loop_mailbox import LoopMailbox
+
+    loop = asyncio.new_event_loop()
+    missing = [name for name in ("_call_soon", "_csock") if not hasattr(loop, name)]
+    loop.close()
+    if missing:
+        raise RuntimeError(f"this asyncio's loop has no {', '.join(missing)}: the probe cannot wake it so")
+    write = ctypes.PyDLL(None).write  # PyDLL: the call keeps the GIL
+    write.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t]
+
+    def post_all(self: LoopMailbox, callbacks: list[Any]) -> None:
+        with self._lock:
+            first = not self._posted
+            self._posted.extend(callbacks)
+            if not first:
+                return
+            self.wakeups += 1
+        if self.loop.is_closed():
+            return
+        self.loop._call_soon(self._drain, (), None)
+        write(self.loop._csock.fileno(), b"\0", 1)
+
+    LoopMailbox._post_all = post_all
+
+
+def without_bookkeeping(handler: Any) -> None:
+    """Switch off the per-request bookkeeping of ``handler`` (and of every handler in this process)."""
+    import handlers.runtime.burst as burst
+    from handlers.runtime.metrics import HandlerMetrics
+
+    class NoWatch:
+        def watch(self, request: Any, deadline: float) -> None:
+            pass
+
+    HandlerMetrics.stages = lambda self, seconds, requests=1: None
+    HandlerMetrics.request_admitted = lambda self: None
+    HandlerMetrics.request_answered = lambda self: None
+    burst.stage_breakdown = lambda *times: {}
+    handler.deadlines_on = lambda loop: NoWatch()
+    handler.count_unanswered = lambda change: None
+
+
+def poisson_times(rate: float, seconds: float, seed: int) -> list[float]:
+    rng, t, times = random.Random(seed), 0.0, []
+    while True:
+        t += rng.expovariate(rate)
+        if t >= seconds:
+            return times
+        times.append(t)
+
+
+def run_probe(args: argparse.Namespace) -> dict[str, Any]:
+    """One probe's readings, in this process: capacity and host CPU, then the open-loop rates."""
+    import asyncio
+
+    from bench.direct import model_dir_for
+    from bench.direct_systems import closed_loop, make_driver, open_loop, python_us
+    from bench.dvabatch import bench_payloads
+    from model_store.catalog import get_spec
+    from model_store.samples import request_body
+
+    if args.child == "wake-keeps-gil":
+        wake_keeping_the_gil()
+    spec = get_spec(args.model, args.mode)
+    model_dir = model_dir_for(spec, Path(args.workdir) / f"{args.model}-{args.mode}")
+    driver, handler = make_driver(args.handler, args.model, args.mode, str(model_dir), "cpu", args.max_batch)
+    if args.child == "no-bookkeeping":
+        without_bookkeeping(handler)
+    payloads, _ = bench_payloads(spec, count=64)
+    rows = [{"body": request_body(p)} for p in payloads]
+    asyncio.run(closed_loop(driver, rows, args.clients, args.warmup))
+    capacity = asyncio.run(closed_loop(driver, rows, args.clients, args.seconds))
+    out: dict[str, Any] = {
+        "capacity": capacity["throughput"],
+        "cpu_us": capacity["cpu_us_per_request"],
+        "python_us": python_us(capacity["cpu_us_per_request"]),
+        "open": {},
+    }
+    for i, rate in enumerate(args.rates):
+        result = asyncio.run(open_loop(driver, rows, poisson_times(rate, args.open_seconds, seed=i)))
+        latencies = sorted(s.latency_s for s in result.samples)
+        out["open"][str(rate)] = {
+            "mean_ms": 1e3 * statistics.fmean(latencies),
+            "p99_ms": 1e3 * latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
+            "failed": sum(1 for s in result.samples if s.status != 200),
+        }
+    return out
+
+
+# -- the run (the parent process) ---------------------------------------------
+
+
+def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    runs: dict[str, list[dict[str, Any]]] = {p: [] for p in args.probes}
+    order = list(args.probes)
+    with tqdm(total=args.rounds * len(order), desc="probes", unit="run") as bar:
+        for r in range(args.rounds):
+            for probe in order[r % len(order) :] + order[: r % len(order)]:
+                bar.set_postfix_str(f"round {r + 1}: {probe}")
+                runs[probe].append(child(args, probe, workdir))
+                bar.update()
+    return {"args": {k: v for k, v in vars(args).items() if k not in ("out_dir", "json")}, "runs": runs}
+
+
+def child(args: argparse.Namespace, probe: str, workdir: Path) -> dict[str, Any]:
+    command = [sys.executable, "-m", MODULE, "--child", probe, "--workdir", str(workdir),
+               "--handler", args.handler, "--model", args.model, "--mode", args.mode,
+               "--max-batch", str(args.max_batch), "--clients", str(args.clients),
+               "--warmup", str(args.warmup), "--seconds", str(args.seconds),
+               "--open-seconds", str(args.open_seconds), "--rates", ",".join(str(r) for r in args.rates)]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=args.child_timeout)
+    if done.returncode != 0:
+        raise RuntimeError(f"probe {probe} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def per_round(runs: list[dict[str, Any]], base: list[dict[str, Any]], read: Any) -> dict[str, float]:
+    """``read(run) / read(base run)`` round by round: median, min and max."""
+    ratios = [read(a) / read(b) for a, b in zip(runs, base, strict=True)]
+    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
+
+
+def spread_cell(values: dict[str, float], digits: int = 2, unit: str = "×") -> str:
+    return f"{values['median']:.{digits}f}{unit} ({values['min']:.{digits}f}-{values['max']:.{digits}f})"
+
+
+def render(data: dict[str, Any]) -> str:
+    args, runs = data["args"], data["runs"]
+    base = runs[AS_IS]
+    rates = [str(r) for r in args["rates"]]
+    rows = []
+    for probe, probe_runs in runs.items():
+        capacity = [r["capacity"] for r in probe_runs]
+        cells = [
+            probe,
+            f"{statistics.median(capacity):,.0f} ({min(capacity):,.0f}-{max(capacity):,.0f})",
+            spread_cell(per_round(probe_runs, base, lambda r: r["capacity"])),
+            f"{statistics.median(r['python_us'] for r in probe_runs):.0f}",
+            f"{statistics.median(r['cpu_us'].get('event loop', 0.0) for r in probe_runs):.0f}",
+        ]
+        for rate in rates:
+            mean = statistics.median(r["open"][rate]["mean_ms"] for r in probe_runs)
+            ratio = per_round(probe_runs, base, lambda r, rate=rate: r["open"][rate]["mean_ms"])
+            cells.append(f"{mean:.1f} ms, {spread_cell(ratio)}")
+        rows.append(cells)
+    header = ["probe", "capacity req/s, median (min-max)", f"÷ {AS_IS}, per round", "Python µs per request",
+              "event loop µs"] + [f"mean at {float(r):,.0f} req/s, ÷ {AS_IS} per round" for r in rates]  # fmt: skip
+    failed = sum(o["failed"] for p in runs.values() for r in p for o in r["open"].values())
+    return (
+        f"# Host-path probes: {args['handler']} on {args['model']} ({args['mode']}), CPU\n\n"
+        f"{provenance_block(data['provenance'])}\n"
+        f"{args['rounds']} rounds, each probe in its own process once per round (order rotating); "
+        f"capacity: {args['clients']} clients in a closed loop for {args['seconds']} s after {args['warmup']} s; "
+        f"then Poisson arrivals for {args['open_seconds']} s at each rate. Largest batch {args['max_batch']}. "
+        f"Requests failed: {failed}. `{AS_IS}-twin` against `{AS_IS}` is the A/A band. What each probe changes: "
+        f"`bench/host_path_probe.py`.\n\n" + markdown_table(header, rows) + "\n"
+    )
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--handler", default="ebird", choices=HANDLERS)
+    parser.add_argument("--model", default="bert-tiny1")
+    parser.add_argument("--mode", default="eager", choices=("eager", "script"))
+    parser.add_argument("--max-batch", type=int, default=32)
+    parser.add_argument("--clients", type=int, default=64)
+    parser.add_argument("--warmup", type=float, default=2.0, help="closed-loop seconds before the capacity's")
+    parser.add_argument("--seconds", type=float, default=4.0, help="closed-loop seconds measured")
+    parser.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[2000.0, 3500.0],
+                        help="open-loop Poisson rates, req/s, the same for every probe")  # fmt: skip
+    parser.add_argument("--open-seconds", type=float, default=5.0)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--probes", type=lambda s: s.split(","), default=list(PROBES))
+    parser.add_argument("--child-timeout", type=float, default=300.0, help="seconds one probe's process may take")
+    parser.add_argument("--child", choices=PROBES, help=argparse.SUPPRESS)
+    parser.add_argument("--workdir", help=argparse.SUPPRESS)
+    add_output_arguments(parser)
+    args = parser.parse_args(argv)
+    unknown = [p for p in args.probes if p not in PROBES]
+    if unknown or AS_IS not in args.probes:
+        parser.error(f"--probes: choose from {', '.join(PROBES)}, {AS_IS} among them (got {args.probes})")
+    if args.rounds < 1 or any(r <= 0 for r in args.rates):
+        parser.error("--rounds must be ≥ 1 and every rate > 0")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.child:
+        print(json.dumps(run_probe(args)), flush=True)
+        return 0
+    import tempfile
+
+    prov = provenance(MODULE)
+    with tempfile.TemporaryDirectory(prefix="host_path_probe-") as tmp:
+        data = measure(args, Path(tmp))
+    data["provenance"] = prov
+    stem = f"host_path_probe_{args.handler}_{args.model}_cpu_{prov['date'][:10]}"
+    markdown = render(data)
+    write_outputs(stem, markdown, data, args.out_dir)
+    print(markdown)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
