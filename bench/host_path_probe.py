@@ -57,7 +57,12 @@ HANDLERS = ("ebird", "dvabatch", "reef")
 
 
 def wake_keeping_the_gil() -> None:
-    """Make ``LoopMailbox`` wake its loop from other threads without releasing the GIL."""
+    """Make ``LoopMailbox`` wake its loop from other threads without releasing the GIL.
+
+    It queues the drain as ``call_soon_threadsafe`` does and writes the
+    wake-up byte to the loop's self-pipe itself, through the selector
+    loop's private ``_call_soon`` and ``_csock`` (checked here first).
+    """
     import asyncio
 
     from handlers.runtime.loop_mailbox import LoopMailbox
@@ -186,6 +191,11 @@ def spread_cell(values: dict[str, float], digits: int = 2, unit: str = "×") -> 
     return f"{values['median']:.{digits}f}{unit} ({values['min']:.{digits}f}-{values['max']:.{digits}f})"
 
 
+def failed_requests(runs: dict[str, list[dict[str, Any]]]) -> int:
+    """Requests answered other than 200 in every probe's open-loop runs (a probe must lose none)."""
+    return sum(rate["failed"] for probe_runs in runs.values() for run in probe_runs for rate in run["open"].values())
+
+
 def render(data: dict[str, Any]) -> str:
     args, runs = data["args"], data["runs"]
     base = runs[AS_IS]
@@ -207,7 +217,7 @@ def render(data: dict[str, Any]) -> str:
         rows.append(cells)
     header = ["probe", "capacity req/s, median (min-max)", f"÷ {AS_IS}, per round", "Python µs per request",
               "event loop µs"] + [f"mean at {float(r):,.0f} req/s, ÷ {AS_IS} per round" for r in rates]  # fmt: skip
-    failed = sum(o["failed"] for p in runs.values() for r in p for o in r["open"].values())
+    failed = failed_requests(runs)
     return (
         f"# Host-path probes: {args['handler']} on {args['model']} ({args['mode']}), CPU\n\n"
         f"{provenance_block(data['provenance'])}\n"
@@ -261,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     markdown = render(data)
     write_outputs(stem, markdown, data, args.out_dir)
     print(markdown)
-    return 0
+    return 1 if failed_requests(data["runs"]) else 0
 
 
 if __name__ == "__main__":
