@@ -19,6 +19,14 @@ effect can be read beside the handler as it ships:
   and their breakdown, the in-flight counts, the response-timeout watch and
   the unanswered count.  A ceiling, not a setting: what the runtime could
   gain by making all of it free.
+- REEF only, whose one-model group here has a real-time member and no
+  best-effort traffic: ``reef-no-best-effort`` starts no best-effort
+  executor (each otherwise runs the member's segments once at start-up,
+  which gives its thread an OpenMP team of its own beside the real-time
+  executor's), and ``reef-best-effort-unwarmed`` starts them without that
+  warm-up, so no second team exists until best-effort work comes.  A
+  best-effort request would wait for ever under the first; the bench sends
+  none.
 
 Every probe is served in its own process, in turn, ``--rounds`` times (the
 order rotating each round), with the same load: a closed loop of
@@ -49,7 +57,9 @@ from bench.report import add_output_arguments, markdown_table, provenance, prove
 
 MODULE = "bench.host_path_probe"
 AS_IS = "as-is"
-PROBES = (AS_IS, "as-is-twin", "wake-keeps-gil", "no-bookkeeping")
+REEF_PROBES = ("reef-no-best-effort", "reef-best-effort-unwarmed")
+PROBES = (AS_IS, "as-is-twin", "wake-keeps-gil", "no-bookkeeping", *REEF_PROBES)
+DEFAULT_PROBES = (AS_IS, "as-is-twin", "wake-keeps-gil", "no-bookkeeping")
 HANDLERS = ("ebird", "dvabatch", "reef")
 
 
@@ -107,6 +117,21 @@ def without_bookkeeping(handler: Any) -> None:
     handler.count_unanswered = lambda change: None
 
 
+def reef_best_effort(probe: str) -> None:
+    """REEF's best-effort executors not started (``reef-no-best-effort``) or not warmed
+    (``reef-best-effort-unwarmed``), for every REEF engine built in this process after this call."""
+    from handlers.reef.engine import ReefEngine
+
+    if probe == "reef-no-best-effort":
+
+        def best_effort_loop(self: ReefEngine, warm: Any, name: str) -> None:
+            warm.set_result(None)  # the thread ends here: no team, and no best-effort request served
+
+        ReefEngine._best_effort_loop = best_effort_loop
+    elif probe == "reef-best-effort-unwarmed":
+        ReefEngine._warm_units = lambda self, member: None
+
+
 def poisson_times(rate: float, seconds: float, seed: int) -> list[float]:
     rng, t, times = random.Random(seed), 0.0, []
     while True:
@@ -128,6 +153,8 @@ def run_probe(args: argparse.Namespace) -> dict[str, Any]:
 
     if args.child == "wake-keeps-gil":
         wake_keeping_the_gil()
+    if args.child in REEF_PROBES:
+        reef_best_effort(args.child)
     spec = get_spec(args.model, args.mode)
     model_dir = model_dir_for(spec, Path(args.workdir) / f"{args.model}-{args.mode}")
     driver, handler = make_driver(args.handler, args.model, args.mode, str(model_dir), "cpu", args.max_batch)
@@ -242,7 +269,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="open-loop Poisson rates, req/s, the same for every probe")  # fmt: skip
     parser.add_argument("--open-seconds", type=float, default=5.0)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--probes", type=lambda s: s.split(","), default=list(PROBES))
+    parser.add_argument("--probes", type=lambda s: s.split(","), default=list(DEFAULT_PROBES),
+                        help=f"of {', '.join(PROBES)} (default: {', '.join(DEFAULT_PROBES)})")  # fmt: skip
     parser.add_argument("--child-timeout", type=float, default=300.0, help="seconds one probe's process may take")
     parser.add_argument("--child", choices=PROBES, help=argparse.SUPPRESS)
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
@@ -251,6 +279,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     unknown = [p for p in args.probes if p not in PROBES]
     if unknown or AS_IS not in args.probes:
         parser.error(f"--probes: choose from {', '.join(PROBES)}, {AS_IS} among them (got {args.probes})")
+    if args.handler != "reef" and set(args.probes) & set(REEF_PROBES):
+        parser.error(f"{', '.join(REEF_PROBES)} probe REEF's executors: use them with --handler reef")
     if args.rounds < 1 or any(r <= 0 for r in args.rates):
         parser.error("--rounds must be ≥ 1 and every rate > 0")
     return args

@@ -55,7 +55,8 @@ def test_the_table_gives_each_probe_s_capacity_host_time_and_latency_against_as_
 @pytest.mark.parametrize(
     ("argv", "says"),
     [(["--probes", "no-bookkeeping"], "as-is among them"), (["--probes", "as-is,fast"], "choose from"),
-     (["--rounds", "0"], "--rounds must be"), (["--rates", "2000,0"], "every rate > 0")],
+     (["--rounds", "0"], "--rounds must be"), (["--rates", "2000,0"], "every rate > 0"),
+     (["--probes", "as-is,reef-no-best-effort"], "use them with --handler reef")],
 )  # fmt: skip
 def test_a_run_that_could_not_be_read_against_the_handler_as_is_is_refused(argv, says, capsys) -> None:
     with pytest.raises(SystemExit):
