@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
-import random
 import statistics
 import subprocess
 import sys
@@ -132,15 +131,6 @@ def reef_best_effort(probe: str) -> None:
         ReefEngine._warm_units = lambda self, member: None
 
 
-def poisson_times(rate: float, seconds: float, seed: int) -> list[float]:
-    rng, t, times = random.Random(seed), 0.0, []
-    while True:
-        t += rng.expovariate(rate)
-        if t >= seconds:
-            return times
-        times.append(t)
-
-
 def run_probe(args: argparse.Namespace) -> dict[str, Any]:
     """One probe's readings, in this process: capacity and host CPU, then the open-loop rates."""
     import asyncio
@@ -148,8 +138,10 @@ def run_probe(args: argparse.Namespace) -> dict[str, Any]:
     from bench.direct import model_dir_for
     from bench.direct_systems import closed_loop, make_driver, open_loop, python_us
     from bench.dvabatch import bench_payloads
+    from bench.ebird_direct import latency_stats
     from model_store.catalog import get_spec
     from model_store.samples import request_body
+    from serving_harness.loadgen import arrival_times
 
     if args.child == "wake-keeps-gil":
         wake_keeping_the_gil()
@@ -170,14 +162,9 @@ def run_probe(args: argparse.Namespace) -> dict[str, Any]:
         "python_us": python_us(capacity["cpu_us_per_request"]),
         "open": {},
     }
-    for i, rate in enumerate(args.rates):
-        result = asyncio.run(open_loop(driver, rows, poisson_times(rate, args.open_seconds, seed=i)))
-        latencies = sorted(s.latency_s for s in result.samples)
-        out["open"][str(rate)] = {
-            "mean_ms": 1e3 * statistics.fmean(latencies),
-            "p99_ms": 1e3 * latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
-            "failed": sum(1 for s in result.samples if s.status != 200),
-        }
+    for i, rate in enumerate(args.rates):  # the same seed per rate: every probe sees the same arrivals
+        result = asyncio.run(open_loop(driver, rows, arrival_times([(args.open_seconds, rate)], seed=i)))
+        out["open"][str(rate)] = latency_stats(result)
     return out
 
 
