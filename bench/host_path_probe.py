@@ -19,6 +19,16 @@ effect can be read beside the handler as it ships:
   and their breakdown, the in-flight counts, the response-timeout watch and
   the unanswered count.  A ceiling, not a setting: what the runtime could
   gain by making all of it free.
+- ``nowait`` and ``async-floor``, the same for every handler: two references
+  that take the handler out.  ``nowait`` is the plain handler behind the
+  frontend's batching, as ``bench.ebird_direct`` serves it (the issue's
+  yardstick).  ``async-floor`` is the plain handler's own batch pipeline
+  (decode, one forward, encode) behind the async path's burst driver: the
+  event loop only queues each one-request message and replies to it, and
+  one thread runs the batches, up to ``--max-batch`` of whatever is queued.
+  No admission, tickets, deadlines or metrics per request: the least an
+  async handler's worker can do per request in this bench, so its ratio to
+  ``nowait`` is the price of async mode itself here.
 - REEF only, whose one-model group here has a real-time member and no
   best-effort traffic: ``reef-no-best-effort`` starts no best-effort
   executor (each otherwise runs the member's segments once at start-up,
@@ -57,7 +67,8 @@ from bench.report import add_output_arguments, markdown_table, provenance, prove
 MODULE = "bench.host_path_probe"
 AS_IS = "as-is"
 REEF_PROBES = ("reef-no-best-effort", "reef-best-effort-unwarmed")
-PROBES = (AS_IS, "as-is-twin", "wake-keeps-gil", "no-bookkeeping", *REEF_PROBES)
+REFERENCES = ("nowait", "async-floor")
+PROBES = (AS_IS, "as-is-twin", "wake-keeps-gil", "no-bookkeeping", *REFERENCES, *REEF_PROBES)
 DEFAULT_PROBES = (AS_IS, "as-is-twin", "wake-keeps-gil", "no-bookkeeping")
 HANDLERS = ("ebird", "dvabatch", "reef")
 
@@ -131,12 +142,108 @@ def reef_best_effort(probe: str) -> None:
         ReefEngine._warm_units = lambda self, member: None
 
 
+class AsyncFloor:
+    """``async-floor``: the plain handler's batch pipeline behind the async burst path, and nothing else.
+
+    ``serve_burst`` only queues each one-request message; one thread takes
+    up to ``max_batch`` of what is queued, runs the plain handler's
+    ``handle`` on it (decode, one forward, encode, as the sync worker does)
+    and posts one callback per batch that gives each message its answer and
+    status.  Every message is answered: a batch that raises answers 503.
+    """
+
+    def __init__(self, handler: Any, load: Any, max_batch: int) -> None:
+        import collections
+        import threading
+        from concurrent.futures import Future
+
+        self.handler, self.load, self.max_batch = handler, load, max_batch
+        self._queue: collections.deque = collections.deque()
+        self._ready = threading.Condition()
+        # ``initialize`` on the thread that runs the batches (its OpenMP team), as NO Wait's driver does;
+        # a daemon, so that the probe's process can end with it waiting.
+        started: Future = Future()
+        threading.Thread(target=self._serve_batches, args=(started,), name="lane-floor", daemon=True).start()
+        started.result()
+
+    def serve_burst(self, calls: Any, done: Any) -> None:
+        import asyncio
+
+        loop = asyncio.get_running_loop()
+        with self._ready:
+            self._queue.extend((data[0], context, index, done, loop) for index, (data, context) in enumerate(calls))
+            self._ready.notify()
+
+    def _serve_batches(self, started: Any) -> None:
+        from bench.direct import with_requests
+
+        try:
+            self.handler.initialize(self.load)
+        except Exception as exc:
+            started.set_exception(exc)
+            return
+        started.set_result(None)
+        while True:
+            with self._ready:
+                while not self._queue:
+                    self._ready.wait()
+                batch = [self._queue.popleft() for _ in range(min(self.max_batch, len(self._queue)))]
+            ctx = with_requests(self.load, len(batch))
+            try:
+                answers = self.handler.handle([row for row, *_ in batch], ctx)
+                statuses = [ctx.get_response_status(i) for i in range(len(batch))]
+            except Exception as exc:  # every request of the batch is answered, none lost
+                answers, statuses = [str(exc).encode()] * len(batch), [(503, str(exc))] * len(batch)
+            batch[0][4].call_soon_threadsafe(self._reply, batch, answers, statuses)
+
+    @staticmethod
+    def _reply(batch: list[tuple], answers: list[Any], statuses: list[tuple[int, str]]) -> None:
+        for (_, context, index, done, _), answer, (code, phrase) in zip(batch, answers, statuses, strict=True):
+            context.set_response_status(code, phrase or "", 0)
+            done(index, [answer])
+
+
+def make_probe_driver(args: argparse.Namespace, model_dir: str) -> tuple[Any, Any]:
+    """(driver, handler) for ``args.child``: the handler, or for a reference probe the plain handler."""
+    from bench.direct import BurstCaller, load_context
+    from bench.direct_systems import BASELINE, make_driver
+    from handlers.plain_handler import PlainModelHandler
+    from model_store.catalog import get_spec
+
+    if args.child == "nowait":
+        return make_driver(BASELINE, args.model, args.mode, model_dir, "cpu", args.max_batch)
+    if args.child == "async-floor":
+        from archiver.options import ServingOptions
+
+        load = load_context(get_spec(args.model, args.mode), Path(model_dir), ServingOptions(batch_size=args.max_batch))
+        floor = AsyncFloor(PlainModelHandler(), load, args.max_batch)
+        return FloorDriver(BurstCaller(floor, load)), floor.handler
+    return make_driver(args.handler, args.model, args.mode, model_dir, "cpu", args.max_batch)
+
+
+class FloorDriver:
+    """The bench's driver interface over a ``BurstCaller`` (the async handlers' drivers, without a gate)."""
+
+    def __init__(self, caller: Any) -> None:
+        self.caller = caller
+
+    async def start(self) -> None:
+        pass
+
+    async def request(self, row: dict) -> int:
+        status, _ = await self.caller.request(row)
+        return status
+
+    async def stop(self) -> None:
+        pass
+
+
 def run_probe(args: argparse.Namespace) -> dict[str, Any]:
     """One probe's readings, in this process: capacity and host CPU, then the open-loop rates."""
     import asyncio
 
     from bench.direct import model_dir_for
-    from bench.direct_systems import closed_loop, make_driver, open_loop, python_us
+    from bench.direct_systems import closed_loop, open_loop, python_us
     from bench.dvabatch import bench_payloads
     from bench.ebird_direct import latency_stats
     from model_store.catalog import get_spec
@@ -149,7 +256,7 @@ def run_probe(args: argparse.Namespace) -> dict[str, Any]:
         reef_best_effort(args.child)
     spec = get_spec(args.model, args.mode)
     model_dir = model_dir_for(spec, Path(args.workdir) / f"{args.model}-{args.mode}")
-    driver, handler = make_driver(args.handler, args.model, args.mode, str(model_dir), "cpu", args.max_batch)
+    driver, handler = make_probe_driver(args, str(model_dir))
     if args.child == "no-bookkeeping":
         without_bookkeeping(handler)
     payloads, _ = bench_payloads(spec, count=64)
@@ -213,6 +320,7 @@ def failed_requests(runs: dict[str, list[dict[str, Any]]]) -> int:
 def render(data: dict[str, Any]) -> str:
     args, runs = data["args"], data["runs"]
     base = runs[AS_IS]
+    nowait = runs.get("nowait")  # the plain handler's yardstick, where it was probed
     rates = [str(r) for r in args["rates"]]
     rows = []
     for probe, probe_runs in runs.items():
@@ -221,6 +329,10 @@ def render(data: dict[str, Any]) -> str:
             probe,
             f"{statistics.median(capacity):,.0f} ({min(capacity):,.0f}-{max(capacity):,.0f})",
             spread_cell(per_round(probe_runs, base, lambda r: r["capacity"])),
+        ]
+        if nowait is not None:
+            cells.append(spread_cell(per_round(probe_runs, nowait, lambda r: r["capacity"])))
+        cells += [
             f"{statistics.median(r['python_us'] for r in probe_runs):.0f}",
             f"{statistics.median(r['cpu_us'].get('event loop', 0.0) for r in probe_runs):.0f}",
         ]
@@ -229,8 +341,10 @@ def render(data: dict[str, Any]) -> str:
             ratio = per_round(probe_runs, base, lambda r, rate=rate: r["open"][rate]["mean_ms"])
             cells.append(f"{mean:.1f} ms, {spread_cell(ratio)}")
         rows.append(cells)
-    header = ["probe", "capacity req/s, median (min-max)", f"÷ {AS_IS}, per round", "Python µs per request",
-              "event loop µs"] + [f"mean at {float(r):,.0f} req/s, ÷ {AS_IS} per round" for r in rates]  # fmt: skip
+    header = ["probe", "capacity req/s, median (min-max)", f"÷ {AS_IS}, per round"]
+    header += ["÷ nowait, per round"] if nowait is not None else []
+    header += ["Python µs per request", "event loop µs"]
+    header += [f"mean at {float(r):,.0f} req/s, ÷ {AS_IS} per round" for r in rates]
     failed = failed_requests(runs)
     return (
         f"# Host-path probes: {args['handler']} on {args['model']} ({args['mode']}), CPU\n\n"

@@ -88,3 +88,49 @@ def test_the_wake_up_that_keeps_the_gil_still_delivers_what_another_thread_posts
     done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["answered", "1"]
+
+
+def test_the_async_floor_answers_every_message_with_its_own_status(tmp_path) -> None:
+    # The reference probe serves the plain handler's pipeline behind the async burst driver: a malformed
+    # body among good ones gets its own 400, every other request its 200 and the model's answer.
+    import asyncio
+
+    from archiver.options import ServingOptions
+    from bench.direct import BurstCaller, load_context, model_dir_for
+    from bench.dvabatch import bench_payloads
+    from bench.host_path_probe import AsyncFloor
+    from handlers.plain_handler import PlainModelHandler
+    from model_store.catalog import get_spec
+    from model_store.samples import request_body
+
+    spec = get_spec("bert-tiny1", "eager")
+    load = load_context(spec, model_dir_for(spec, tmp_path), ServingOptions(batch_size=4))
+    caller = BurstCaller(AsyncFloor(PlainModelHandler(), load, max_batch=4), load)
+    payloads, _ = bench_payloads(spec, count=9)
+    rows = [{"body": request_body(p)} for p in payloads]
+    rows[3] = {"body": b"{not json"}
+
+    async def main():
+        return await asyncio.gather(*(caller.request(row) for row in rows))
+
+    answers = asyncio.run(main())
+    assert [status for status, _ in answers] == [200, 200, 200, 400, 200, 200, 200, 200, 200]
+    assert all(isinstance(answer, list | dict) for status, answer in answers if status == 200)
+
+
+def test_the_table_reads_every_probe_against_the_plain_handler_where_it_was_probed() -> None:
+    def run(capacity: float) -> dict:
+        return {"capacity": capacity, "python_us": 100.0, "cpu_us": {"event loop": 10.0},
+                "open": {"2000.0": {"mean_ms": 5.0, "p99_ms": 9.0, "failed": 0}}}  # fmt: skip
+
+    data = {
+        "args": {"handler": "ebird", "model": "bert-tiny1", "mode": "eager", "rates": [2000.0], "rounds": 2,
+                 "clients": 64, "seconds": 4.0, "warmup": 2.0, "open_seconds": 5.0, "max_batch": 32},  # fmt: skip
+        "runs": {"as-is": [run(600.0), run(500.0)], "nowait": [run(1000.0), run(800.0)],
+                 "async-floor": [run(900.0), run(760.0)]},  # fmt: skip
+        "provenance": {"command": "python -m bench.host_path_probe", "commit": "abc", "date": "d", "machine": {}},
+    }
+    table = render(data)
+    assert "| ÷ nowait, per round |" in table
+    assert "| async-floor | 830 (760-900) | 1.51× (1.50-1.52) | 0.93× (0.90-0.95) | 100 | 10 |" in table
+    assert "| as-is | 550 (500-600) | 1.00× (1.00-1.00) | 0.61× (0.60-0.62) |" in table
