@@ -124,10 +124,23 @@ def test_the_table_reads_every_probe_against_the_plain_handler_where_it_was_prob
                 "open": {"2000.0": {"mean_ms": 5.0, "p99_ms": 9.0, "failed": 0}}}  # fmt: skip
 
     data = {
-        "args": {"handler": "ebird", "model": "bert-tiny1", "mode": "eager", "rates": [2000.0], "rounds": 2,
-                 "clients": 64, "seconds": 4.0, "warmup": 2.0, "open_seconds": 5.0, "max_batch": 32},  # fmt: skip
-        "runs": {"as-is": [run(600.0), run(500.0)], "nowait": [run(1000.0), run(800.0)],
-                 "async-floor": [run(900.0), run(760.0)]},  # fmt: skip
+        "args": {
+            "handler": "ebird",
+            "model": "bert-tiny1",
+            "mode": "eager",
+            "rates": [2000.0],
+            "rounds": 2,
+            "clients": 64,
+            "seconds": 4.0,
+            "warmup": 2.0,
+            "open_seconds": 5.0,
+            "max_batch": 32,
+        },  # fmt: skip
+        "runs": {
+            "as-is": [run(600.0), run(500.0)],
+            "nowait": [run(1000.0), run(800.0)],
+            "async-floor": [run(900.0), run(760.0)],
+        },  # fmt: skip
         "provenance": {"command": "python -m bench.host_path_probe", "commit": "abc", "date": "d", "machine": {}},
     }
     table = render(data)
