@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -25,11 +27,26 @@ from model_store.catalog import ModelSpec
 
 
 def model_dir_for(spec: ModelSpec, directory: Path) -> Path:
-    """An unpacked archive's directory: the artefact, as the builder writes it."""
+    """An unpacked archive's directory: the artefact, as the builder writes it (``off_this_thread``)."""
     directory.mkdir(parents=True, exist_ok=True)
     if not any(directory.glob("*.pt")):
-        write_artefact(spec, directory)
+        off_this_thread(write_artefact, spec, directory)
     return directory
+
+
+def off_this_thread(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` on a thread that ends with it.
+
+    Building a model may run torch ops on every intra-op thread (a large
+    model's initialisers do), and a thread that has run one keeps an OpenMP
+    team for the rest of its life.  The
+    process that builds an artefact here may then serve a handler whose
+    engine threads hold teams of their own, and one team too many slows them
+    all (``bench/openmp_teams.py``), which a TorchServe worker, whose main
+    thread builds nothing, never sees.  The team goes with the thread.
+    """
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(fn, *args).result()
 
 
 def load_context(
@@ -69,7 +86,8 @@ def group_load_context(
     yaml_config = group_model_config(specs, options)
     for entry, spec in zip(yaml_config["handler"]["members"], specs, strict=True):
         if not (model_dir / entry["artefact"]).exists():
-            torch.save(build_model(spec).state_dict(), model_dir / entry["artefact"])
+            off_this_thread(lambda spec=spec, entry=entry: torch.save(build_model(spec).state_dict(),
+                                                                      model_dir / entry["artefact"]))  # fmt: skip
     return worker_context("group-direct", model_dir, {"model": {"modelName": "group"}}, yaml_config, gpu)
 
 

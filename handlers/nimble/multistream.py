@@ -37,6 +37,7 @@ import torch
 from torch import fx, nn
 
 from handlers.nimble.stream_assignment import StreamAssignment, assign_streams
+from handlers.runtime.intra_op import use_intra_op_threads
 
 OPERATOR_OPS = frozenset({"call_module", "call_function", "call_method"})
 CONTEXT_ATTR = "nimble_streams"
@@ -294,7 +295,7 @@ class ChainRunner:
                 run.events[step.node.name].set()
 
     def _serve(self, k: int, start: tuple[threading.Event, list[Any]]) -> None:
-        torch.set_num_threads(self.side_threads)
+        use_intra_op_threads(self.side_threads)
         event, slot = start
         while True:
             event.wait()

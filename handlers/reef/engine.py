@@ -16,11 +16,23 @@ executor thread per queue:
   empty, it stops before its next segment and keeps the state it reached;
   it restores from there, so a preempted batch neither loses nor repeats a
   unit.  On CPU the BE executors share the cores and run concurrently,
-  REEF's normal mode: at most one BE batch per core at once, each starting
-  with an even share of the intra-op threads among the BE batches running
-  at that moment; on CUDA each
+  REEF's normal mode: at most one BE batch per core at once, each on one
+  intra-op thread, so that the RT executor's OpenMP team is the only one
+  in the process (below); on CUDA each
   has a stream and keeps at most ``c`` segments queued on it (REEF-N's host
   queue), so those are what an RT batch may find in its way.
+
+**One OpenMP team on CPU.**  GNU OpenMP (PyTorch's intra-op runtime on
+Linux) keeps a thread's team alive after its parallel region, and while a
+process holds more team threads than it has CPUs it stops spinning between
+parallel regions: every team's threads sleep, and each region wakes them
+through the kernel.  On a 2-vCPU VM one idle second team (a thread that had
+once run an op on two intra-op threads) made a one-layer BERT's batch of 32
+take 2.7 ms instead of 1.1 ms on the first team, which recovered once that
+thread ended (``docs/benchmarks/host_path.md``).  So on CPU the RT
+executor's team is the process's only one: the BE executors run on one
+intra-op thread each, and the handler's event-loop thread loads the models
+on one thread too.
 
 ``policy`` swaps in the paper's baselines over the same executors (the
 same threads, batching and models), so a benchmark compares scheduling
@@ -56,6 +68,7 @@ from handlers.reef.config import BEST_EFFORT, PRIORITIES, REALTIME, ReefConfig
 from handlers.reef.preemption import Preemption, PreemptionGate
 from handlers.runtime.device import ExecutionDevice
 from handlers.runtime.engine import Engine, Ticket, TicketFuture, drain_then_stop, layout_of, settle_batch
+from handlers.runtime.intra_op import use_intra_op_threads
 from handlers.runtime.metrics import HandlerMetrics
 from handlers.runtime.segments import SegmentedModel
 from handlers.runtime.sm_partition import GreenPartition, RtSizing, measure_rt_sms, sm_grid, unavailable_reason
@@ -147,10 +160,9 @@ class ReefEngine(Engine):
         self._be_ready = {name: threading.Condition(self._lock) for name in self.members}
         self._closing = False
         self._stopping = False
-        # CPU: an RT batch runs alone, on every core; BE batches run side by side,
-        # the cores split among the BE queues busy when each batch starts.
+        # CPU: an RT batch runs alone, on every core's intra-op thread (the process's one OpenMP team:
+        # the module's docstring); BE batches run side by side, one intra-op thread each, at most one per core.
         self._rt_threads = max(1, cpu_threads)
-        self._be_busy = 0
         # CPU, REEF: at most one BE batch per core at once.  More would only
         # time-slice the cores, and an RT request waits for every BE segment in
         # flight: on workload C (five BE queues, two cores) unbounded BE made
@@ -278,7 +290,7 @@ class ReefEngine(Engine):
             return batch
 
     def _realtime_loop(self, warm: concurrent.futures.Future) -> None:
-        torch.set_num_threads(self._rt_threads)
+        use_intra_op_threads(self._rt_threads)
         if not self._warm_up_here(warm, lambda: self._warm_whole()):
             return
         while (batch := self._next(self._rt, self._rt_ready, self.config.rt_max_batch, same_model=True)) is not None:
@@ -304,7 +316,8 @@ class ReefEngine(Engine):
                 self.gate.lower_realtime(len(batch))
 
     def _best_effort_loop(self, warm: concurrent.futures.Future, name: str) -> None:
-        torch.set_num_threads(max(1, self._rt_threads // len(self.members)))
+        if not self.device.is_cuda:
+            use_intra_op_threads(1)  # no second OpenMP team beside the RT executor's (module docstring)
         member = self.members[name]
         if not self._warm_up_here(warm, lambda: self._warm_units(member)):
             return
@@ -312,16 +325,7 @@ class ReefEngine(Engine):
         ready = self._be_ready[name]
         while (batch := self._next(self._be[name], ready, self.config.be_max_batch, same_model=False)) is not None:
             with self._be_slots:
-                with self._cond:
-                    self._be_busy += 1
-                    share = max(1, self._rt_threads // self._be_busy)
-                if not self.device.is_cuda:
-                    torch.set_num_threads(share)  # one BE queue busy: every core; two: half each, ...
-                try:
-                    self._run(batch, lambda inputs, m=member, s=stream: self._in_units(m, inputs, s), stream)
-                finally:
-                    with self._cond:
-                        self._be_busy -= 1
+                self._run(batch, lambda inputs, m=member, s=stream: self._in_units(m, inputs, s), stream)
 
     def _in_units(self, member: Member, inputs: tuple[torch.Tensor, ...], stream) -> torch.Tensor:  # noqa: ANN001
         """The model, one segment at a time, each only while the gate allows (the preemption points).
@@ -451,5 +455,5 @@ class ReefEngine(Engine):
             return f"ReefEngine({', '.join(self.members)}; {self.partition!r})"
         return (
             f"ReefEngine({', '.join(self.members)}; RT on {self._rt_threads} thread(s), "
-            "BE on an even share among the busy queues)"
+            "BE on one thread per batch, at most one per core)"
         )

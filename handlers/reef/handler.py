@@ -78,6 +78,11 @@ class ReefHandler(AsyncModelHandler):
         self.configure_runtime(context)
         self.device = ExecutionDevice.from_context(context)
         self.cpu_threads = torch.get_num_threads()
+        if not self.device.is_cuda:
+            # This thread runs the event loop; the RT executor's team owns the cores.  Set before the
+            # models load and are sliced: a team formed here stays, and a second team in the process
+            # slows the RT executor's (``engine.py``'s docstring).
+            torch.set_num_threads(1)
         model_dir = context.system_properties["model_dir"]
         members = []
         for spec, entry in zip(specs, entries, strict=True):
@@ -93,8 +98,6 @@ class ReefHandler(AsyncModelHandler):
             )  # fmt: skip
             members.append(Member(spec.name, model, sliced, example))
             logger.info("REEF: %s in %d segments of %s graph nodes", spec.name, len(sliced), [s.nodes for s in sliced])
-        if not self.device.is_cuda:
-            torch.set_num_threads(1)  # this thread runs the event loop; the executors own the cores
         self.spec, self.codec = specs[0], self.codecs[specs[0].name]
         self.decoder = self._reef_decoder(handler_config.get("decode_threads"))
         self.encode_setting = parse_encode_answers(handler_config.get("encode_answers"))

@@ -43,6 +43,7 @@ import torch
 
 from handlers.codecs import MAX_IMAGE_PIXELS, InputCodec, ModelInput
 from handlers.runtime.decode import RequestDecoder
+from handlers.runtime.intra_op import use_intra_op_threads
 
 DEFAULT_MAX_BATCH = 32
 
@@ -167,7 +168,7 @@ class BatchedJpegDecoder:
         return await asyncio.wrap_future(done)
 
     def _run(self) -> None:
-        torch.set_num_threads(1)
+        use_intra_op_threads(1)
         while True:
             with self._wake:
                 while not self._pending and not self._closed:

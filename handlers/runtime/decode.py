@@ -38,9 +38,8 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-import torch
-
 from handlers.codecs import ModelInput
+from handlers.runtime.intra_op import use_intra_op_threads
 from handlers.runtime.loop_mailbox import LoopMailbox, mailbox_for, wait_for_future
 
 CUDA_DECODE_THREADS = 4
@@ -96,7 +95,7 @@ class RequestDecoder:
         self._decode = decode
         self.threads = threads
         self._own_pool = (
-            ThreadPoolExecutor(threads, thread_name_prefix="decode", initializer=torch.set_num_threads, initargs=(1,))
+            ThreadPoolExecutor(threads, thread_name_prefix="decode", initializer=use_intra_op_threads, initargs=(1,))
             if threads
             else None
         )

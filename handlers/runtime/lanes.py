@@ -48,7 +48,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import torch
+from handlers.runtime.intra_op import use_intra_op_threads
 
 T = TypeVar("T")
 # A queued job: (priority, submission order, future, fn, args, quiet); the first two order the heap.
@@ -130,11 +130,7 @@ class CpuLanes:
         placement = self.placements[index]
         if placement.cores is not None:
             os.sched_setaffinity(0, placement.cores)  # this thread only; its OpenMP team inherits it
-        # torch sets a thread's OpenMP thread count lazily, from the last value
-        # any thread set, on its first parallel region: settle that first, then
-        # set this lane's own (the count is per thread).
-        torch.get_num_threads()
-        torch.set_num_threads(placement.threads)
+        use_intra_op_threads(placement.threads)
         own = self._own[index]
         while True:
             with self._cond:
