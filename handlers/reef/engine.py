@@ -16,9 +16,10 @@ executor thread per queue:
   empty, it stops before its next segment and keeps the state it reached;
   it restores from there, so a preempted batch neither loses nor repeats a
   unit.  On CPU the BE executors share the cores and run concurrently,
-  REEF's normal mode: at most one BE batch per core at once, each on one
-  intra-op thread, so that the RT executor's OpenMP team is the only one
-  in the process (below); on CUDA each
+  REEF's normal mode: at most one BE batch per core at once, each starting
+  with an even share of the intra-op threads among the BE batches running
+  at that moment, on a thread of its own that ends with it (below); on
+  CUDA each
   has a stream and keeps at most ``c`` segments queued on it (REEF-N's host
   queue), so those are what an RT batch may find in its way.
 
@@ -29,10 +30,12 @@ parallel regions: every team's threads sleep, and each region wakes them
 through the kernel.  On a 2-vCPU VM one idle second team (a thread that had
 once run an op on two intra-op threads) made a one-layer BERT's batch of 32
 take 2.7 ms instead of 1.1 ms on the first team, which recovered once that
-thread ended (``docs/benchmarks/host_path.md``).  So on CPU the RT
-executor's team is the process's only one: the BE executors run on one
-intra-op thread each, and the handler's event-loop thread loads the models
-on one thread too.
+thread ended (``bench/openmp_teams.py``).  So on CPU the RT executor's team
+is the process's only one whenever no best-effort batch runs: the BE
+executors themselves never form a team, each BE batch that takes more than
+one intra-op thread runs on a thread of its own whose team ends with the
+batch, and the handler's event-loop thread loads the models on one thread.
+While a BE batch runs (preempted or not) its team is there too, as before.
 
 ``policy`` swaps in the paper's baselines over the same executors (the
 same threads, batching and models), so a benchmark compares scheduling
@@ -55,7 +58,7 @@ import logging
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -127,6 +130,25 @@ class Member:
 _Queued = tuple[Ticket, RoutedInput]
 
 
+def on_a_team_of_its_own(threads: int, run: Callable[[], None]) -> None:
+    """``run()`` on a new thread with ``threads`` intra-op threads, waiting for it: the OpenMP team it forms
+    ends with that thread, so it does not outlive the work (the module's docstring).  Raises what ``run`` raised."""
+    failed: list[BaseException] = []
+
+    def target() -> None:
+        use_intra_op_threads(threads)
+        try:
+            run()
+        except BaseException as exc:  # noqa: BLE001 - handed back to the caller's thread
+            failed.append(exc)
+
+    thread = threading.Thread(target=target, name=f"{threading.current_thread().name}-batch", daemon=True)
+    thread.start()
+    thread.join()
+    if failed:
+        raise failed[0]
+
+
 class ReefEngine(Engine):
     def __init__(
         self,
@@ -160,9 +182,10 @@ class ReefEngine(Engine):
         self._be_ready = {name: threading.Condition(self._lock) for name in self.members}
         self._closing = False
         self._stopping = False
-        # CPU: an RT batch runs alone, on every core's intra-op thread (the process's one OpenMP team:
-        # the module's docstring); BE batches run side by side, one intra-op thread each, at most one per core.
+        # CPU: an RT batch runs alone, on every core; BE batches run side by side, the cores split among
+        # the BE queues busy when each batch starts, each batch's team gone with it (the module's docstring).
         self._rt_threads = max(1, cpu_threads)
+        self._be_busy = 0
         # CPU, REEF: at most one BE batch per core at once.  More would only
         # time-slice the cores, and an RT request waits for every BE segment in
         # flight: on workload C (five BE queues, two cores) unbounded BE made
@@ -317,7 +340,7 @@ class ReefEngine(Engine):
 
     def _best_effort_loop(self, warm: concurrent.futures.Future, name: str) -> None:
         if not self.device.is_cuda:
-            use_intra_op_threads(1)  # no second OpenMP team beside the RT executor's (module docstring)
+            use_intra_op_threads(1)  # no OpenMP team on this thread, ever (the module's docstring)
         member = self.members[name]
         if not self._warm_up_here(warm, lambda: self._warm_units(member)):
             return
@@ -325,7 +348,21 @@ class ReefEngine(Engine):
         ready = self._be_ready[name]
         while (batch := self._next(self._be[name], ready, self.config.be_max_batch, same_model=False)) is not None:
             with self._be_slots:
-                self._run(batch, lambda inputs, m=member, s=stream: self._in_units(m, inputs, s), stream)
+                with self._cond:
+                    self._be_busy += 1
+                    share = max(1, self._rt_threads // self._be_busy)
+
+                def run(batch: list[_Queued] = batch) -> None:
+                    self._run(batch, lambda inputs, m=member, s=stream: self._in_units(m, inputs, s), stream)
+
+                try:
+                    if self.device.is_cuda or share == 1:
+                        run()
+                    else:  # one BE queue busy: every core; two: half each, ...
+                        on_a_team_of_its_own(share, run)
+                finally:
+                    with self._cond:
+                        self._be_busy -= 1
 
     def _in_units(self, member: Member, inputs: tuple[torch.Tensor, ...], stream) -> torch.Tensor:  # noqa: ANN001
         """The model, one segment at a time, each only while the gate allows (the preemption points).
@@ -455,5 +492,5 @@ class ReefEngine(Engine):
             return f"ReefEngine({', '.join(self.members)}; {self.partition!r})"
         return (
             f"ReefEngine({', '.join(self.members)}; RT on {self._rt_threads} thread(s), "
-            "BE on one thread per batch, at most one per core)"
+            "BE on an even share among the busy queues)"
         )

@@ -32,12 +32,14 @@ INSIDE = threading.Event()
 
 HELD_NOW = [0]  # BE batches inside hold_here right now
 HELD_LOCK = threading.Lock()
+HELD_ON: list[tuple[str, int]] = []  # (thread, its intra-op threads) of every pass through hold_here
 
 
 @fx.wrap
 def hold_here(x: torch.Tensor) -> torch.Tensor:
     with HELD_LOCK:
         HELD_NOW[0] += 1
+        HELD_ON.append((threading.current_thread().name, torch.get_num_threads()))
     INSIDE.set()
     HOLD.wait(WAIT_S)
     with HELD_LOCK:
@@ -211,6 +213,26 @@ def test_on_cpu_reef_runs_at_most_one_best_effort_batch_per_core():
             future.result(WAIT_S)
     finally:
         HOLD.set()
+        eng.close(5.0)
+
+
+def test_on_cpu_a_lone_best_effort_batch_takes_every_core_on_a_thread_that_ends_with_it():
+    # The executor itself never forms an OpenMP team, which would stay beside the RT executor's and slow it
+    # (``bench/openmp_teams.py``): the batch's team is on a thread of its own, gone with the batch.
+    eng = ReefEngine([member("h1", Held(), (3, 8, 8))], ExecutionDevice("cpu"), ReefConfig(),
+                     HandlerMetrics(None, "test"), cpu_threads=2)  # fmt: skip
+    eng.warm_up()
+    HOLD.set()
+    HELD_ON.clear()
+    try:
+        threads_before = threading.active_count()
+        request(eng, "h1", BEST_EFFORT, seed=0)[1].result(WAIT_S)
+        assert HELD_ON == [("reef-be-h1-batch", 2)]
+        deadline = time.monotonic() + WAIT_S  # the answer is settled on that thread just before it ends
+        while threading.active_count() > threads_before and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert threading.active_count() == threads_before
+    finally:
         eng.close(5.0)
 
 
