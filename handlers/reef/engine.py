@@ -29,8 +29,8 @@ process holds more team threads than it has CPUs it stops spinning between
 parallel regions: every team's threads sleep, and each region wakes them
 through the kernel.  On a 2-vCPU VM one idle second team (a thread that had
 once run an op on two intra-op threads) made a one-layer BERT's batch of 32
-take 2.7 ms instead of 1.1 ms on the first team, which recovered once that
-thread ended (``bench/openmp_teams.py``).  So on CPU the RT executor's team
+take 2.64 ms instead of 1.15 ms on the first team, and a neighbour on one
+intra-op thread changed nothing (``bench/openmp_teams.py``).  So on CPU the RT executor's team
 is the process's only one whenever no best-effort batch runs: the BE
 executors themselves never form a team, each BE batch that takes more than
 one intra-op thread runs on a thread of its own whose team ends with the
