@@ -12,6 +12,10 @@ from bench.host_path_probe import main, per_round, render
 from serving_harness.loadgen import arrival_times
 from tests.documented_commands import REPO
 
+RUN_ARGS = {"handler": "ebird", "model": "bert-tiny1", "mode": "eager", "rates": [2000.0], "rounds": 2, "clients": 64,
+            "seconds": 4.0, "warmup": 2.0, "open_seconds": 5.0, "max_batch": 32}  # fmt: skip
+PROVENANCE = {"command": "python -m bench.host_path_probe", "commit": "abc", "date": "d", "machine": {}}
+
 
 def test_a_probe_s_ratio_is_taken_within_each_round_against_the_handler_as_it_ships() -> None:
     # The machine slows in round 2: both read lower, the ratio within the round does not move.
@@ -34,20 +38,9 @@ def test_the_table_gives_each_probe_s_capacity_host_time_and_latency_against_as_
                 "open": {"2000.0": {"mean_ms": mean_ms, "p99_ms": 3 * mean_ms, "failed": 0}}}  # fmt: skip
 
     data = {
-        "args": {
-            "handler": "ebird",
-            "model": "bert-tiny1",
-            "mode": "eager",
-            "rates": [2000.0],
-            "rounds": 2,
-            "clients": 64,
-            "seconds": 4.0,
-            "warmup": 2.0,
-            "open_seconds": 5.0,
-            "max_batch": 32,
-        },  # fmt: skip
+        "args": RUN_ARGS,
         "runs": {"as-is": [run(1000.0, 10.0), run(800.0, 8.0)], "no-bookkeeping": [run(1100.0, 9.0), run(960.0, 6.0)]},
-        "provenance": {"command": "python -m bench.host_path_probe", "commit": "abc", "date": "d", "machine": {}},
+        "provenance": PROVENANCE,
     }
     table = render(data)
     assert "| no-bookkeeping | 1,030 (960-1,100) | 1.15× (1.10-1.20) | 120 | 40 | 7.5 ms, 0.82× (0.75-0.90) |" in table
@@ -124,24 +117,13 @@ def test_the_table_reads_every_probe_against_the_plain_handler_where_it_was_prob
                 "open": {"2000.0": {"mean_ms": 5.0, "p99_ms": 9.0, "failed": 0}}}  # fmt: skip
 
     data = {
-        "args": {
-            "handler": "ebird",
-            "model": "bert-tiny1",
-            "mode": "eager",
-            "rates": [2000.0],
-            "rounds": 2,
-            "clients": 64,
-            "seconds": 4.0,
-            "warmup": 2.0,
-            "open_seconds": 5.0,
-            "max_batch": 32,
-        },  # fmt: skip
+        "args": RUN_ARGS,
         "runs": {
             "as-is": [run(600.0), run(500.0)],
             "nowait": [run(1000.0), run(800.0)],
             "async-floor": [run(900.0), run(760.0)],
         },  # fmt: skip
-        "provenance": {"command": "python -m bench.host_path_probe", "commit": "abc", "date": "d", "machine": {}},
+        "provenance": PROVENANCE,
     }
     table = render(data)
     assert "| ÷ nowait, per round |" in table
