@@ -65,6 +65,9 @@ VARIANTS = {PADDED: {"padding": True}, GREEN: {"rt_sms": "auto"}, GRAPHS: {"be_g
 _BODIES: dict[tuple[str, int], dict[str, Any]] = {}
 
 
+BASE_POLICIES = ("seq", "concurrent", "reef")  # ``--policies``: the paper's baselines and REEF
+
+
 def body(spec: ModelSpec, seed: int) -> dict[str, Any]:
     """A client's request for ``spec`` (one of a few per seed, made once: building a token payload makes a
     model config, ~1 ms of the event loop that the handler under test would be charged for)."""
@@ -167,9 +170,7 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     settings = workload_settings(args, workload)
     gpu = 0 if args.device == "cuda" else None
     policies = [
-        "seq",
-        "concurrent",
-        "reef",
+        *args.policies,
         *([PADDED] if args.padding else []),
         *([GREEN] if args.green else []),
         *([GRAPHS] if args.graphs else []),
@@ -265,6 +266,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--segments", type=int, default=16, help="units a BE batch is cut into (preemption points)")
     parser.add_argument("--rt-max-batch", type=int, default=4)
     parser.add_argument("--be-max-batch", type=int, default=1)
+    parser.add_argument(
+        "--policies",
+        type=lambda v: [p.strip() for p in v.split(",") if p.strip()],
+        default=list(BASE_POLICIES),
+        help="the policies served, each by a worker of its own in this one process, reef among them (default: "
+        "seq,concurrent,reef). On CPU each worker's RT executor holds an OpenMP team and more teams than cores "
+        "throttle every one (bench/openmp_teams.py): --policies reef reads REEF against RT-only as one "
+        "TorchServe worker would hold it",
+    )
     parser.add_argument("--padding", action="store_true", help="also run REEF with padding on (reef-pad)")
     parser.add_argument(
         "--green", action="store_true", help="also run REEF on split SMs, rt_sms: auto (reef-green; CUDA)"
@@ -278,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--suffix", default="", help="appended to the output files' name")
     add_output_arguments(parser)
     args = parser.parse_args(argv)
+    if "reef" not in args.policies or set(args.policies) - set(BASE_POLICIES):
+        parser.error(f"--policies: some of {', '.join(BASE_POLICIES)}, reef among them (got {','.join(args.policies)})")
     if args.quick:
         args.seconds, args.repeats, args.warmup_seconds, args.calibrate_seconds = 6.0, 1, 1.0, 2.0
     import torch
