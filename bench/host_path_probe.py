@@ -205,8 +205,8 @@ class AsyncFloor:
 
 def make_probe_driver(args: argparse.Namespace, model_dir: str) -> tuple[Any, Any]:
     """(driver, handler) for ``args.child``: the handler, or for a reference probe the plain handler."""
-    from bench.direct import BurstCaller, load_context
-    from bench.direct_systems import BASELINE, make_driver
+    from bench.direct import load_context
+    from bench.direct_systems import BASELINE, AsyncDriver, make_driver
     from handlers.plain_handler import PlainModelHandler
     from model_store.catalog import get_spec
 
@@ -217,25 +217,8 @@ def make_probe_driver(args: argparse.Namespace, model_dir: str) -> tuple[Any, An
 
         load = load_context(get_spec(args.model, args.mode), Path(model_dir), ServingOptions(batch_size=args.max_batch))
         floor = AsyncFloor(PlainModelHandler(), load, args.max_batch)
-        return FloorDriver(BurstCaller(floor, load)), floor.handler
+        return AsyncDriver(floor, load), floor.handler  # no lanes: every burst is handed over at once
     return make_driver(args.handler, args.model, args.mode, model_dir, "cpu", args.max_batch)
-
-
-class FloorDriver:
-    """The bench's driver interface over a ``BurstCaller`` (the async handlers' drivers, without a gate)."""
-
-    def __init__(self, caller: Any) -> None:
-        self.caller = caller
-
-    async def start(self) -> None:
-        pass
-
-    async def request(self, row: dict) -> int:
-        status, _ = await self.caller.request(row)
-        return status
-
-    async def stop(self) -> None:
-        pass
 
 
 def run_probe(args: argparse.Namespace) -> dict[str, Any]:

@@ -49,7 +49,7 @@ if __package__ in (None, ""):  # `python bench/NAME.py` from the repository root
 from archiver.options import ServingOptions
 from bench.direct import BurstCaller, group_load_context
 from bench.direct_systems import cpu_seconds_by_role, cpu_us_per_answer, play, python_us
-from bench.reef import WORKLOADS, members_of, plot, render, run_row, summarise, workload_settings
+from bench.reef import POLICIES, WORKLOADS, members_of, plot, render, run_row, summarise, workload_settings
 from bench.report import add_output_arguments, markdown_table, run_benchmark
 from handlers.reef.handler import ENGINE_KEY, ReefHandler
 from model_store.catalog import ModelSpec, get_spec
@@ -63,9 +63,7 @@ VARIANTS = {PADDED: {"padding": True}, GREEN: {"rt_sms": "auto"}, GRAPHS: {"be_g
 
 
 _BODIES: dict[tuple[str, int], dict[str, Any]] = {}
-
-
-BASE_POLICIES = ("seq", "concurrent", "reef")  # ``--policies``: the paper's baselines and REEF
+BASE_POLICIES = tuple(p for p in POLICIES if p != "rt-only")  # ``--policies``: each a worker; RT-only is REEF's
 
 
 def body(spec: ModelSpec, seed: int) -> dict[str, Any]:
