@@ -71,9 +71,13 @@ def test_threads_sharing_one_core_wait_on_its_run_queue() -> None:
         cpu = thread_cpu_seconds(os.getpid())
     # Three threads burning 0.3 s each on one core: while one runs, the other two wait (~1.8 s in all).
     assert all(cpu[tid] >= 0.25 for tid in burners.ids)
-    assert sum(waits[tid] for tid in burners.ids) >= 0.9
-    # One alone on its core hardly waits (this process's other threads are blocked meanwhile).
-    assert wait_alone < 0.15
+    shared = sum(waits[tid] for tid in burners.ids)
+    assert shared >= 0.9
+    # One alone on its core waits only for whatever else the machine runs there (other test workers, under
+    # xdist). If those take a share L of the core, one thread waits 0.3·L/(1-L) and three wait
+    # 0.9·(3/(1-L) - 1) between them: at least nine times as long for any L. A quarter leaves room for L to
+    # change between the two readings without letting a reader that ignores the run queue pass.
+    assert wait_alone < shared / 4
 
 
 def test_stop_before_start_is_refused() -> None:
