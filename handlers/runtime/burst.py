@@ -42,8 +42,8 @@ from typing import Any
 from handlers.codecs import ModelInput, is_describe
 from handlers.errors import ResponseError, ServiceUnavailable
 from handlers.runtime.admission import FULL_FOR_THE_TIMEOUT
-from handlers.runtime.engine import stage_breakdown
 from handlers.runtime.loop_mailbox import mailbox_for
+from handlers.runtime.stage_tally import StageTally
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +99,7 @@ class BurstServer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._mailbox: Any = None
         self._deadlines: Any = None
+        self._tally: StageTally | None = None
 
     def serve(self, calls: Sequence[Call], done: Done) -> None:
         """Answer each of ``calls`` through ``done(index, answers)``, on the running loop."""
@@ -116,6 +117,7 @@ class BurstServer:
         loop = asyncio.get_running_loop()
         if self._loop is not loop:  # the loop's mailbox and deadline watch, looked up once per loop
             self._loop, self._mailbox, self._deadlines = loop, mailbox_for(loop), handler.deadlines_on(loop)
+            self._tally = StageTally(handler.metrics, loop)
         # The response timeout counts from receipt, as TorchServe's does: a request whose decode or wait
         # for room outlasts it is answered 503 then, not when its decode ends.
         deadline = loop.time() + handler.response_timeout_s
@@ -189,9 +191,7 @@ class BurstServer:
             self.finish(request, error=exc)
             return
         times = getattr(future, "times", None)
-        self.handler.metrics.stages(
-            stage_breakdown(request.received, request.decoded, request.admitted, times, woken, time.monotonic())
-        )
+        self._tally.add(request.received, request.decoded, request.admitted, times, woken, time.monotonic())
         self.finish(request, answer=answer)
 
     def finish(self, request: BurstRequest, answer: Any = None, error: BaseException | None = None) -> None:

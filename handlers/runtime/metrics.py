@@ -228,9 +228,13 @@ class HandlerMetrics:
     def stages(self, seconds: dict[str, float], requests: int = 1) -> None:
         """Time in each named stage, as ``requests`` requests each spent it
         (a sync handler's batch: every request in it waits for all of it)."""
+        self.stage_sums({stage: value * requests for stage, value in seconds.items()}, requests)
+
+    def stage_sums(self, seconds: dict[str, float], requests: int) -> None:
+        """Seconds in each named stage summed over ``requests`` requests (``stage_tally.StageTally``)."""
         with self._lock:
-            for stage, value in seconds.items():
-                self.stage_seconds[stage] += value * requests
+            for stage, total in seconds.items():
+                self.stage_seconds[stage] += total
                 self.stage_counts[stage] += requests
             self._stages_changed = True
         self._emit_now_if_unbatched()
