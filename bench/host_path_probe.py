@@ -119,6 +119,9 @@ def without_bookkeeping(handler: Any) -> None:
         def watch(self, request: Any, deadline: float) -> None:
             pass
 
+        def watch_many(self, requests: Any, deadline: float) -> None:
+            pass
+
     HandlerMetrics.stages = lambda self, seconds, requests=1: None
     HandlerMetrics.request_admitted = lambda self: None
     HandlerMetrics.request_answered = lambda self: None

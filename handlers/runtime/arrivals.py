@@ -41,6 +41,15 @@ class Arrivals:
             self._pending.add(token)
             return token
 
+    def enter_many(self, count: int) -> range:
+        """Register ``count`` requests received together, in order: their tokens."""
+        with self._lock:
+            first = self._next
+            self._next += count
+            tokens = range(first, self._next)
+            self._pending.update(tokens)
+            return tokens
+
     def leave(self, token: int) -> None:
         """The request has reached an engine or was refused.  Idempotent."""
         with self._lock:

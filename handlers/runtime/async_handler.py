@@ -351,7 +351,8 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
         through ``handle`` in a task of its own.
         """
         if self._burst is None:
-            self._burst = BurstServer(self) if self._takes_bursts() else _ThroughHandle(self)
+            routes = type(self).route_request is not AsyncModelHandler.route_request
+            self._burst = BurstServer(self, routes) if self._takes_bursts() else _ThroughHandle(self)
         self._burst.serve(calls, done)
 
     def _takes_bursts(self) -> bool:

@@ -56,19 +56,26 @@ class BurstRequest:
 
     ``done`` and ``set_exception`` let ``Deadlines`` watch it as it watches
     an asyncio future: a request still unanswered at its deadline is
-    answered 503 then, and its late result is dropped.
+    answered 503 then, and its late result is dropped.  ``admitted``,
+    ``refused`` and ``done`` are what its admission line calls back, and
+    ``answered`` what its engine's future calls back: bound methods of the
+    request itself, where a ``functools.partial`` and a lambda were made
+    per request before.
     """
 
-    __slots__ = ("call", "row", "context", "reply", "server", "received", "decoded", "admitted", "arrival", "item",
-                 "bind", "future", "finished")  # fmt: skip
+    __slots__ = ("call", "row", "context", "reply", "server", "received", "decoded", "admitted_at", "arrival",
+                 "item", "bind", "future", "finished")  # fmt: skip
 
-    def __init__(self, call: int, row: dict[str, Any], context: Any, reply: Done, server: BurstServer) -> None:
+    def __init__(
+        self, call: int, row: dict[str, Any], context: Any, reply: Done, server: BurstServer, received: float
+    ) -> None:
         self.call = call  # its message's index in the burst
         self.row = row
         self.context = context
         self.reply = reply
         self.server = server
-        self.received = self.decoded = self.admitted = 0.0
+        self.received = received
+        self.decoded = self.admitted_at = 0.0
         self.arrival: int | None = None
         self.item: ModelInput | None = None
         self.bind: Callable[[ModelInput], ModelInput] | None = None  # from ``route_request``
@@ -85,16 +92,30 @@ class BurstRequest:
             error = ServiceUnavailable(FULL_FOR_THE_TIMEOUT)
         self.server.finish(self, error=error)
 
+    def admitted(self, future: Any) -> None:
+        """Its engine took it: ``future`` will hold its output row (or its answer, encoded there)."""
+        self.server._admitted(self, future)
+
     def refused(self, error: BaseException) -> None:
         """Its engine refused it (closing, or an input it can never take)."""
         self.server.finish(self, error=error)
+
+    def answered(self, _future: Any) -> None:
+        """Its engine settled its future (on the engine's thread): on to the loop, with its batch."""
+        self.server._mailbox.post(self.settled)
+
+    def settled(self) -> None:
+        self.server._settled(self)
 
 
 class BurstServer:
     """The callback path of one ``AsyncModelHandler`` (see the module's docstring)."""
 
-    def __init__(self, handler: Any) -> None:
+    def __init__(self, handler: Any, routes: bool = True) -> None:
         self.handler = handler
+        # Whether requests are routed one by one (``route_request``: REEF picks a member by its headers);
+        # False for a handler whose requests all take its own decoder and are bound to nothing.
+        self.routes = routes
         self._tasks: set[asyncio.Task] = set()  # messages served by ``handle``
         self._loop: asyncio.AbstractEventLoop | None = None
         self._mailbox: Any = None
@@ -105,15 +126,15 @@ class BurstServer:
         """Answer each of ``calls`` through ``done(index, answers)``, on the running loop."""
         handler = self.handler
         requests: list[BurstRequest] = []
+        received = time.monotonic()
         for index, (data, context) in enumerate(calls):
             if len(data) != 1 or handler.closing or is_describe(context):
                 self._spawn(self._through_handle(index, data, context, done))
             else:
-                requests.append(BurstRequest(index, data[0], context, done, self))
+                requests.append(BurstRequest(index, data[0], context, done, self, received))
         if not requests:
             return
         handler.count_unanswered(len(requests))
-        received = time.monotonic()
         loop = asyncio.get_running_loop()
         if self._loop is not loop:  # the loop's mailbox and deadline watch, looked up once per loop
             self._loop, self._mailbox, self._deadlines = loop, mailbox_for(loop), handler.deadlines_on(loop)
@@ -121,23 +142,25 @@ class BurstServer:
         # The response timeout counts from receipt, as TorchServe's does: a request whose decode or wait
         # for room outlasts it is answered 503 then, not when its decode ends.
         deadline = loop.time() + handler.response_timeout_s
-        watch = self._deadlines.watch
-        arrivals = handler.arrivals
-        routed, decodes = [], []
-        for request in requests:
-            request.received = received
-            try:
-                decode, request.bind = handler.route_request(request.row, request.context, 0)
-            except Exception as exc:  # refused by its headers (REEF: an unknown model): its own 4xx
-                self.finish(request, error=exc)
-                continue
-            if arrivals is not None:
-                request.arrival = arrivals.enter()
-            watch(request, deadline)
-            routed.append(request)
-            decodes.append(decode)
-        if routed:
-            handler.decoder.decode_burst([r.row for r in routed], functools.partial(self._decoded, routed), decodes)
+        if self.routes:
+            routed, decodes = [], []
+            for request in requests:
+                try:
+                    decode, request.bind = handler.route_request(request.row, request.context, 0)
+                except Exception as exc:  # refused by its headers (REEF: an unknown model): its own 4xx
+                    self.finish(request, error=exc)
+                    continue
+                routed.append(request)
+                decodes.append(decode)
+            if not routed:
+                return
+        else:  # the handler's own decoder for every request, and nothing to bind
+            routed, decodes = requests, None
+        if handler.arrivals is not None:
+            for request, token in zip(routed, handler.arrivals.enter_many(len(routed)), strict=True):
+                request.arrival = token
+        self._deadlines.watch_many(routed, deadline)
+        handler.decoder.decode_burst([r.row for r in routed], functools.partial(self._decoded, routed), decodes)
 
     # -- the steps ------------------------------------------------------------
 
@@ -163,11 +186,11 @@ class BurstServer:
         except ResponseError as exc:  # an input layout the archive does not declare: its own 400
             self.finish(request, error=exc)
             return
-        admission.submit(request.item, functools.partial(self._admitted, request), request.refused, request.done)
+        admission.submit(request.item, request.admitted, request.refused, request.done)
 
     def _admitted(self, request: BurstRequest, future: Any) -> None:
         handler = self.handler
-        request.admitted = time.monotonic()
+        request.admitted_at = time.monotonic()
         request.future = future
         if handler.encodes_on_engine(request.item) and hasattr(future, "encode"):  # a ``TicketFuture``
             future.encode = handler.encoder_for(request.item)
@@ -175,8 +198,7 @@ class BurstServer:
             handler.arrivals.leave(request.arrival)
             request.arrival = None
         handler.metrics.request_admitted()
-        post, settled = self._mailbox.post, functools.partial(self._settled, request)
-        future.add_done_callback(lambda _: post(settled))
+        future.add_done_callback(request.answered)
 
     def _settled(self, request: BurstRequest) -> None:
         if request.finished:  # answered 503 at its deadline already
@@ -191,7 +213,7 @@ class BurstServer:
             self.finish(request, error=exc)
             return
         times = getattr(future, "times", None)
-        self._tally.add(request.received, request.decoded, request.admitted, times, woken, time.monotonic())
+        self._tally.add(request.received, request.decoded, request.admitted_at, times, woken, time.monotonic())
         self.finish(request, answer=answer)
 
     def finish(self, request: BurstRequest, answer: Any = None, error: BaseException | None = None) -> None:

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 
 class Deadlines:
@@ -39,6 +40,15 @@ class Deadlines:
         while queue and queue[0][1].done():  # answered in time: nothing left to watch
             queue.popleft()
         queue.append((deadline, future))
+        if self._timer is None:
+            self._arm()
+
+    def watch_many(self, futures: Sequence[Any], deadline: float) -> None:
+        """``watch`` each of ``futures`` with the one ``deadline`` (a burst received together)."""
+        queue = self._queue
+        while queue and queue[0][1].done():
+            queue.popleft()
+        queue.extend((deadline, future) for future in futures)
         if self._timer is None:
             self._arm()
 

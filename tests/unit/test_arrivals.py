@@ -28,3 +28,14 @@ def test_every_leave_wakes_the_listeners_once_and_a_second_leave_is_ignored():
     arrivals.leave(token)
     arrivals.leave(token)
     assert woken == [1]
+
+
+def test_a_burst_entered_together_takes_consecutive_tokens_each_left_on_its_own():
+    arrivals = Arrivals()
+    before = arrivals.enter()
+    burst = arrivals.enter_many(3)
+    after = arrivals.enter()
+    assert list(burst) == [before + 1, before + 2, before + 3] and after == before + 4
+    assert len(arrivals) == 5 and arrivals.pending_through(burst[-1]) == 4
+    arrivals.leave(burst[1])
+    assert arrivals.pending_through(burst[-1]) == 3 and len(arrivals.enter_many(0)) == 0

@@ -145,6 +145,25 @@ def test_deadlines_fail_only_what_is_still_waiting_and_forget_what_was_answered(
     asyncio.run(main())
 
 
+def test_a_burst_watched_with_one_deadline_fails_only_its_unanswered_members() -> None:
+    async def main() -> tuple[list[bool], int]:
+        loop = asyncio.get_running_loop()
+        deadlines = Deadlines(loop, lambda: ServiceUnavailable("too late"))
+        done_early = loop.create_future()
+        done_early.set_result(None)
+        deadlines.watch(done_early, loop.time())
+        burst = [loop.create_future() for _ in range(4)]
+        deadlines.watch_many(burst, loop.time() + 0.05)
+        assert len(deadlines) == 4  # the answered head left as the burst came in
+        burst[0].set_result("ok")
+        burst[2].set_result("ok")
+        await asyncio.sleep(0.1)
+        return [f.exception() is not None for f in burst], deadlines.expired
+
+    failed, expired = asyncio.run(main())
+    assert failed == [False, True, False, True] and expired == 2
+
+
 def test_a_deadline_out_of_order_is_still_honoured() -> None:
     async def main() -> float:
         loop = asyncio.get_running_loop()
