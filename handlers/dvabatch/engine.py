@@ -40,6 +40,7 @@ from handlers.errors import ServiceUnavailable, bad_request
 from handlers.runtime.device import ExecutionDevice
 from handlers.runtime.engine import (
     Engine,
+    RowLayout,
     Ticket,
     TicketFuture,
     drain_then_stop,
@@ -75,6 +76,7 @@ class DvaBatchEngine(Engine):
         self.policy = DvaPolicy(config, profile)
         self.table = BatchTable(len(sliced))
         self.layout = layout_of(example)
+        self._row_layout = RowLayout(example)
         if not device.is_cuda and lanes is None:
             raise ValueError("a CPU DVABatch engine runs its stages on the handler's CpuLanes; none given")
         self._lanes = None if device.is_cuda else lanes
@@ -107,7 +109,7 @@ class DvaBatchEngine(Engine):
     def try_submit(self, item: ModelInput) -> TicketFuture | None:
         if self._closing:
             raise ServiceUnavailable("worker is shutting down")
-        if layout_of(item) != self.layout:
+        if not self._row_layout.fits(item):
             raise bad_request(f"input shapes {[list(s) for s in item.shapes]} do not fit this model's stages")
         with self._cond:
             if len(self._outstanding) >= self.config.max_inflight:

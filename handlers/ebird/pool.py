@@ -56,6 +56,7 @@ class InputPool:
         self.capacity = capacity
         self.layout = tuple((tuple(shape), dtype) for shape, dtype in layout)
         self._row_shapes = tuple(shape for shape, _ in self.layout)
+        self._row_dtypes = tuple(dtype for _, dtype in self.layout)
         self.device = torch.device(device)
         self.storage = tuple(
             torch.empty((capacity, *shape), dtype=dtype, device=self.device) for shape, dtype in self.layout
@@ -167,7 +168,7 @@ class InputPool:
         """Whether one request's input matches the pool's layout (checked before reserving,
         because a reserved slot that is never written would block the ring)."""
         item = as_input(item)
-        return tuple(zip(item.shapes, item.dtypes, strict=False)) == self.layout
+        return item.shapes == self._row_shapes and item.dtypes == self._row_dtypes  # no pairs built per request
 
     def wait_copied(self, run: Run, stream: torch.cuda.Stream | None) -> None:
         """Have the run's inputs in ``storage`` before its batch reads them.

@@ -70,7 +70,15 @@ from handlers.errors import ServiceUnavailable, bad_request
 from handlers.reef.config import BEST_EFFORT, PRIORITIES, REALTIME, ReefConfig
 from handlers.reef.preemption import Preemption, PreemptionGate
 from handlers.runtime.device import ExecutionDevice
-from handlers.runtime.engine import Engine, Ticket, TicketFuture, drain_then_stop, layout_of, settle_batch
+from handlers.runtime.engine import (
+    Engine,
+    RowLayout,
+    Ticket,
+    TicketFuture,
+    drain_then_stop,
+    layout_of,
+    settle_batch,
+)
 from handlers.runtime.intra_op import use_intra_op_threads
 from handlers.runtime.metrics import HandlerMetrics
 from handlers.runtime.segments import SegmentedModel
@@ -123,8 +131,13 @@ class Member:
 
     @functools.cached_property
     def layout(self) -> tuple:
-        """The input layout a request must have (checked at every admission, so worked out once)."""
+        """The input layout a request must have (``layout_of``)."""
         return layout_of(self.example)
+
+    @functools.cached_property
+    def row_layout(self) -> RowLayout:
+        """The same, as every admission compares it (worked out once)."""
+        return RowLayout(self.example)
 
 
 _Queued = tuple[Ticket, RoutedInput]
@@ -278,7 +291,7 @@ class ReefEngine(Engine):
             raise bad_request(f"this worker serves {', '.join(self.members)}; the request names none of them")
         if item.priority not in PRIORITIES:
             raise bad_request(f"unknown priority {item.priority!r}")
-        if layout_of(item) != self.members[item.model].layout:
+        if not self.members[item.model].row_layout.fits(item):
             raise bad_request(f"input shapes {[list(shape) for shape in item.shapes]} do not fit {item.model}")
         with self._cond:
             if len(self._outstanding) >= self.config.max_inflight:

@@ -7,10 +7,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
 
+from handlers.codecs import ModelInput
 from handlers.errors import ServiceUnavailable
 from handlers.runtime.async_handler import stage_breakdown
-from handlers.runtime.engine import StageTimes, Ticket
+from handlers.runtime.engine import RowLayout, StageTimes, Ticket, layout_of
 
 
 def test_an_encoder_set_before_settling_turns_the_row_into_the_answer_once():
@@ -104,3 +106,15 @@ def test_many_threads_settling_and_listening_at_once_lose_no_answer() -> None:
             pool.submit(listen, i)
             pool.submit(tickets[i].settle, i)
     assert sorted(heard) == list(range(len(tickets)))
+
+
+def test_a_row_layout_fits_only_inputs_with_its_shapes_and_dtypes() -> None:
+    tokens = ModelInput(rows=([1, 2, 3, 0], [1, 1, 1, 0]))
+    layout = RowLayout(tokens)
+    assert layout.fits(ModelInput(rows=([4, 5, 0, 0], [1, 1, 0, 0])))
+    assert layout.fits(ModelInput((torch.zeros(4, dtype=torch.long), torch.ones(4, dtype=torch.long))))
+    assert not layout.fits(ModelInput(rows=([4, 5, 0], [1, 1, 0])))  # another length
+    assert not layout.fits(ModelInput(rows=([4, 5, 0, 0],)))  # a tensor missing
+    assert not layout.fits(ModelInput((torch.zeros(4), torch.ones(4, dtype=torch.long))))  # another dtype
+    for item in (tokens, ModelInput(rows=([9],)), ModelInput((torch.zeros(3, 8, 8),))):
+        assert RowLayout(item).fits(item) and (layout.fits(item) == (layout_of(item) == layout_of(tokens)))
