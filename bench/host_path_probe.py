@@ -125,6 +125,7 @@ def without_bookkeeping(handler: Any) -> None:
     HandlerMetrics.stages = lambda self, seconds, requests=1: None
     HandlerMetrics.request_admitted = lambda self: None
     HandlerMetrics.request_answered = lambda self: None
+    HandlerMetrics.requests_answered = lambda self, count: None
     burst.StageTally.add = lambda self, *times: None
     handler.deadlines_on = lambda loop: NoWatch()
     handler.count_unanswered = lambda change: None

@@ -121,6 +121,8 @@ class BurstServer:
         self._mailbox: Any = None
         self._deadlines: Any = None
         self._tally: StageTally | None = None
+        self._answered = 0  # requests answered in this turn of the loop (``_note_answered``)
+        self._answered_admitted = 0  # of which admitted into an engine
 
     def serve(self, calls: Sequence[Call], done: Done) -> None:
         """Answer each of ``calls`` through ``done(index, answers)``, on the running loop."""
@@ -224,8 +226,6 @@ class BurstServer:
         handler = self.handler
         if request.arrival is not None:  # refused before admission: a held batch need not wait for it
             handler.arrivals.leave(request.arrival)
-        if request.future is not None:
-            handler.metrics.request_answered()
         if error is not None:
             if not isinstance(error, ResponseError):  # a bug or a device fault: this request fails
                 logger.error("request failed", exc_info=error)
@@ -233,8 +233,25 @@ class BurstServer:
             request_id = (getattr(request.context, "request_ids", None) or {}).get(0)
             logger.info("request %s answered %d: %s", request_id, error.status, error.reason)
             answer = error.answer(request.context, 0)
-        handler.count_unanswered(-1)
+        self._note_answered(request.future is not None)
         request.reply(request.call, [answer])
+
+    def _note_answered(self, admitted: bool) -> None:
+        """Count one more answer of this turn of the loop; the counts drop once at its end (``_end_turn``)."""
+        self._answered += 1
+        self._answered_admitted += admitted
+        if self._answered == 1:
+            self._loop.call_soon(self._end_turn)
+
+    def _end_turn(self) -> None:
+        """The unanswered count and the in-flight gauge, down by this turn's answers at once: one publication
+        per turn (``unanswered_changed``: Packrat's plan handler writes it to shared memory) instead of one
+        per request.  Meanwhile both read a little high, which only makes a drain wait the longer for them."""
+        answered, admitted = self._answered, self._answered_admitted
+        self._answered = self._answered_admitted = 0
+        if admitted:
+            self.handler.metrics.requests_answered(admitted)
+        self.handler.count_unanswered(-answered)
 
     # -- messages the callbacks do not take ---------------------------------
 

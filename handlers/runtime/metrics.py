@@ -188,7 +188,10 @@ class HandlerMetrics:
         self._emit_now_if_unbatched()
 
     def request_answered(self) -> None:
-        self.inflight -= 1
+        self.requests_answered(1)
+
+    def requests_answered(self, count: int) -> None:
+        self.inflight -= count
         self._inflight_changed = True
         self._emit_now_if_unbatched()
 

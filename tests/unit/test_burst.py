@@ -133,6 +133,19 @@ def test_a_burst_answers_each_message_as_handle_does_and_a_bad_request_alone_fai
     assert handler.metrics.inflight == 0
 
 
+@pytest.mark.parametrize("kind", HANDLERS)
+def test_a_bursts_answers_lower_the_unanswered_count_once_per_turn_not_once_per_request(make_handler, kind):
+    handler, load = make_handler(kind, max_batch=16) if kind == "dvabatch" else make_handler(kind)
+    published: list[int] = []
+    handler.unanswered_changed = published.append
+    answers = burst(handler, load, [[row] for row in rows(16)] + [[{"body": b"{not json"}]])
+    assert all(a[0][0] == 200 for a in answers[:16]) and answers[16][0][0] == 400
+    assert published[0] == 17 and published[-1] == 0  # the burst counted once as it was read
+    assert all(b < a for a, b in zip(published, published[1:], strict=False))  # never back up
+    assert len(published) < 1 + 17  # answers that reached the loop together counted down together
+    assert handler.unanswered == 0 and handler.metrics.inflight == 0
+
+
 SMALL_ENGINES = [
     ("ebird", {"pool_slots": 4, "worker_batches": [1, 2, 4]}),
     ("dvabatch", {"max_inflight": 2, "max_batch": 2}),
