@@ -360,6 +360,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--probes", type=lambda s: s.split(","), default=list(DEFAULT_PROBES),
                         help=f"of {', '.join(PROBES)} (default: {', '.join(DEFAULT_PROBES)})")  # fmt: skip
     parser.add_argument("--child-timeout", type=float, default=300.0, help="seconds one probe's process may take")
+    parser.add_argument("--suffix", default="", help="inserted before the date in the output files' name")
     parser.add_argument("--child", choices=PROBES, help=argparse.SUPPRESS)
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
     add_output_arguments(parser)
@@ -385,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="host_path_probe-") as tmp:
         data = measure(args, Path(tmp))
     data["provenance"] = prov
-    stem = f"host_path_probe_{args.handler}_{args.model}_cpu_{prov['date'][:10]}"
+    stem = f"host_path_probe_{args.handler}_{args.model}_cpu{args.suffix}_{prov['date'][:10]}"
     markdown = render(data)
     write_outputs(stem, markdown, data, args.out_dir)
     print(markdown)
