@@ -20,7 +20,11 @@ request is a small record moved along by callbacks:
   the engine is full it waits in line with the per-message path's waiters,
   as an entry of the engine's admission queue (``admission.py``);
 - the engine's future calls back through the loop's mailbox, so a batch's
-  answers reach the loop in one wake-up; each answer then goes to ``done``.
+  answers reach the loop in one wake-up; each answer then goes to ``done``;
+- what is the same for every request of a burst or of a turn of the loop
+  is done once: a burst enters the arrivals register and the deadline
+  watch together, and a turn's answers hand their stage times to the
+  metrics (``stage_tally.py``) and lower the unanswered count at its end.
 
 What a request sees is what ``handle`` gives it: the same decode errors and
 4xx answers, the same admission order and backpressure, the response
