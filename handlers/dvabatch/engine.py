@@ -76,7 +76,7 @@ class DvaBatchEngine(Engine):
         self.policy = DvaPolicy(config, profile)
         self.table = BatchTable(len(sliced))
         self.layout = layout_of(example)
-        self._row_layout = RowLayout(example)
+        self._row_layout = RowLayout(self.layout)
         if not device.is_cuda and lanes is None:
             raise ValueError("a CPU DVABatch engine runs its stages on the handler's CpuLanes; none given")
         self._lanes = None if device.is_cuda else lanes

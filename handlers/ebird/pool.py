@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from handlers.codecs import ModelInput, collate
+from handlers.runtime.engine import RowLayout
 
 
 class SlotState(enum.Enum):
@@ -55,8 +56,7 @@ class InputPool:
             raise ValueError(f"pool capacity must be ≥ 1, got {capacity}")
         self.capacity = capacity
         self.layout = tuple((tuple(shape), dtype) for shape, dtype in layout)
-        self._row_shapes = tuple(shape for shape, _ in self.layout)
-        self._row_dtypes = tuple(dtype for _, dtype in self.layout)
+        self._row_layout = RowLayout(self.layout)
         self.device = torch.device(device)
         self.storage = tuple(
             torch.empty((capacity, *shape), dtype=dtype, device=self.device) for shape, dtype in self.layout
@@ -97,12 +97,12 @@ class InputPool:
             raise RuntimeError(f"slot {slot} was not reserved")
         item = as_input(item)
         shapes = item.shapes
-        if shapes != self._row_shapes:  # Python tuples: no torch attribute read per request on the event loop
-            if len(shapes) != len(self._row_shapes):
-                raise ValueError(f"expected {len(self._row_shapes)} tensors, got {len(shapes)}")
-            wrong = next(i for i, shape in enumerate(shapes) if shape != self._row_shapes[i])
+        if shapes != self._row_layout.shapes:  # Python tuples: no torch attribute read per request on the event loop
+            if len(shapes) != len(self._row_layout.shapes):
+                raise ValueError(f"expected {len(self._row_layout.shapes)} tensors, got {len(shapes)}")
+            wrong = next(i for i, shape in enumerate(shapes) if shape != self._row_layout.shapes[i])
             raise ValueError(f"input shape {list(shapes[wrong])} does not match the pool's "
-                             f"{list(self._row_shapes[wrong])}")  # fmt: skip
+                             f"{list(self._row_layout.shapes[wrong])}")  # fmt: skip
         if self._copy_stream is None:
             # Kept by reference and copied in with its batch (``wait_copied``), on the lane that
             # runs it: torch calls once per input tensor per batch, not per request on the event
@@ -168,7 +168,7 @@ class InputPool:
         """Whether one request's input matches the pool's layout (checked before reserving,
         because a reserved slot that is never written would block the ring)."""
         item = as_input(item)
-        return item.shapes == self._row_shapes and item.dtypes == self._row_dtypes  # no pairs built per request
+        return self._row_layout.fits(item)
 
     def wait_copied(self, run: Run, stream: torch.cuda.Stream | None) -> None:
         """Have the run's inputs in ``storage`` before its batch reads them.

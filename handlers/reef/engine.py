@@ -137,7 +137,7 @@ class Member:
     @functools.cached_property
     def row_layout(self) -> RowLayout:
         """The same, as every admission compares it (worked out once)."""
-        return RowLayout(self.example)
+        return RowLayout(self.layout)
 
 
 _Queued = tuple[Ticket, RoutedInput]

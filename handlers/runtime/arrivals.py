@@ -35,11 +35,7 @@ class Arrivals:
 
     def enter(self) -> int:
         """Register a received request; its token orders it among the others."""
-        with self._lock:
-            token = self._next
-            self._next += 1
-            self._pending.add(token)
-            return token
+        return self.enter_many(1)[0]
 
     def enter_many(self, count: int) -> range:
         """Register ``count`` requests received together, in order: their tokens."""

@@ -36,21 +36,23 @@ class Deadlines:
 
     def watch(self, future: asyncio.Future, deadline: float) -> None:
         """Fail ``future`` with ``error()`` if it is still pending at ``deadline``."""
-        queue = self._queue
-        while queue and queue[0][1].done():  # answered in time: nothing left to watch
-            queue.popleft()
-        queue.append((deadline, future))
+        self._forget_answered()
+        self._queue.append((deadline, future))
         if self._timer is None:
             self._arm()
 
     def watch_many(self, futures: Sequence[Any], deadline: float) -> None:
         """``watch`` each of ``futures`` with the one ``deadline`` (a burst received together)."""
+        self._forget_answered()
+        self._queue.extend((deadline, future) for future in futures)
+        if self._timer is None:
+            self._arm()
+
+    def _forget_answered(self) -> None:
+        """Drop the head's futures answered in time: nothing left to watch there."""
         queue = self._queue
         while queue and queue[0][1].done():
             queue.popleft()
-        queue.extend((deadline, future) for future in futures)
-        if self._timer is None:
-            self._arm()
 
     def __len__(self) -> int:
         return len(self._queue)

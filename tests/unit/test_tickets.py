@@ -110,11 +110,11 @@ def test_many_threads_settling_and_listening_at_once_lose_no_answer() -> None:
 
 def test_a_row_layout_fits_only_inputs_with_its_shapes_and_dtypes() -> None:
     tokens = ModelInput(rows=([1, 2, 3, 0], [1, 1, 1, 0]))
-    layout = RowLayout(tokens)
+    layout = RowLayout(layout_of(tokens))
     assert layout.fits(ModelInput(rows=([4, 5, 0, 0], [1, 1, 0, 0])))
     assert layout.fits(ModelInput((torch.zeros(4, dtype=torch.long), torch.ones(4, dtype=torch.long))))
     assert not layout.fits(ModelInput(rows=([4, 5, 0], [1, 1, 0])))  # another length
     assert not layout.fits(ModelInput(rows=([4, 5, 0, 0],)))  # a tensor missing
     assert not layout.fits(ModelInput((torch.zeros(4), torch.ones(4, dtype=torch.long))))  # another dtype
     for item in (tokens, ModelInput(rows=([9],)), ModelInput((torch.zeros(3, 8, 8),))):
-        assert RowLayout(item).fits(item) and (layout.fits(item) == (layout_of(item) == layout_of(tokens)))
+        assert RowLayout(layout_of(item)).fits(item) and (layout.fits(item) == (layout_of(item) == layout_of(tokens)))
