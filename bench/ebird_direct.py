@@ -176,11 +176,15 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             proc.run("closed", 300.0, clients=args.clients, seconds=args.warmup_seconds)
         capacity_runs: dict[str, list[float]] = {name: [] for name in systems}
         host_runs: dict[str, list[dict[str, float]]] = {name: [] for name in systems}
+        batch_runs: dict[str, list[float]] = {name: [] for name in systems}
         for r in range(args.capacity_repeats):  # rounds, each system once, the order reversed every other round
             for name in names if r % 2 == 0 else names[::-1]:
-                closed, _ = systems[name].run("closed", 300.0, clients=args.clients, seconds=args.capacity_seconds)
+                closed, counters = systems[name].run(
+                    "closed", 300.0, clients=args.clients, seconds=args.capacity_seconds
+                )
                 capacity_runs[name].append(closed["throughput"])
                 host_runs[name].append(closed["cpu_us_per_request"])
+                batch_runs[name].append(mean_batch(counters["batches"]))
         capacity = {name: statistics.median(runs) for name, runs in capacity_runs.items()}
         host_cpu = {name: median_by_role(runs) for name, runs in host_runs.items()}
         best = max(capacity.values())
@@ -204,6 +208,9 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "systems": names,
         "capacity": capacity,
         "capacity_runs": capacity_runs,
+        # The mean batch of each capacity round: a system that batches less under the same closed loop pays its
+        # per-batch host work over fewer requests.
+        "capacity_mean_batch": batch_runs,
         "host_cpu_us": host_cpu,
         "max_batch": args.max_batch,
         "clients": args.clients,
@@ -231,6 +238,11 @@ def median_by_role(runs: list[dict[str, float]]) -> dict[str, float]:
     """Host µs per request by thread role, the median over capacity rounds (a role a round lacks: 0)."""
     roles = dict.fromkeys(role for run in runs for role in run)
     return {role: statistics.median(run.get(role, 0.0) for run in runs) for role in roles}
+
+
+def spread_text(values: list[float]) -> str:
+    """``median (min–max)`` of a system's per-round readings."""
+    return f"{statistics.median(values):.1f} ({min(values):.1f}–{max(values):.1f})"
 
 
 def capacity_spread(capacity_runs: dict[str, list[float]]) -> dict[str, dict[str, float]]:
@@ -357,15 +369,19 @@ def render(data: dict[str, Any], stem: str) -> str:
     )
     if rounds > 1:
         spread = capacity_spread(data["capacity_runs"])
+        batches = data.get("capacity_mean_batch")  # runs before this column existed have none
         capacity_rows = [
             [label(n), f"{c['median']:.0f} ({c['min']:.0f}–{c['max']:.0f})",
-             f"**{c['ratio']:.2f}×** ({c['ratio_min']:.2f}–{c['ratio_max']:.2f})"]
+             f"**{c['ratio']:.2f}×** ({c['ratio_min']:.2f}–{c['ratio_max']:.2f})",
+             *([spread_text(batches[n])] if batches else [])]
             for n, c in spread.items()
         ]  # fmt: skip
+        headers = ["system", "req/s median (min–max)", "÷ NO Wait, per round (min–max)"]
+        headers += ["mean batch, median of rounds (min–max)"] if batches else []
         text += (
             f"\nCapacity (closed loop, {data['clients']} in flight), {rounds} rounds of every system back to back, "
             "the order reversed every other round; the ratio to NO Wait is taken within each round:\n\n"
-            f"{markdown_table(['system', 'req/s median (min–max)', '÷ NO Wait, per round (min–max)'], capacity_rows)}\n"
+            f"{markdown_table(headers, capacity_rows)}\n"
         )
     if "host_cpu_us" in data:  # runs before this column existed have none
         roles = list(dict.fromkeys(role for n in names for role in data["host_cpu_us"][n]))

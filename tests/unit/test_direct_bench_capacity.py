@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from bench.direct_systems import python_us
-from bench.ebird_direct import capacity_spread, main, median_by_role, python_cores
+from bench.ebird_direct import capacity_spread, main, median_by_role, python_cores, spread_text
 
 
 def test_each_capacity_is_the_median_of_its_rounds_and_its_ratio_is_taken_within_each_round() -> None:
@@ -37,3 +37,7 @@ def test_python_cores_are_the_python_threads_cpu_per_request_times_the_rate_leav
     assert python_us(host) == 127.0
     assert python_cores(7656.0, host) == pytest.approx(0.972, abs=1e-3)
     assert python_cores(0.0, host) == 0.0
+
+
+def test_a_capacity_rounds_mean_batch_is_read_as_the_median_of_the_rounds_with_their_range() -> None:
+    assert spread_text([31.9, 12.0, 30.5]) == "30.5 (12.0–31.9)"
