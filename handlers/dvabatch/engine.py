@@ -29,7 +29,6 @@ import logging
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Sequence
 from concurrent.futures import Future
 
 import torch
@@ -124,27 +123,6 @@ class DvaBatchEngine(Engine):
                 # only hand it the GIL to find nothing to run.
                 self._cond.notify_all()
         return ticket.future
-
-    def try_submit_many(self, items: Sequence[ModelInput]) -> tuple[list[TicketFuture], BaseException | None]:
-        """A burst's inputs into the pending line under one ``_cond``, with at most one scheduler wake-up."""
-        if self._closing:
-            return [], ServiceUnavailable("worker is shutting down")
-        fitting, refusal = len(items), None
-        for i, item in enumerate(items):
-            if not self._row_layout.fits(item):
-                fitting = i
-                refusal = bad_request(f"input shapes {[list(s) for s in item.shapes]} do not fit this model's stages")
-                break
-        with self._cond:
-            room = max(self.config.max_inflight - len(self._outstanding), 0)
-            if room < fitting:  # full before the refused input: it is not reached
-                fitting, refusal = room, None
-            tickets = [Ticket() for _ in range(fitting)]
-            self._outstanding.update(tickets)
-            self._pending.extend(zip(tickets, items[:fitting], strict=True))
-            if tickets and not self._busy[0]:  # as ``try_submit``: only a free first stage takes newcomers now
-                self._cond.notify_all()
-        return [ticket.future for ticket in tickets], refusal
 
     # -- the loop: place newcomers, dispatch free stages ------------------------------
 

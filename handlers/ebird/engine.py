@@ -28,7 +28,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -141,7 +141,7 @@ class EbirdEngine(Engine):
         if self._closing:
             raise ServiceUnavailable("worker is shutting down")
         if not self.pool.fits(item):
-            raise self._refusal(item)
+            raise bad_request(f"input shapes {[list(shape) for shape in item.shapes]} do not fit this input pool")
         slot = self.pool.reserve()
         if slot is None:
             return None
@@ -157,40 +157,6 @@ class EbirdEngine(Engine):
         with self._cond:
             self._wake_scheduler_if_it_may_act()
         return ticket.future
-
-    @staticmethod
-    def _refusal(item: ModelInput) -> BaseException:
-        return bad_request(f"input shapes {[list(shape) for shape in item.shapes]} do not fit this input pool")
-
-    def try_submit_many(self, items: Sequence[ModelInput]) -> tuple[list[TicketFuture], BaseException | None]:
-        """A burst's inputs into consecutive slots: one reservation, one pass under ``_cond``, one
-        scheduler wake-up, where ``try_submit`` takes each for every input."""
-        if self._closing:
-            return [], ServiceUnavailable("worker is shutting down")
-        fitting, refusal = len(items), None
-        for i, item in enumerate(items):
-            if not self.pool.fits(item):
-                fitting, refusal = i, self._refusal(item)
-                break
-        slots = self.pool.reserve_many(fitting)
-        if len(slots) < fitting:  # the ring is full before the refused input: it is not reached
-            refusal = None
-        tickets = [Ticket() for _ in slots]
-        admitted = items[: len(slots)]
-        with self._cond:  # the tickets are in place before ``write_many`` makes their slots ready for a batch
-            for slot, ticket in zip(slots, tickets, strict=True):
-                self._tickets[slot] = ticket
-            self._outstanding.update(tickets)
-            if self._lanes is not None:  # on a CPU ``write`` keeps references: no copy held under the lock
-                self.pool.write_many(slots, admitted)
-                if slots:
-                    self._wake_scheduler_if_it_may_act()
-                return [ticket.future for ticket in tickets], refusal
-        self.pool.write_many(slots, admitted)
-        if slots:
-            with self._cond:
-                self._wake_scheduler_if_it_may_act()
-        return [ticket.future for ticket in tickets], refusal
 
     # -- the loop: state → policy → dispatch -----------------------------------
 

@@ -91,35 +91,8 @@ class InputPool:
             self._head = (slot + 1) % self.capacity
             return slot
 
-    def reserve_many(self, count: int) -> list[int]:
-        """Up to ``count`` next slots in ring order, under one lock: fewer (or none) where the ring
-        reaches a slot still in use (backpressure)."""
-        slots = []
-        with self._lock:
-            state, slot = self._state, self._head
-            while len(slots) < count and state[slot] is SlotState.FREE:
-                state[slot] = SlotState.WRITING
-                slots.append(slot)
-                slot = (slot + 1) % self.capacity
-            self._head = slot
-        return slots
-
     def write(self, slot: int, item: ModelInput | Sequence[torch.Tensor]) -> None:
         """Copy one request's input into ``slot`` and mark it ready."""
-        self._put(slot, item)
-        with self._lock:
-            self._state[slot] = SlotState.READY
-
-    def write_many(self, slots: Sequence[int], items: Sequence[ModelInput]) -> None:
-        """``write`` for several slots (``reserve_many``'s), marked ready together under one lock."""
-        for slot, item in zip(slots, items, strict=True):
-            self._put(slot, item)
-        with self._lock:
-            for slot in slots:
-                self._state[slot] = SlotState.READY
-
-    def _put(self, slot: int, item: ModelInput | Sequence[torch.Tensor]) -> None:
-        """Keep (CPU) or copy (CUDA) one request's input into its reserved ``slot``, not yet ready."""
         if self._state[slot] is not SlotState.WRITING:
             raise RuntimeError(f"slot {slot} was not reserved")
         item = as_input(item)
@@ -148,6 +121,8 @@ class InputPool:
                         staging[slot].copy_(tensor)
                         buf[slot].copy_(staging[slot], non_blocking=True)
                 self._copied[slot].record(self._copy_stream)
+        with self._lock:
+            self._state[slot] = SlotState.READY
 
     def ready(self) -> int:
         """Ready inputs in a contiguous run from ``tail`` that does not wrap."""

@@ -58,7 +58,7 @@ import logging
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -284,53 +284,15 @@ class ReefEngine(Engine):
 
     # -- admission (the handler's thread) --------------------------------------------
 
-    def _refusal(self, item: ModelInput) -> BaseException | None:
-        """Why this engine can never take ``item`` (a 400), or None."""
-        if not isinstance(item, RoutedInput) or item.model not in self.members:
-            return bad_request(f"this worker serves {', '.join(self.members)}; the request names none of them")
-        if item.priority not in PRIORITIES:
-            return bad_request(f"unknown priority {item.priority!r}")
-        if not self.members[item.model].row_layout.fits(item):
-            return bad_request(f"input shapes {[list(shape) for shape in item.shapes]} do not fit {item.model}")
-        return None
-
-    def try_submit_many(self, items: Sequence[ModelInput]) -> tuple[list[TicketFuture], BaseException | None]:
-        """A burst's inputs into their queues under one ``_cond``: each queue's executor woken once."""
-        if self._closing:
-            return [], ServiceUnavailable("worker is shutting down")
-        fitting, refusal = len(items), None
-        for i, item in enumerate(items):
-            refusal = self._refusal(item)
-            if refusal is not None:
-                fitting = i
-                break
-        with self._cond:
-            room = max(self.config.max_inflight - len(self._outstanding), 0)
-            if room < fitting:  # full before the refused input: it is not reached
-                fitting, refusal = room, None
-            tickets = [Ticket() for _ in range(fitting)]
-            self._outstanding.update(tickets)
-            realtime = sum(item.priority == REALTIME for item in items[:fitting])
-            if self._gated and realtime:
-                self.gate.raise_realtime(realtime)  # BE stops before its next unit, from now
-            woken: set[str | None] = set()  # None: the real-time queue; else a best-effort member's
-            for ticket, item in zip(tickets, items, strict=False):
-                if item.priority == REALTIME:
-                    self._rt.append((ticket, item))
-                    woken.add(None)
-                else:
-                    self._be[item.model].append((ticket, item))
-                    woken.add(item.model)
-            for queue in woken:
-                (self._rt_ready if queue is None else self._be_ready[queue]).notify()
-        return [ticket.future for ticket in tickets], refusal
-
     def try_submit(self, item: ModelInput) -> TicketFuture | None:
         if self._closing:
             raise ServiceUnavailable("worker is shutting down")
-        refusal = self._refusal(item)
-        if refusal is not None:
-            raise refusal
+        if not isinstance(item, RoutedInput) or item.model not in self.members:
+            raise bad_request(f"this worker serves {', '.join(self.members)}; the request names none of them")
+        if item.priority not in PRIORITIES:
+            raise bad_request(f"unknown priority {item.priority!r}")
+        if not self.members[item.model].row_layout.fits(item):
+            raise bad_request(f"input shapes {[list(shape) for shape in item.shapes]} do not fit {item.model}")
         with self._cond:
             if len(self._outstanding) >= self.config.max_inflight:
                 return None

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any
 
 from handlers.codecs import ModelInput
 from handlers.errors import ServiceUnavailable
@@ -37,26 +37,11 @@ Admitted = Callable[[Any], None]  # called with the engine's future for the inpu
 Failed = Callable[[BaseException], None]  # called with the reason the engine refused the input
 
 
-class Entrant(Protocol):
-    """What waits in an admission line: an input and the three callbacks ``submit`` takes for it
-    (a burst's request is one itself, ``burst.BurstRequest``)."""
-
-    item: ModelInput | None
-
-    def admitted(self, future: Any) -> None: ...
-
-    def refused(self, error: BaseException) -> None: ...
-
-    def done(self) -> bool: ...
-
-
 class _Waiting:
-    """An ``Entrant`` made of ``submit``'s arguments."""
+    __slots__ = ("item", "admitted", "failed", "gone")
 
-    __slots__ = ("item", "admitted", "refused", "done")
-
-    def __init__(self, item: ModelInput, admitted: Admitted, refused: Failed, done: Callable[[], bool]) -> None:
-        self.item, self.admitted, self.refused, self.done = item, admitted, refused, done
+    def __init__(self, item: ModelInput, admitted: Admitted, failed: Failed, gone: Callable[[], bool]) -> None:
+        self.item, self.admitted, self.failed, self.gone = item, admitted, failed, gone
 
 
 class Admission:
@@ -97,38 +82,19 @@ class Admission:
         self.metrics.admission_waited()
         self._waiting.append(_Waiting(item, admitted, failed, gone))
 
-    def submit_many(self, entrants: Sequence[Entrant]) -> None:
-        """``submit`` for a burst's entrants, in order, offered to the engine in one call
-        (``Engine.try_submit_many``: one lock and one scheduler wake-up where each input took its own);
-        those it has no room for wait in line, as ``submit``'s do."""
-        start = 0
-        if not self._waiting:
-            while start < len(entrants):
-                futures, refusal = self.engine.try_submit_many([entrant.item for entrant in entrants[start:]])
-                for entrant, future in zip(entrants[start : start + len(futures)], futures, strict=True):
-                    entrant.admitted(future)
-                start += len(futures)
-                if refusal is None:
-                    break
-                entrants[start].refused(refusal)
-                start += 1
-        if start < len(entrants):
-            self.metrics.admission_waited(len(entrants) - start)
-            self._waiting.extend(entrants[start:])
-
     def _admit_waiting(self) -> None:
         """Admit waiting inputs in arrival order until the engine is full again."""
         waiting = self._waiting
         while waiting:
             head = waiting[0]
-            if head.done():
+            if head.gone():
                 waiting.popleft()
                 continue
             try:
                 future = self.engine.try_submit(head.item)
             except Exception as exc:  # closing, or an input it can never take
                 waiting.popleft()
-                head.refused(exc)
+                head.failed(exc)
                 continue
             if future is None:
                 return

@@ -21,7 +21,7 @@ listeners, so a request that fails to decode still releases a held batch.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 
 class Arrivals:
@@ -48,17 +48,10 @@ class Arrivals:
 
     def leave(self, token: int) -> None:
         """The request has reached an engine or was refused.  Idempotent."""
-        self.leave_many((token,))
-
-    def leave_many(self, tokens: Iterable[int]) -> None:
-        """Several requests have reached their engines or were refused: one lock, the listeners woken
-        once (if any of them was still arriving).  Idempotent."""
         with self._lock:
-            pending = self._pending
-            before = len(pending)
-            pending.difference_update(tokens)
-            if len(pending) == before:
+            if token not in self._pending:
                 return
+            self._pending.discard(token)
         for listener in self._listeners:
             listener()
 

@@ -16,12 +16,9 @@ request is a small record moved along by callbacks:
 
 - the burst is decoded as one entry of the decoder's lane job (or one part
   per decode thread), delivered to the loop in one wake-up;
-- a decoded part of the burst goes into its engine in one call
-  (``try_submit_many``: one lock and one scheduler wake-up for all of it);
-  what the engine has no room for waits in line with the per-message
-  path's waiters, as entries of the engine's admission queue
-  (``admission.py``), and the admitted leave the arrivals register
-  together;
+- each decoded input goes straight into its engine (``try_submit``); when
+  the engine is full it waits in line with the per-message path's waiters,
+  as an entry of the engine's admission queue (``admission.py``);
 - the engine's future calls back through the loop's mailbox, so a batch's
   answers reach the loop in one wake-up; each answer then goes to ``done``;
 - what is the same for every request of a burst or of a turn of the loop
@@ -48,7 +45,7 @@ from typing import Any
 
 from handlers.codecs import ModelInput, is_describe
 from handlers.errors import ResponseError, ServiceUnavailable
-from handlers.runtime.admission import FULL_FOR_THE_TIMEOUT, Admission
+from handlers.runtime.admission import FULL_FOR_THE_TIMEOUT
 from handlers.runtime.loop_mailbox import mailbox_for
 from handlers.runtime.stage_tally import StageTally
 
@@ -128,9 +125,6 @@ class BurstServer:
         self._mailbox: Any = None
         self._deadlines: Any = None
         self._tally: StageTally | None = None
-        # While ``_decoded`` offers a burst: the admitted's arrival tokens and count (else None and 0).
-        self._burst_arrivals: list[int] | None = None
-        self._burst_admitted = 0
         self._answered = 0  # requests answered in this turn of the loop (``_note_answered``)
         self._answered_admitted = 0  # of which admitted into an engine
 
@@ -177,12 +171,7 @@ class BurstServer:
     # -- the steps ------------------------------------------------------------
 
     def _decoded(self, requests: list[BurstRequest], first: int, outcomes: list[tuple[Any, Any]]) -> None:
-        """A part of a burst decoded: each input bound and routed, then offered to its engine with the
-        others bound there in one call (``Admission.submit_many``); the admitted leave the arrivals
-        register together, and the in-flight gauge rises once."""
-        handler, loop = self.handler, self._loop
         decoded = time.monotonic()
-        lines: dict[int, tuple[Admission, list[BurstRequest]]] = {}
         for request, (item, error) in zip(requests[first : first + len(outcomes)], outcomes, strict=True):
             if request.finished:  # answered 503 at its deadline while it was decoding
                 continue
@@ -192,27 +181,18 @@ class BurstServer:
                 continue
             try:
                 request.item = item if request.bind is None else request.bind(item)
-                admission = handler.admission_of(loop, request.item)
-            except Exception as exc:  # an input layout the archive does not declare: its own 400
+            except Exception as exc:
                 self.finish(request, error=exc)
                 continue
-            line = lines.get(id(admission))
-            if line is None:
-                line = lines[id(admission)] = (admission, [])
-            line[1].append(request)
-        if not lines:
-            return
-        self._burst_arrivals, self._burst_admitted = [], 0
+            self._admit(request)
+
+    def _admit(self, request: BurstRequest) -> None:
         try:
-            for admission, entrants in lines.values():
-                admission.submit_many(entrants)
-        finally:
-            tokens, admitted = self._burst_arrivals, self._burst_admitted
-            self._burst_arrivals, self._burst_admitted = None, 0
-            if tokens:
-                handler.arrivals.leave_many(tokens)
-            if admitted:
-                handler.metrics.requests_admitted(admitted)
+            admission = self.handler.admission_of(self._loop, request.item)
+        except ResponseError as exc:  # an input layout the archive does not declare: its own 400
+            self.finish(request, error=exc)
+            return
+        admission.submit(request.item, request.admitted, request.refused, request.done)
 
     def _admitted(self, request: BurstRequest, future: Any) -> None:
         handler = self.handler
@@ -220,15 +200,10 @@ class BurstServer:
         request.future = future
         if handler.encodes_on_engine(request.item) and hasattr(future, "encode"):  # a ``TicketFuture``
             future.encode = handler.encoder_for(request.item)
-        if self._burst_arrivals is not None:  # admitted with its burst (``_decoded``): counted there, at once
-            self._burst_admitted += 1
-            if request.arrival is not None:
-                self._burst_arrivals.append(request.arrival)
-        else:  # from the admission line, as room appeared
-            if request.arrival is not None:
-                handler.arrivals.leave(request.arrival)
-            handler.metrics.request_admitted()
-        request.arrival = None
+        if request.arrival is not None:
+            handler.arrivals.leave(request.arrival)
+            request.arrival = None
+        handler.metrics.request_admitted()
         future.add_done_callback(request.answered)
 
     def _settled(self, request: BurstRequest) -> None:

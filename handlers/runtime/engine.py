@@ -281,25 +281,6 @@ class Engine(abc.ABC):
         ``ServiceUnavailable`` once closing.  Called from one thread only.
         """
 
-    def try_submit_many(self, items: Sequence[ModelInput]) -> tuple[list[TicketFuture], BaseException | None]:
-        """Admit ``items`` in order while there is room: their futures, and, when the engine refused the
-        input after them (``try_submit`` raised), that error; else None (room ran out, or all were taken).
-
-        Admission offers a burst's decoded inputs in one call (``Admission.submit_many``), so that an
-        engine can take them under one lock with one wake-up of its scheduler; this default takes them
-        one by one.
-        """
-        futures: list[TicketFuture] = []
-        for item in items:
-            try:
-                future = self.try_submit(item)
-            except Exception as exc:
-                return futures, exc
-            if future is None:
-                break
-            futures.append(future)
-        return futures, None
-
     @abc.abstractmethod
     def close(self, timeout_s: float = 30.0) -> None:
         """Stop admitting, finish what was admitted within ``timeout_s``, fail the rest with 503."""

@@ -183,10 +183,7 @@ class HandlerMetrics:
     # then reads the count reports this change or the next flush does.
 
     def request_admitted(self) -> None:
-        self.requests_admitted(1)
-
-    def requests_admitted(self, count: int) -> None:
-        self.inflight += count
+        self.inflight += 1
         self._inflight_changed = True
         self._emit_now_if_unbatched()
 
@@ -198,10 +195,10 @@ class HandlerMetrics:
         self._inflight_changed = True
         self._emit_now_if_unbatched()
 
-    def admission_waited(self, count: int = 1) -> None:
+    def admission_waited(self) -> None:
         with self._lock:
-            self.admission_waits += count
-            self._pending.count(series("HandlerAdmissionWaits", "count"), count)
+            self.admission_waits += 1
+            self._pending.count(series("HandlerAdmissionWaits", "count"), 1)
         self._emit_now_if_unbatched()
 
     def batch_started(self, size: int, queue_seconds: list[float]) -> None:

@@ -13,7 +13,6 @@ import pytest
 
 from handlers.errors import ServiceUnavailable
 from handlers.runtime.admission import FULL_FOR_THE_TIMEOUT, Admission
-from handlers.runtime.engine import Engine
 from handlers.runtime.metrics import HandlerMetrics
 
 
@@ -38,8 +37,6 @@ class CountedRoom:
         self.room -= 1
         self.taken.append(item)
         return f"future-{item}"
-
-    try_submit_many = Engine.try_submit_many  # the default: one ``try_submit`` per input
 
     def free(self, n: int) -> None:
         self.room += n
@@ -119,69 +116,3 @@ def test_the_coroutine_form_waits_for_room_and_answers_503_when_it_never_comes()
         return admitted, engine.taken, admission.waiting
 
     assert asyncio.run(main()) == ("future-a", ["a"], 0)
-
-
-class Entrant:
-    """A burst's request as admission sees it (``admission.Entrant``), telling ``told`` what happened."""
-
-    def __init__(self, item: str, told: list[tuple[str, str]], gone: bool = False) -> None:
-        self.item, self.told, self.gone = item, told, gone
-
-    def admitted(self, future: str) -> None:
-        self.told.append((self.item, future))
-
-    def refused(self, error: BaseException) -> None:
-        self.told.append((self.item, f"refused: {error}"))
-
-    def done(self) -> bool:
-        return self.gone
-
-
-def test_a_burst_is_offered_in_one_call_a_refusal_fails_only_its_own_and_the_rest_wait_in_order() -> None:
-    async def main():
-        engine = CountedRoom(room=3)
-        offered: list[list[str]] = []
-        submit_many = engine.try_submit_many
-
-        def try_submit_many(items):
-            offered.append(list(items))
-            return submit_many(items)
-
-        engine.try_submit_many = try_submit_many
-        engine.refuse.add("b")
-        metrics = HandlerMetrics(None, "")
-        admission = Admission(engine, metrics, asyncio.get_running_loop())
-        told: list[tuple[str, str]] = []
-        admission.submit_many([Entrant(item, told) for item in "abcdef"])
-        # One call up to the refused input, one for the rest: a, c and d take the room; e and f wait.
-        assert offered == [list("abcdef"), list("cdef")]
-        assert told == [("a", "future-a"), ("b", "refused: b refused : 503"), ("c", "future-c"), ("d", "future-d")]
-        assert admission.waiting == 2 and metrics.admission_waits == 2
-        admission.submit_many([Entrant("g", told)])  # a later burst waits behind them, not offered
-        assert len(offered) == 2 and admission.waiting == 3
-        engine.free(3)
-        await settle()
-        return told[4:], engine.taken
-
-    told, taken = asyncio.run(main())
-    assert told == [("e", "future-e"), ("f", "future-f"), ("g", "future-g")]
-    assert taken == list("acdefg")
-
-
-def test_an_input_the_engine_never_takes_is_refused_at_once_though_full_and_one_gone_is_skipped() -> None:
-    async def main():
-        engine = CountedRoom(room=1)
-        engine.refuse.add("b")
-        admission = Admission(engine, HandlerMetrics(None, ""), asyncio.get_running_loop())
-        told: list[tuple[str, str]] = []
-        entrants = [Entrant(item, told) for item in "abcd"]
-        admission.submit_many(entrants)
-        assert told == [("a", "future-a"), ("b", "refused: b refused : 503")] and admission.waiting == 2
-        entrants[3].gone = True  # answered at its deadline while waiting
-        engine.free(2)
-        await settle()
-        return told, engine.taken, admission.waiting
-
-    told, taken, waiting = asyncio.run(main())
-    assert told == [("a", "future-a"), ("b", "refused: b refused : 503"), ("c", "future-c")]
-    assert taken == ["a", "c"] and waiting == 0

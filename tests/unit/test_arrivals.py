@@ -39,17 +39,3 @@ def test_a_burst_entered_together_takes_consecutive_tokens_each_left_on_its_own(
     assert len(arrivals) == 5 and arrivals.pending_through(burst[-1]) == 4
     arrivals.leave(burst[1])
     assert arrivals.pending_through(burst[-1]) == 3 and len(arrivals.enter_many(0)) == 0
-
-
-def test_a_burst_left_together_wakes_the_listeners_once_and_only_if_one_was_still_arriving():
-    arrivals = Arrivals()
-    woken = []
-    arrivals.on_leave(lambda: woken.append(len(arrivals)))
-    burst = arrivals.enter_many(4)
-    arrivals.leave_many(burst[:3])
-    assert woken == [1] and arrivals.pending_through(burst[-1]) == 1
-    arrivals.leave_many(burst[:3])  # all left already: nobody is woken
-    arrivals.leave_many([])
-    assert woken == [1]
-    arrivals.leave_many([burst[2], burst[3]])  # one of them still arriving
-    assert woken == [1, 0] and len(arrivals) == 0

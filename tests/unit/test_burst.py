@@ -13,7 +13,6 @@ import asyncio
 import json
 import threading
 import time
-from collections.abc import Callable, Sequence
 
 import pytest
 import torch
@@ -33,7 +32,6 @@ from handlers.dvabatch.handler import DvaBatchHandler
 from handlers.ebird.handler import EbirdHandler
 from handlers.reef.handler import ENGINE_KEY, ReefHandler
 from handlers.runtime.burst import BurstServer
-from handlers.runtime.engine import Engine
 from model_store.catalog import get_spec
 from model_store.samples import request_body
 
@@ -181,15 +179,20 @@ def test_a_request_past_its_deadline_is_answered_503_once_and_its_late_result_is
     handler, load = make_handler("ebird")
     engine = next(iter(handler.engines.values()))
     release = threading.Event()
-    # The batch this request joins cannot start until released.
-    restore = wrap_submissions(engine, before=lambda items: handler.lanes.submit(release.wait))
+    submit = engine.try_submit
+
+    def try_submit_behind_a_busy_lane(item):  # the batch this request joins cannot start until released
+        handler.lanes.submit(release.wait)
+        return submit(item)
+
+    engine.try_submit = try_submit_behind_a_busy_lane
     handler.response_timeout_s = 0.2
     try:
         [[(status, body)]] = burst(handler, load, [rows(1)], then=release.set)  # the batch ends after the 503
     finally:
         release.set()
     assert status == 503 and "response timeout" in json.loads(body)["message"]
-    restore()
+    engine.try_submit = submit
     handler.response_timeout_s = 120
     [[(status, _)]] = burst(handler, load, [rows(1)])  # and it serves on
     assert status == 200
@@ -251,6 +254,11 @@ def test_reef_encodes_real_time_answers_on_their_executor_and_best_effort_ones_o
     submitted: list[tuple[str, object]] = []
     all_admitted = threading.Event()
 
+    def try_submit(item, submit=engine.try_submit):
+        future = submit(item)
+        submitted.append((item.priority, future))
+        return future
+
     def request_admitted(admitted=handler.metrics.request_admitted):  # after the request's encoder was set
         admitted()
         if len(submitted) == len(messages):
@@ -260,8 +268,7 @@ def test_reef_encodes_real_time_answers_on_their_executor_and_best_effort_ones_o
         all_admitted.wait(30)
         return run(batch, forward, stream)
 
-    wrap_submissions(engine, after=lambda item, future: submitted.append((item.priority, future)))
-    engine._run = run_when_all_are_admitted
+    engine.try_submit, engine._run = try_submit, run_when_all_are_admitted
     handler.metrics.request_admitted = request_admitted
     answers = burst(handler, load, messages, headers)
     assert_same([a[0] for a in answers], expected)
@@ -275,13 +282,18 @@ def test_requests_still_waiting_for_room_at_their_deadline_get_a_503_saying_so_a
     handler, load = make_handler("ebird", pool_slots=4, worker_batches=[1, 2, 4])
     engine = next(iter(handler.engines.values()))
     release = threading.Event()
+    submit = engine.try_submit
     entered: list[object] = []
 
-    def behind_a_busy_lane(items):  # no batch can run, so no room comes back, until released
+    def try_submit_behind_a_busy_lane(item):  # no batch can run, so no room comes back, until released
         if not entered:
             handler.lanes.submit(release.wait)
+        future = submit(item)
+        if future is not None:
+            entered.append(item)
+        return future
 
-    restore = wrap_submissions(engine, before=behind_a_busy_lane, after=lambda item, _: entered.append(item))
+    engine.try_submit = try_submit_behind_a_busy_lane
     handler.response_timeout_s = 0.3
     try:
         answers = burst(handler, load, [[row] for row in rows(8)], then=release.set)
@@ -293,7 +305,7 @@ def test_requests_still_waiting_for_room_at_their_deadline_get_a_503_saying_so_a
     assert len(full) == 4, messages
     assert all("response timeout" in m for m in messages if m not in full)  # admitted; their batch never ran
     assert len(entered) == 4  # those that gave up waiting were skipped once room came back
-    restore()
+    engine.try_submit = submit
     handler.response_timeout_s = 120
     assert [status for [(status, _)] in burst(handler, load, [[row] for row in rows(6)])] == [200] * 6
     assert handler.unanswered == 0
@@ -311,44 +323,13 @@ def count_submissions(handler) -> list[object]:
     """Every input that reaches an engine from now on, in the returned list."""
     reached: list[object] = []
     for engine in handler.engines.values():
-        wrap_submissions(engine, after=lambda item, _: reached.append(item))
+
+        def try_submit(item, submit=engine.try_submit):
+            reached.append(item)
+            return submit(item)
+
+        engine.try_submit = try_submit
     return reached
-
-
-def wrap_submissions(
-    engine: Engine,
-    before: Callable[[Sequence[object]], None] | None = None,
-    after: Callable[[object, object], None] | None = None,
-) -> Callable[[], None]:
-    """Wrap both ways into ``engine`` (``try_submit`` from the admission line, ``try_submit_many`` for a
-    burst): ``before(items)`` ahead of each call, ``after(item, future)`` for each input admitted.  The
-    engine's ``try_submit_many`` must be its own (not the default that calls ``try_submit``).  Returns
-    what puts the engine's methods back."""
-    submit, submit_many = engine.try_submit, engine.try_submit_many
-
-    def try_submit(item):
-        if before is not None:
-            before([item])
-        future = submit(item)
-        if after is not None and future is not None:
-            after(item, future)
-        return future
-
-    def try_submit_many(items):
-        if before is not None:
-            before(items)
-        futures, refusal = submit_many(items)
-        if after is not None:
-            for item, future in zip(items, futures, strict=False):
-                after(item, future)
-        return futures, refusal
-
-    engine.try_submit, engine.try_submit_many = try_submit, try_submit_many
-
-    def restore() -> None:
-        engine.try_submit, engine.try_submit_many = submit, submit_many
-
-    return restore
 
 
 @pytest.mark.parametrize("kind", HANDLERS)

@@ -147,24 +147,6 @@ def test_bad_shapes_are_refused_and_room_is_bounded(model):
     lanes.close()
 
 
-def test_a_burst_enters_in_one_call_bounded_by_room_and_a_bad_input_is_refused_only_when_reached(model):
-    engine, lanes = make_engine(model, max_batch=4, max_inflight=4)
-    engine.sliced._segments[0] = dataclasses.replace(engine.sliced[0], module=_Slow(engine.sliced[0].module, 0.2))
-    bad = ModelInput((torch.randn(65),))
-    inputs = [torch.randn(64) for _ in range(3)]
-    futures, refusal = engine.try_submit_many([ModelInput((x,)) for x in inputs[:2]] + [bad, ModelInput((inputs[2],))])
-    assert len(futures) == 2 and refusal is not None and refusal.error_code == 400  # reached: the room had two
-    rest = [ModelInput((x,)) for x in (inputs[2], torch.randn(64), torch.randn(64))]
-    more, refusal = engine.try_submit_many([*rest, bad])
-    assert len(more) == 2 and refusal is None  # full before the bad one: not reached, it waits its turn
-    assert engine.try_submit_many([ModelInput((torch.randn(64),))]) == ([], None)
-    assert_rows_of(model, inputs, futures + more[:1])
-    for future in more:
-        future.result(timeout=30)
-    engine.close()
-    lanes.close()
-
-
 def test_close_answers_everything_admitted(model):
     engine, lanes = make_engine(model, max_batch=2)
     engine.sliced._segments[0] = dataclasses.replace(engine.sliced[0], module=_Slow(engine.sliced[0].module, 0.3))

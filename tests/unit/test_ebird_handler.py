@@ -20,7 +20,6 @@ import torch
 
 from archiver.options import ServingOptions, model_config
 from bench.direct import call, load_context, model_dir_for
-from handlers.codecs import ModelInput
 from handlers.ebird.config import EbirdConfig, EbirdConfigError
 from handlers.ebird.handler import EbirdHandler
 from handlers.ebird.scheduler import lane_batch_cap
@@ -433,23 +432,6 @@ def test_pool_full_past_the_response_timeout_is_a_503_not_a_hang(make_handler):
     answers = serve_all(handler, ctx, [{"body": jpeg_bytes(seed=i)} for i in range(4)])
     assert {status for status, _ in answers} == {503}
     assert all("response timeout" in json.loads(body)["message"] for _, body in answers)
-
-
-def test_a_burst_enters_the_pool_in_one_call_and_each_request_gets_its_own_answer(make_handler):
-    handler, ctx = make_handler(worker_batches=[1, 2, 4], pool_slots=4)
-    engine = handler.engines[((3, 224, 224),)]
-    codec = handler.codec
-    items = [codec.decode({"body": jpeg_bytes(seed=i)}) for i in range(5)]
-    with torch.inference_mode():
-        expected = [handler.model(item.tensors[0].unsqueeze(0))[0].float() for item in items]
-    bad = ModelInput((torch.zeros(3, 8, 8),))
-    futures, refusal = engine.try_submit_many([items[0], bad, items[1]])
-    assert len(futures) == 1 and refusal.error_code == 400  # refused where reached; the rest offered again
-    more, refusal = engine.try_submit_many(items[1:])
-    assert refusal is None and len(more) in (3, 4)  # as many as the pool's free slots (the first may hold one)
-    for future, want in zip(futures + more, expected, strict=False):
-        assert torch.allclose(future.result(timeout=60), want, atol=1e-4)
-    handler.close(timeout_s=60)
 
 
 def test_close_finishes_admitted_requests_then_refuses_new_ones(make_handler):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from handlers.codecs import ModelInput
 from handlers.ebird.batch_costs import BatchCosts
 from handlers.ebird.pool import InputPool, Run
 from handlers.ebird.scheduler import (
@@ -216,21 +215,6 @@ def test_full_pool_pushes_back_and_out_of_order_release_frees_slots():
     assert pool.reserve() is None  # ring order: slot 0 is still in use
     pool.release(first)
     assert pool.reserve() == 0 and pool.in_use() == 1
-
-
-def test_a_burst_reserves_consecutive_slots_across_the_wrap_up_to_one_in_use_and_is_ready_together():
-    pool = image_pool(4)
-    fill(pool, 3)
-    pool.release(pool.take(2))  # slots 0 and 1 free again; 2 ready, 3 free
-    slots = pool.reserve_many(5)
-    assert slots == [3, 0, 1]  # ring order across the wrap, up to slot 2 still in use
-    assert pool.reserve_many(1) == [] and pool.ready() == 1  # reserved, not ready until written
-    pool.write_many(slots, [ModelInput((torch.full((3, 4, 4), float(i)),)) for i in range(3)])
-    assert pool.ready() == 2 and pool.in_use() == 4  # slots 2 and 3 run to the ring's end; 0 and 1 follow
-    pool.wait_copied(pool.take(2), None)
-    run = pool.take(2)
-    pool.wait_copied(run, None)
-    assert [float(row[0, 0, 0]) for row in pool.views(run)[0]] == [1.0, 2.0]
 
 
 def test_a_ready_run_can_grow_only_into_the_next_free_slot_before_the_rings_end():

@@ -180,23 +180,6 @@ def test_a_mixed_stream_answers_every_request_once_with_its_own_result(engine):
     assert not engine._outstanding and not engine.gate.realtime_mode
 
 
-def test_a_burst_of_both_priorities_enters_in_one_call_each_answered_with_its_own_result(engine):
-    sent = []
-    for i in range(8):
-        model = "held" if i % 2 else "small"
-        shape = engine.members[model].example.tensors[0].shape
-        x = torch.randn(shape, generator=torch.Generator().manual_seed(200 + i))
-        sent.append((model, x, RoutedInput((x,), model=model, priority=REALTIME if i % 3 == 0 else BEST_EFFORT)))
-    bad = RoutedInput((torch.zeros(7),), model="small", priority=REALTIME)
-    futures, refusal = engine.try_submit_many([item for *_, item in sent[:5]] + [bad])
-    assert len(futures) == 5 and isinstance(refusal, RequestError)  # refused where reached
-    more, refusal = engine.try_submit_many([item for *_, item in sent[5:]])
-    assert len(more) == 3 and refusal is None
-    for (model, x, _), future in zip(sent, futures + more, strict=True):
-        assert outputs_close(future.result(WAIT_S), expected(engine, model, x), 1e-5)
-    assert not engine._outstanding and not engine.gate.realtime_mode  # every real-time request counted out
-
-
 def test_bad_routing_is_the_requests_own_400_and_a_full_engine_asks_to_wait(engine):
     with pytest.raises(RequestError, match="serves held, small"):
         engine.try_submit(RoutedInput((torch.zeros(6),), model="nope", priority=BEST_EFFORT))
