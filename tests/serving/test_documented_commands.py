@@ -15,6 +15,7 @@ the reader's own files (``mymodel.mar``) and are parsed by
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import os
 import shutil
@@ -33,6 +34,7 @@ from tests.documented_commands import REPO, DocumentedCommand, documented_comman
 from tests.unit.test_documented_commands import parse
 
 RUN_S = 6.0  # past the imports (~3 s of torch) and into the run
+AT_ONCE = 2  # commands run side by side: each is mostly one Python thread (its imports) or a TorchServe starting
 EXCUSED = {
     # entry point: why it is not started here
     "python -m bench.ebird_direct --device cuda": "needs CUDA",
@@ -123,12 +125,28 @@ def test_the_docs_name_benchmarks_to_run_and_few_are_excused():
     assert len(excused) <= 2, [str(c) for c in excused]
 
 
+@pytest.fixture(scope="module")
+def brief_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int | None, str]]:
+    """Every documented command that is not excused, run briefly, ``AT_ONCE`` at a time: each one's exit code
+    (None: still running at ``RUN_S``) and output, by its id.  One at a time they took ~100 s of the suite's
+    ~20 minutes, most of it waiting on imports and on TorchServe's start and stop, which one core each covers."""
+
+    def one(command: DocumentedCommand) -> tuple[int | None, str]:
+        return run_briefly(command, tmp_path_factory.mktemp("doc"))
+
+    commands = [command for command in runnable() if not excuse(command)]
+    with concurrent.futures.ThreadPoolExecutor(AT_ONCE) as pool:
+        return dict(zip(map(str, commands), pool.map(one, commands), strict=True))
+
+
 @pytest.mark.parametrize("command", runnable(), ids=str)
-def test_a_documented_benchmark_gets_past_its_set_up(command: DocumentedCommand, tmp_path: Path):
+def test_a_documented_benchmark_gets_past_its_set_up(
+    command: DocumentedCommand, brief_runs: dict[str, tuple[int | None, str]]
+):
     reason = excuse(command)
     if reason:
         pytest.skip(f"excused: {reason}")
-    code, output = run_briefly(command, tmp_path)
+    code, output = brief_runs[str(command)]
     assert code in (None, 0), f"{command} exited {code}:\n{output[-3000:]}"
 
 
