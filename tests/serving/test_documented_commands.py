@@ -126,13 +126,16 @@ def test_the_docs_name_benchmarks_to_run_and_few_are_excused():
 
 
 @pytest.fixture(scope="module")
-def brief_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int | None, str]]:
+def brief_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int | str | None, str]]:
     """Every documented command that is not excused, run briefly, ``AT_ONCE`` at a time: each one's exit code
     (None: still running at ``RUN_S``) and output, by its id.  One at a time they took ~100 s of the suite's
     ~20 minutes, most of it waiting on imports and on TorchServe's start and stop, which one core each covers."""
 
-    def one(command: DocumentedCommand) -> tuple[int | None, str]:
-        return run_briefly(command, tmp_path_factory.mktemp("doc"))
+    def one(command: DocumentedCommand) -> tuple[int | str | None, str]:
+        try:
+            return run_briefly(command, tmp_path_factory.mktemp("doc"))
+        except Exception as exc:  # this command's test fails with it, not every command's
+            return "not started", f"{type(exc).__name__}: {exc}"
 
     commands = [command for command in runnable() if not excuse(command)]
     with concurrent.futures.ThreadPoolExecutor(AT_ONCE) as pool:
@@ -141,7 +144,7 @@ def brief_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int 
 
 @pytest.mark.parametrize("command", runnable(), ids=str)
 def test_a_documented_benchmark_gets_past_its_set_up(
-    command: DocumentedCommand, brief_runs: dict[str, tuple[int | None, str]]
+    command: DocumentedCommand, brief_runs: dict[str, tuple[int | str | None, str]]
 ):
     reason = excuse(command)
     if reason:
