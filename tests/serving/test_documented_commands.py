@@ -15,6 +15,7 @@ the reader's own files (``mymodel.mar``) and are parsed by
 
 from __future__ import annotations
 
+import argparse
 import concurrent.futures
 import contextlib
 import os
@@ -33,6 +34,7 @@ import torch
 from tests.documented_commands import REPO, DocumentedCommand, documented_commands
 from tests.unit.test_documented_commands import parse
 
+ARGPARSE_PARSE_ARGS = argparse.ArgumentParser.parse_args  # as imported, before any command was parsed
 RUN_S = 6.0  # past the imports (~3 s of torch) and into the run
 AT_ONCE = 2  # commands run side by side: each is mostly one Python thread (its imports) or a TorchServe starting
 EXCUSED = {
@@ -88,12 +90,23 @@ def stop_leftovers(tmp: Path) -> list[int]:
     return killed
 
 
-def run_briefly(command: DocumentedCommand, out_dir: Path, seconds: float = RUN_S) -> tuple[int | None, str]:
-    """Start the command; its exit code if it ended within ``seconds`` (else None, and it is interrupted as a
-    user's Ctrl-C would, so its TorchServe stops too), and its output."""
+def argv_for(command: DocumentedCommand, out_dir: Path) -> list[str]:
+    """The command as documented, with ``--out-dir out_dir`` where it takes one and does not name one.
+
+    ``parse`` patches ``argparse`` for the whole process while it reads the command: call it from one thread at
+    a time (two at once leave the patch in place, and every later parser in the session raises)."""
     argv = command.argv
     if "out_dir" in vars(parse(command)) and "--out-dir" not in argv:
         argv = [*argv, "--out-dir", str(out_dir)]
+    return argv
+
+
+def run_briefly(
+    command: DocumentedCommand, out_dir: Path, seconds: float = RUN_S, argv: list[str] | None = None
+) -> tuple[int | None, str]:
+    """Start the command (``argv``: as ``argv_for`` gives it); its exit code if it ended within ``seconds``
+    (else None, and it is interrupted as a user's Ctrl-C would, so its TorchServe stops too), and its output."""
+    argv = argv_for(command, out_dir) if argv is None else argv
     log = out_dir / "output.log"
     # Short: TorchServe's workers put their unix sockets under it, and a socket path has 107 bytes at most.
     tmp = Path(tempfile.mkdtemp(prefix="doc-", dir="/tmp"))
@@ -131,15 +144,25 @@ def brief_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int 
     (None: still running at ``RUN_S``) and output, by its id.  One at a time they took ~100 s of the suite's
     ~20 minutes, most of it waiting on imports and on TorchServe's start and stop, which one core each covers."""
 
-    def one(command: DocumentedCommand) -> tuple[int | str | None, str]:
+    results: dict[str, tuple[int | str | None, str]] = {}
+    planned: list[tuple[DocumentedCommand, Path, list[str]]] = []
+    for command in (c for c in runnable() if not excuse(c)):  # parsed one at a time (``argv_for``)
+        out_dir = tmp_path_factory.mktemp("doc")
         try:
-            return run_briefly(command, tmp_path_factory.mktemp("doc"))
-        except Exception as exc:  # this command's test fails with it, not every command's
+            planned.append((command, out_dir, argv_for(command, out_dir)))
+        except (Exception, SystemExit) as exc:  # this command's test fails with it, not every command's
+            results[str(command)] = ("not started", f"{type(exc).__name__}: {exc}")
+
+    def one(plan: tuple[DocumentedCommand, Path, list[str]]) -> tuple[int | str | None, str]:
+        command, out_dir, argv = plan
+        try:
+            return run_briefly(command, out_dir, argv=argv)
+        except Exception as exc:
             return "not started", f"{type(exc).__name__}: {exc}"
 
-    commands = [command for command in runnable() if not excuse(command)]
     with concurrent.futures.ThreadPoolExecutor(AT_ONCE) as pool:
-        return dict(zip(map(str, commands), pool.map(one, commands), strict=True))
+        results |= dict(zip((str(c) for c, _, _ in planned), pool.map(one, planned), strict=True))
+    return results
 
 
 @pytest.mark.parametrize("command", runnable(), ids=str)
@@ -151,6 +174,13 @@ def test_a_documented_benchmark_gets_past_its_set_up(
         pytest.skip(f"excused: {reason}")
     code, output = brief_runs[str(command)]
     assert code in (None, 0), f"{command} exited {code}:\n{output[-3000:]}"
+
+
+def test_running_them_leaves_argparse_as_it_was(brief_runs: dict[str, tuple[int | str | None, str]]):
+    """``parse`` patches ``argparse`` while it reads a command; a patch left behind (two threads patching at once
+    did that, 2026-11-30) makes every later parser in the session raise, in tests far from this one."""
+    assert brief_runs
+    assert argparse.ArgumentParser.parse_args is ARGPARSE_PARSE_ARGS
 
 
 def test_a_benchmark_that_crashes_at_start_is_caught(tmp_path: Path):
