@@ -37,6 +37,9 @@ from tests.unit.test_documented_commands import parse
 ARGPARSE_PARSE_ARGS = argparse.ArgumentParser.parse_args  # as imported, before any command was parsed
 RUN_S = 6.0  # past the imports (~3 s of torch) and into the run
 AT_ONCE = 2  # commands run side by side: each is mostly one Python thread (its imports) or a TorchServe starting
+# A command's brief run: its exit code (None: still running at ``RUN_S``; "not started" where it could not be
+# started), and its output or why it was not started.
+BriefRun = tuple[int | str | None, str]
 EXCUSED = {
     # entry point: why it is not started here
     "python -m bench.ebird_direct --device cuda": "needs CUDA",
@@ -139,26 +142,29 @@ def test_the_docs_name_benchmarks_to_run_and_few_are_excused():
 
 
 @pytest.fixture(scope="module")
-def brief_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int | str | None, str]]:
-    """Every documented command that is not excused, run briefly, ``AT_ONCE`` at a time: each one's exit code
-    (None: still running at ``RUN_S``) and output, by its id.  One at a time they took ~100 s of the suite's
-    ~20 minutes, most of it waiting on imports and on TorchServe's start and stop, which one core each covers."""
+def brief_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, BriefRun]:
+    """Every documented command that is not excused, run briefly, ``AT_ONCE`` at a time, by its id.  One at a
+    time they took ~100 s of the suite's ~20 minutes, most of it waiting on imports and on TorchServe's start and
+    stop, which one core each covers.  A command that cannot be parsed or started fails its own test only."""
 
-    results: dict[str, tuple[int | str | None, str]] = {}
+    def not_started(exc: BaseException) -> BriefRun:
+        return "not started", f"{type(exc).__name__}: {exc}"
+
+    results: dict[str, BriefRun] = {}
     planned: list[tuple[DocumentedCommand, Path, list[str]]] = []
     for command in (c for c in runnable() if not excuse(c)):  # parsed one at a time (``argv_for``)
         out_dir = tmp_path_factory.mktemp("doc")
         try:
             planned.append((command, out_dir, argv_for(command, out_dir)))
-        except (Exception, SystemExit) as exc:  # this command's test fails with it, not every command's
-            results[str(command)] = ("not started", f"{type(exc).__name__}: {exc}")
+        except (Exception, SystemExit) as exc:
+            results[str(command)] = not_started(exc)
 
-    def one(plan: tuple[DocumentedCommand, Path, list[str]]) -> tuple[int | str | None, str]:
+    def one(plan: tuple[DocumentedCommand, Path, list[str]]) -> BriefRun:
         command, out_dir, argv = plan
         try:
             return run_briefly(command, out_dir, argv=argv)
         except Exception as exc:
-            return "not started", f"{type(exc).__name__}: {exc}"
+            return not_started(exc)
 
     with concurrent.futures.ThreadPoolExecutor(AT_ONCE) as pool:
         results |= dict(zip((str(c) for c, _, _ in planned), pool.map(one, planned), strict=True))
@@ -166,9 +172,7 @@ def brief_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int 
 
 
 @pytest.mark.parametrize("command", runnable(), ids=str)
-def test_a_documented_benchmark_gets_past_its_set_up(
-    command: DocumentedCommand, brief_runs: dict[str, tuple[int | str | None, str]]
-):
+def test_a_documented_benchmark_gets_past_its_set_up(command: DocumentedCommand, brief_runs: dict[str, BriefRun]):
     reason = excuse(command)
     if reason:
         pytest.skip(f"excused: {reason}")
@@ -176,7 +180,7 @@ def test_a_documented_benchmark_gets_past_its_set_up(
     assert code in (None, 0), f"{command} exited {code}:\n{output[-3000:]}"
 
 
-def test_running_them_leaves_argparse_as_it_was(brief_runs: dict[str, tuple[int | str | None, str]]):
+def test_running_them_leaves_argparse_as_it_was(brief_runs: dict[str, BriefRun]):
     """``parse`` patches ``argparse`` while it reads a command; a patch left behind (two threads patching at once
     did that, 2026-11-30) makes every later parser in the session raise, in tests far from this one."""
     assert brief_runs
