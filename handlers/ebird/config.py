@@ -38,6 +38,12 @@ every lane runs one, the worker's message reader waits
 could only be decoded after the batch, since decodes queue on the lane;
 reading and starting it during the batch costs the batch's OpenMP team a
 core and its thread the GIL.  ``false`` reads requests as they arrive.
+It applies to requests admitted decoded; a batch of requests taken
+undecoded (``handlers/runtime/row_intake.py``, the default path on CPU
+lanes with one input layout) is never quiet: a request read while it runs
+is only queued, so it is in line when the batch ends and the next batch
+starts at once (``docs/benchmarks/host_path.md``, "Requests taken
+undecoded").
 
 ``cuda_graphs`` (CUDA only) captures one CUDA graph per engine worker at
 start-up, at the worker's batch size, with its own input buffer and memory

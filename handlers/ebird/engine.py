@@ -22,14 +22,15 @@ input: timed at warm-up, then taken from the batches served
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import functools
 import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -54,6 +55,7 @@ from handlers.runtime.engine import (
 from handlers.runtime.lanes import CpuLanes
 from handlers.runtime.loop_mailbox import one_wakeup
 from handlers.runtime.metrics import HandlerMetrics
+from handlers.runtime.row_intake import RowBatches, TakenRow
 from handlers.runtime.timing import median_seconds
 
 logger = logging.getLogger(__name__)
@@ -61,11 +63,15 @@ logger = logging.getLogger(__name__)
 COST_RUNS = 3  # warm-up runs timed per worker size for the lane rule's cap: the median resists one slow run
 
 
-@dataclass
+@dataclass(eq=False)
 class Job:
-    run: Run
+    """One batch: admitted inputs (a ``run`` of the pool and its ``tickets``), or ``rows`` taken undecoded."""
+
+    run: Run | None
     tickets: list[Ticket]
-    seconds: float = 0.0  # the batch's run, start to output on the host
+    rows: list[TakenRow] = field(default_factory=list)
+    seconds: float = 0.0  # the batch's model call, start to output on the host
+    ran: int = 0  # of ``rows``, how many the model ran (the others were answered already, or failed to decode)
 
 
 class EngineWorker:
@@ -123,6 +129,11 @@ class EbirdEngine(Engine):
         self._max_running = len(self.workers) if device.is_cuda else lanes.count
         self._tickets: list[Ticket | None] = [None] * config.pool_slots
         self._outstanding: set[Ticket] = set()
+        # Requests taken undecoded (``take_rows``, CPU lanes only), in arrival order, and the batches of
+        # them handed to the lanes and not yet finished: each is decoded, run and answered on its lane.
+        self._rows: collections.deque[TakenRow] = collections.deque()
+        self._row_jobs: list[Job] = []
+        self._row_batches: RowBatches | None = None
         self._cond = threading.Condition()
         self._idle = {w.spec.worker_id: w for w in self.workers}
         self._closing = False
@@ -157,6 +168,27 @@ class EbirdEngine(Engine):
         with self._cond:
             self._wake_scheduler_if_it_may_act()
         return ticket.future
+
+    @property
+    def takes_rows(self) -> bool:
+        """On CPU lanes: a batch's rows are decoded where it runs (``row_intake.py``), and no pool slot,
+        ticket or future is made per request.  On CUDA the pool copies each input to the device as it is
+        admitted, so requests go through admission."""
+        return self._lanes is not None
+
+    def fits(self, item: ModelInput) -> bool:
+        """Whether ``item`` has this engine's input layout (a row taken undecoded is checked on its lane)."""
+        return self.pool.fits(item)
+
+    def take_rows(self, rows: Sequence[TakenRow], batches: RowBatches) -> None:
+        if not self.takes_rows:
+            raise RuntimeError("Ebird takes rows on CPU lanes only")
+        if self._closing:
+            raise ServiceUnavailable("worker is shutting down")
+        with self._cond:
+            self._row_batches = batches
+            self._rows.extend(rows)
+            self._wake_scheduler_if_it_may_act()
 
     # -- the loop: state → policy → dispatch -----------------------------------
 
@@ -193,19 +225,22 @@ class EbirdEngine(Engine):
             self._start(dispatch)
 
     def _plan(self, horizon: list[int]) -> list[tuple[EngineWorker, Job]]:
-        """The batches to start now, taken from the pool (with ``_cond`` held); [] if none.
+        """The batches to start now, taken from the rows taken undecoded if any wait, else from the pool
+        (with ``_cond`` held); [] if none.
 
         ``horizon`` holds the latest arrival a held batch waits for, read the
         first time a batch could grow, so later arrivals do not extend the hold.
+        Rows need no hold: they are in the line from their receipt on.
         """
         if not self._a_worker_may_start():
             return []
         busy = [w for w in self.workers if w.spec.worker_id not in self._idle]
-        ready = self.pool.ready()
+        from_rows = bool(self._rows)
+        ready = len(self._rows) if from_rows else self.pool.ready()
         if not ready:
             return []
         arriving = 0
-        if self._arrivals is not None and self.pool.ready_run_can_grow():
+        if not from_rows and self._arrivals is not None and self.pool.ready_run_can_grow():
             if not horizon:
                 horizon.append(self._arrivals.horizon)
             arriving = self._arrivals.pending_through(horizon[0])
@@ -219,6 +254,11 @@ class EbirdEngine(Engine):
         )
         dispatch = []
         for assignment in self.policy.next_batch(state).assignments:
+            if from_rows:
+                job = Job(None, [], [self._rows.popleft() for _ in range(assignment.count)])
+                self._row_jobs.append(job)
+                dispatch.append((self._idle.pop(assignment.worker_id), job))
+                continue
             run = self.pool.take(assignment.count)
             slots = range(run.start, run.start + run.count)
             tickets = [self._tickets[s] for s in slots]
@@ -233,7 +273,12 @@ class EbirdEngine(Engine):
             if self._lanes is None:
                 worker.jobs.put(job)
             else:
-                done = self._lanes.submit(self._timed_execute, worker, job, quiet=self.config.cpu_quiet_batches)
+                # A batch of rows is never quiet: a request read while it runs is only queued (its decode
+                # waits for its own batch), and is in line when this batch ends, so the next one starts at once.
+                run, quiet = (
+                    (self._run_rows, False) if job.run is None else (self._timed_execute, self.config.cpu_quiet_batches)
+                )
+                done = self._lanes.submit(run, worker, job, quiet=quiet)
                 done.add_done_callback(lambda f, w=worker, j=job: self._lane_done(w, j, f))
 
     # -- a worker ------------------------------------------------------------
@@ -247,7 +292,10 @@ class EbirdEngine(Engine):
         """A CPU batch's end, on its lane thread (``_timed_execute`` turns model errors into answers)."""
         error = done.exception()
         if error is not None:  # not an Exception (``_timed_execute`` answers those): still answer every ticket
-            self._finish(worker, job, None, ServiceUnavailable(f"inference failed: {type(error).__name__}"))
+            failure = ServiceUnavailable(f"inference failed: {type(error).__name__}")
+            if job.rows:
+                self._row_batches.fail(job.rows, failure)
+            self._finish(worker, job, None, failure)
         else:
             self._finish(worker, job, *done.result())
 
@@ -260,13 +308,18 @@ class EbirdEngine(Engine):
     def _answer_and_plan(
         self, worker: EngineWorker, job: Job, outputs: torch.Tensor | None, error: Exception | None
     ) -> None:
-        self.pool.release(job.run)
-        settle_batch(job.tickets, outputs, error)  # the batch's answers encoded in one call
+        if job.run is not None:
+            self.pool.release(job.run)
+            settle_batch(job.tickets, outputs, error)  # the batch's answers encoded in one call
+        size = job.run.count if job.run is not None else job.ran
         with self._cond:
             self._outstanding.difference_update(job.tickets)
+            if job.run is None:
+                self._row_jobs.remove(job)
             self._idle[worker.spec.worker_id] = worker
-            if self.costs is not None and error is None and job.seconds > 0:
-                self.costs.record(job.run.count, job.seconds)
+            # A batch of rows some of which were skipped ran at a size no worker has: not a cost of one.
+            if self.costs is not None and error is None and job.seconds > 0 and size == worker.spec.batch:
+                self.costs.record(size, job.seconds)
                 self._recap()
             # The next batch is planned here, on the thread that ran this one, when its inputs are
             # ready and no arrival holds it: a hand-off through the scheduler thread costs a thread
@@ -293,6 +346,21 @@ class EbirdEngine(Engine):
                 ticket.times.finished = finished
             job.seconds = finished - started
             self.metrics.batch_finished(job.seconds)
+
+    def _run_rows(self, worker: EngineWorker, job: Job) -> tuple[None, None]:
+        """A batch of rows, on its lane: ``RowBatches.run`` decodes, runs and answers them; this engine
+        times the model's call, which is the cost per input its lane rule reads (``batch_costs.py``)."""
+
+        def forward(tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
+            started = time.monotonic()
+            try:
+                with torch.inference_mode():
+                    return self.model(*tensors).float()
+            finally:
+                job.seconds = time.monotonic() - started
+
+        job.ran = self._row_batches.run(job.rows, forward)
+        return None, None
 
     def _execute(self, worker: EngineWorker, run: Run) -> torch.Tensor:
         """Run one batch (a slice of the pool, no copy) and bring its output to the host.
@@ -381,7 +449,15 @@ class EbirdEngine(Engine):
     def close(self, timeout_s: float = 30.0) -> None:
         deadline = time.monotonic() + timeout_s
         self._closing = True
+        with self._cond:  # the rows taken undecoded first, then the admitted tickets, within one deadline
+            while (self._rows or self._row_jobs) and time.monotonic() < deadline:
+                self._cond.wait(timeout=max(deadline - time.monotonic(), 0.0))
         drain_then_stop(self._cond, self._outstanding, deadline, self._stop)
+        with self._cond:  # stopped: no batch takes rows any more; those waiting or still running get 503
+            leftover = [*self._rows, *(row for job in self._row_jobs for row in job.rows)]
+            self._rows.clear()
+        if leftover:  # (a running batch's late answers are dropped on the loop: each row is answered once)
+            self._row_batches.fail(leftover, ServiceUnavailable("worker shut down before this request finished"))
         for worker in self.workers:
             worker.jobs.put(None)
         for thread in [self._scheduler, *(w.thread for w in self.workers if w.thread is not None)]:

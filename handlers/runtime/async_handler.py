@@ -352,8 +352,26 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
         """
         if self._burst is None:
             routes = type(self).route_request is not AsyncModelHandler.route_request
-            self._burst = BurstServer(self, routes) if self._takes_bursts() else _ThroughHandle(self)
+            if self._takes_bursts():
+                self._burst = BurstServer(self, routes, None if routes else self.row_engine())
+            else:
+                self._burst = _ThroughHandle(self)
         self._burst.serve(calls, done)
+
+    def row_engine(self) -> Engine | None:
+        """The engine that takes bursts undecoded (``row_intake.py``), or None for decode, then admission.
+
+        Only where a request's engine is known before its decode and its
+        decode and encode already run on the lanes: one engine (one input
+        layout), decoding on the CPU lanes, answers encoded there, and an
+        engine that takes rows.  Elsewhere the layout picks the engine after
+        the decode, or the decode runs off the lanes (decode threads, nvJPEG)
+        on purpose.
+        """
+        if len(self.engines) != 1 or not isinstance(self.decoder, RequestDecoder) or not self.decoder.on_lanes:
+            return None
+        engine = next(iter(self.engines.values()))
+        return engine if self.encode_on_engine and engine.takes_rows else None
 
     def _takes_bursts(self) -> bool:
         return (

@@ -47,12 +47,14 @@ from handlers.codecs import ModelInput, is_describe
 from handlers.errors import ResponseError, ServiceUnavailable
 from handlers.runtime.admission import FULL_FOR_THE_TIMEOUT
 from handlers.runtime.loop_mailbox import mailbox_for
+from handlers.runtime.row_intake import BatchTimes, RowBatches
 from handlers.runtime.stage_tally import StageTally
 
 logger = logging.getLogger(__name__)
 
 Call = tuple[list[dict[str, Any]], Any]  # ``handle``'s arguments: a message's rows and its own context
 Done = Callable[[int, list[Any]], None]  # called once per call, on the loop: its index and its answers
+TAKEN = object()  # a ``BurstRequest.future`` for a request its engine took undecoded (``row_intake.py``)
 
 
 class BurstRequest:
@@ -115,11 +117,14 @@ class BurstRequest:
 class BurstServer:
     """The callback path of one ``AsyncModelHandler`` (see the module's docstring)."""
 
-    def __init__(self, handler: Any, routes: bool = True) -> None:
+    def __init__(self, handler: Any, routes: bool = True, row_engine: Any = None) -> None:
         self.handler = handler
         # Whether requests are routed one by one (``route_request``: REEF picks a member by its headers);
         # False for a handler whose requests all take its own decoder and are bound to nothing.
         self.routes = routes
+        # The engine that takes every burst undecoded (``row_intake.py``), or None: decode, then admission.
+        self.row_engine = row_engine
+        self._row_batches: RowBatches | None = None
         self._tasks: set[asyncio.Task] = set()  # messages served by ``handle``
         self._loop: asyncio.AbstractEventLoop | None = None
         self._mailbox: Any = None
@@ -145,6 +150,9 @@ class BurstServer:
         if self._loop is not loop:  # the loop's mailbox and deadline watch, looked up once per loop
             self._loop, self._mailbox, self._deadlines = loop, mailbox_for(loop), handler.deadlines_on(loop)
             self._tally = StageTally(handler.metrics, loop)
+            if self.row_engine is not None:
+                self._row_batches = RowBatches(handler.decoder.decode, self.row_engine.fits, handler.encoder_for,
+                                               handler.metrics, self._mailbox, self._rows_answered)  # fmt: skip
         # The response timeout counts from receipt, as TorchServe's does: a request whose decode or wait
         # for room outlasts it is answered 503 then, not when its decode ends.
         deadline = loop.time() + handler.response_timeout_s
@@ -162,11 +170,45 @@ class BurstServer:
                 return
         else:  # the handler's own decoder for every request, and nothing to bind
             routed, decodes = requests, None
+        if self._row_batches is not None:
+            self._take(routed, deadline)
+            return
         if handler.arrivals is not None:
             for request, token in zip(routed, handler.arrivals.enter_many(len(routed)), strict=True):
                 request.arrival = token
         self._deadlines.watch_many(routed, deadline)
         handler.decoder.decode_burst([r.row for r in routed], functools.partial(self._decoded, routed), decodes)
+
+    # -- requests taken undecoded --------------------------------------------
+
+    def _take(self, requests: list[BurstRequest], deadline: float) -> None:
+        """Hand the burst to its engine whole: it decodes, runs and encodes each batch on a lane."""
+        self._deadlines.watch_many(requests, deadline)
+        for request in requests:
+            request.future = TAKEN
+        self.handler.metrics.requests_admitted(len(requests))
+        try:
+            self.row_engine.take_rows(requests, self._row_batches)
+        except Exception as exc:  # closing: each request gets its 503
+            for request in requests:
+                self.finish(request, error=exc)
+
+    def _rows_answered(
+        self, requests: list[BurstRequest], answers: list[Any], errors: dict[int, BaseException], times: BatchTimes
+    ) -> None:
+        """A batch of taken requests is done (on the loop): each one's answer, or its own error."""
+        woken = time.monotonic()
+        for index, request in enumerate(requests):
+            if request.finished:  # answered 503 at its deadline already
+                continue
+            error = errors.get(index)
+            if error is None and answers[index] is None:  # skipped on the lane, yet unanswered: never expected
+                error = ServiceUnavailable("the request was dropped from its batch")
+            if error is not None:
+                self.finish(request, error=error)
+                continue
+            self._tally.add_taken(request.received, times, woken, time.monotonic())
+            self.finish(request, answer=answers[index])
 
     # -- the steps ------------------------------------------------------------
 

@@ -105,6 +105,11 @@ class RequestDecoder:
         self._waiting_lock = threading.Lock()
 
     @property
+    def decode(self) -> Callable[[dict[str, Any]], ModelInput]:
+        """The function that decodes a row (an engine that takes rows undecoded calls it on its lane)."""
+        return self._decode
+
+    @property
     def on_lanes(self) -> bool:
         """Decoding through someone else's ``submit`` (the CPU lanes), ahead of the batches queued after it."""
         return self._own_pool is None and self._submit is not None

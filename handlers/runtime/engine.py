@@ -288,6 +288,19 @@ class Engine(abc.ABC):
     def warm_up(self) -> None:  # noqa: B027 - optional hook
         """Run every shape the engine will run once, before TorchServe marks the worker READY."""
 
+    @property
+    def takes_rows(self) -> bool:
+        """Whether ``take_rows`` works: requests handed over undecoded, run by ``RowBatches`` on a lane."""
+        return False
+
+    def take_rows(self, rows: Sequence[Any], batches: Any) -> None:
+        """Queue ``rows`` (``row_intake.TakenRow``, in arrival order) to run in batches on the lanes, each
+        batch through ``batches.run(rows, forward)`` (a ``row_intake.RowBatches``), which answers every row.
+
+        Raises ``ServiceUnavailable`` once closing.  Called on the event loop.
+        """
+        raise NotImplementedError(f"{type(self).__name__} takes decoded inputs only")
+
     def on_space(self, listener: Callable[[], None]) -> None:
         """Call ``listener`` (from any thread) whenever room for new inputs may have appeared."""
         self._space_listeners.append(listener)

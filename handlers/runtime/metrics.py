@@ -183,7 +183,10 @@ class HandlerMetrics:
     # then reads the count reports this change or the next flush does.
 
     def request_admitted(self) -> None:
-        self.inflight += 1
+        self.requests_admitted(1)
+
+    def requests_admitted(self, count: int) -> None:
+        self.inflight += count
         self._inflight_changed = True
         self._emit_now_if_unbatched()
 

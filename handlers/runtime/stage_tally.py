@@ -23,6 +23,7 @@ import asyncio
 
 from handlers.runtime.engine import StageTimes
 from handlers.runtime.metrics import HandlerMetrics
+from handlers.runtime.row_intake import BatchTimes
 
 # What a request whose engine reports its inner times spent, in ``stage_breakdown``'s order.
 TIMED = ("decode", "admission", "queue", "batch", "release", "wakeup", "encode")
@@ -72,6 +73,25 @@ class StageTally:
         admission = admitted - decoded
         sums[0] += decode if decode > 0.0 else 0.0
         sums[1] += admission if admission > 0.0 else 0.0
+        if not self._due:
+            self._due = True
+            self.loop.call_soon(self.flush)
+
+    def add_taken(self, received: float, times: BatchTimes, woken: float, answered: float) -> None:
+        """One request taken undecoded (``row_intake.py``): ``queue`` from receipt to its batch's start,
+        ``decode`` its batch's decode and collate, no ``admission``, then as ``add``."""
+        sums = self._timed
+        queue = times.taken - received
+        encode = answered - woken + times.encode_seconds
+        release = times.settled - times.finished - times.encode_seconds
+        wakeup = woken - times.settled
+        sums[0] += times.decoded - times.taken
+        sums[2] += queue if queue > 0.0 else 0.0
+        sums[3] += times.finished - times.decoded
+        sums[4] += release if release > 0.0 else 0.0
+        sums[5] += wakeup if wakeup > 0.0 else 0.0
+        sums[6] += encode if encode > 0.0 else 0.0
+        self._timed_count += 1
         if not self._due:
             self._due = True
             self.loop.call_soon(self.flush)

@@ -115,16 +115,22 @@ def test_small_batch_answered_before_an_earlier_large_one(served, torchserve):
     assert overtaken, "every answer came back in arrival order"
 
 
-def test_no_request_lost_when_the_pool_is_full(served, torchserve):
+def test_no_request_lost_in_a_burst_three_times_what_ebird_holds_in_flight(served, torchserve):
+    """The burst waits in Ebird's line (on CPU lanes, taken undecoded: ``row_intake.py``), runs in batches
+    no larger than the lane rule's cap, and every request is answered, each in exactly one batch."""
     model = served("resnet50", "eager", "ebird")
-    before = sum(v for _, v in handler_metric(torchserve, "HandlerAdmissionWaits", model))
-    n = 3 * EBIRD_TEST_SETTINGS["pool_slots"]
+
+    def rows_run(samples) -> int:
+        return sum(int(labels["BatchSize"]) * value for labels, value in samples)
+
+    before = rows_run(handler_metric(torchserve, "HandlerBatches", model))
+    n = 3 * EBIRD_TEST_SETTINGS["max_inflight"]
     result = burst(torchserve, model, [jpeg_bytes(seed=i) for i in range(n)], rate=500.0)
     assert len(result.samples) == n
     assert [s.status for s in result.samples] == [200] * n
-    waits = handler_metric(torchserve, "HandlerAdmissionWaits", model, until=lambda s: sum(v for _, v in s) > before)
-    after = sum(v for _, v in waits)
-    assert after > before  # the pool was full and requests waited for room
+    batches = handler_metric(torchserve, "HandlerBatches", model, until=lambda s: rows_run(s) >= before + n)
+    assert rows_run(batches) == before + n
+    assert max(int(labels["BatchSize"]) for labels, _ in batches) <= EBIRD_TEST_SETTINGS["cpu_batch_cap"]
 
 
 def test_bad_input_gets_its_4xx_and_requests_in_flight_are_unaffected(served, torchserve):

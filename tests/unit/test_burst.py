@@ -5,6 +5,11 @@ as the lean message pump drives them: every burst's answer must be the one
 ``handle`` gives the same message, each request's failure its own status,
 and every request answered exactly once, also when its deadline passes
 before its batch ends.
+
+Ebird with one input layout takes its bursts undecoded (``row_intake.py``);
+``ebird-layouts`` is Ebird with several token lengths, one engine each, and
+``ebird-inline`` Ebird decoding on its event loop: their requests are decoded
+and then admitted, as DVABatch's are.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from model_store.catalog import get_spec
 from model_store.samples import request_body
 
 SPEC = get_spec("bert-tiny1", "eager")
-HANDLERS = ("ebird", "dvabatch")
+HANDLERS = ("ebird", "ebird-layouts", "dvabatch")
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +54,18 @@ def make_handler(model_dir, keep_handlers):
     def make(kind: str, **settings):
         if kind == "ebird":
             options = ServingOptions(handler="ebird", handler_settings=tuple(sorted(settings.items())))
+            handler = EbirdHandler()
+        elif kind == "ebird-inline":
+            options = ServingOptions(
+                handler="ebird", decode_threads=0, handler_settings=tuple(sorted(settings.items()))
+            )
+            handler = EbirdHandler()
+        elif kind == "ebird-layouts":
+            options = ServingOptions(
+                handler="ebird",
+                token_lengths=dvabatch_token_lengths(SPEC, "auto"),
+                handler_settings=tuple(sorted(settings.items())),
+            )
             handler = EbirdHandler()
         else:
             options = ServingOptions(
@@ -147,7 +164,7 @@ def test_a_bursts_answers_lower_the_unanswered_count_once_per_turn_not_once_per_
 
 
 SMALL_ENGINES = [
-    ("ebird", {"pool_slots": 4, "worker_batches": [1, 2, 4]}),
+    ("ebird-layouts", {"pool_slots": 4, "worker_batches": [1, 2, 4]}),
     ("dvabatch", {"max_inflight": 2, "max_batch": 2}),
 ]
 
@@ -164,6 +181,42 @@ def test_a_burst_larger_than_the_engine_waits_for_room_and_loses_nothing(make_ha
     assert handler.unanswered == 0
 
 
+def test_a_burst_taken_undecoded_runs_in_batches_no_larger_than_the_largest_worker_and_loses_nothing(
+    make_handler,
+):
+    handler, load = make_handler("ebird", pool_slots=4, worker_batches=[1, 2, 4])
+    good = rows(24)
+    expected = [asyncio.run(call(handler, load, row)) for row in good]
+    before = dict(handler.metrics.batches)
+    answers = burst(handler, load, [[row] for row in good])
+    assert handler._burst.row_engine is not None  # taken undecoded: no pool slot, so no wait for one
+    assert_same([answer[0] for answer in answers], expected)
+    ran = {size: count - before.get(size, 0) for size, count in handler.metrics.batches.items()}
+    assert sum(size * count for size, count in ran.items()) == 24
+    assert max(size for size, count in ran.items() if count) <= 4
+    assert handler.unanswered == 0 and handler.metrics.inflight == 0
+
+
+def test_requests_taken_undecoded_and_unanswered_when_their_engine_closes_get_a_503_each_once(make_handler):
+    """Closing waits for the taken requests until its timeout, then answers those still in line and those
+    in a batch that has not ended with 503; the batch's late answers are dropped (``burst`` fails on a
+    second answer)."""
+    handler, load = make_handler("ebird")
+    engine = next(iter(handler.engines.values()))
+    release = block_every_lane(handler)
+    closing = threading.Timer(0.2, engine.close, kwargs={"timeout_s": 0.2})
+    closing.start()
+    try:
+        answers = burst(handler, load, [[row] for row in rows(40)], then=release.set)
+    finally:
+        release.set()
+        closing.join()
+    assert handler._burst.row_engine is engine
+    messages = [json.loads(body)["message"] for [(status, body)] in answers if status == 503]
+    assert len(messages) == 40 and all("shut down" in m for m in messages), answers
+    assert handler.unanswered == 0 and handler.metrics.inflight == 0
+
+
 def test_messages_the_callbacks_do_not_take_go_through_handle(make_handler):
     handler, load = make_handler("ebird")
     two = rows(2)
@@ -176,7 +229,7 @@ def test_messages_the_callbacks_do_not_take_go_through_handle(make_handler):
 
 
 def test_a_request_past_its_deadline_is_answered_503_once_and_its_late_result_is_dropped(make_handler):
-    handler, load = make_handler("ebird")
+    handler, load = make_handler("ebird-inline")
     engine = next(iter(handler.engines.values()))
     release = threading.Event()
     submit = engine.try_submit
@@ -279,7 +332,7 @@ def test_reef_encodes_real_time_answers_on_their_executor_and_best_effort_ones_o
 def test_requests_still_waiting_for_room_at_their_deadline_get_a_503_saying_so_and_never_reach_the_engine(
     make_handler,
 ):
-    handler, load = make_handler("ebird", pool_slots=4, worker_batches=[1, 2, 4])
+    handler, load = make_handler("ebird-inline", pool_slots=4, worker_batches=[1, 2, 4])
     engine = next(iter(handler.engines.values()))
     release = threading.Event()
     submit = engine.try_submit
@@ -320,7 +373,8 @@ def block_every_lane(handler) -> threading.Event:
 
 
 def count_submissions(handler) -> list[object]:
-    """Every input that reaches an engine from now on, in the returned list."""
+    """Every input that reaches an engine from now on, in the returned list: admitted decoded, or, taken
+    undecoded, decoded on the lane that runs its batch."""
     reached: list[object] = []
     for engine in handler.engines.values():
 
@@ -329,6 +383,20 @@ def count_submissions(handler) -> list[object]:
             return submit(item)
 
         engine.try_submit = try_submit
+        if engine.takes_rows:
+
+            def take_rows(taken, batches, take=engine.take_rows):
+                if not getattr(batches, "counted", False):
+                    decode = batches.decode
+
+                    def decode_on_the_lane(row):
+                        reached.append(row)
+                        return decode(row)
+
+                    batches.decode, batches.counted = decode_on_the_lane, True
+                take(taken, batches)
+
+            engine.take_rows = take_rows
     return reached
 
 

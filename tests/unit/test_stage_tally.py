@@ -9,6 +9,7 @@ import pytest
 
 from handlers.runtime.engine import StageTimes, stage_breakdown
 from handlers.runtime.metrics import HandlerMetrics
+from handlers.runtime.row_intake import BatchTimes
 from handlers.runtime.stage_tally import StageTally
 
 
@@ -91,3 +92,24 @@ def test_flushing_with_nothing_added_hands_nothing_over() -> None:
     finally:
         loop.close()
     assert metrics.handed_over == 0 and not metrics.stage_counts
+
+
+def test_a_request_taken_undecoded_counts_its_wait_as_queue_and_its_batch_decode_as_decode() -> None:
+    """``add_taken``: queue from receipt to the batch's start, decode inside the batch, no admission, and
+    the batch, release, wakeup and encode stages as ``stage_breakdown`` counts them for an engine's times."""
+    times = BatchTimes(taken=1.0)
+    times.decoded, times.finished, times.settled, times.encode_seconds = 1.25, 2.0, 2.5, 0.125
+    expected = {"decode": 0.25, "admission": 0.0, "queue": 0.5, "batch": 0.75, "release": 0.375, "wakeup": 0.5,
+                "encode": 0.375}  # fmt: skip
+
+    async def main() -> HandlerMetrics:
+        metrics = HandlerMetrics(None, "m")
+        tally = StageTally(metrics, asyncio.get_running_loop())
+        tally.add_taken(0.5, times, woken=3.0, answered=3.25)
+        tally.add_taken(0.5, times, woken=3.0, answered=3.25)
+        await asyncio.sleep(0)
+        return metrics
+
+    metrics = asyncio.run(main())
+    assert dict(metrics.stage_seconds) == pytest.approx({stage: 2 * s for stage, s in expected.items()})
+    assert set(metrics.stage_counts.values()) == {2}

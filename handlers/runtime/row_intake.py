@@ -1,0 +1,209 @@
+"""Requests handed to an engine undecoded, a burst at a time; decoded, run and encoded on the lane that runs them.
+
+On a model whose batch is short (a tiny model on a CPU, any model on a fast
+GPU) an async handler's capacity is about one over its Python time per
+request, because its event loop and its lanes take turns on one GIL
+(``docs/benchmarks/host_path.md``).  The admission path spends that time
+per request: a decode job whose outcomes come back to the loop, then, for
+each request, its engine's admission, a ticket and its future, a callback
+when the batch settles it and a post back to the loop.  The least an async
+worker can do instead is what TorchServe's sync worker does per batch:
+queue each message, and let the thread that runs the batch decode it, run
+it and encode its answer, then hand the batch's answers back at once.
+
+That is this path.  The event loop hands a burst of one-request messages
+to the engine in one call (``Engine.take_rows``); the engine keeps them in
+arrival order and schedules them as it schedules admitted inputs (Ebird's
+elastic sizes, one batch per free lane); the lane that runs a batch calls
+``RowBatches.run`` with the batch's requests, and one callback per batch
+brings every answer (or each request's own error) back to the loop.
+
+What a request sees does not change: the same decode errors and 4xx
+answers, the response timeout counted from receipt (a request still in the
+line at its deadline is answered 503 then, and the lane skips it), the
+in-flight gauge and stage metrics.  The stages are those of an input whose
+engine reports its times, with ``queue`` from receipt to its batch's start
+and its decode inside the batch (``StageTally.add_taken``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import torch
+
+from handlers.codecs import ModelInput, collate
+from handlers.errors import ServiceUnavailable, bad_request
+from handlers.runtime.engine import RowsEncoder
+from handlers.runtime.loop_mailbox import LoopMailbox
+from handlers.runtime.metrics import HandlerMetrics
+
+logger = logging.getLogger(__name__)
+
+
+class TakenRow(Protocol):
+    """A request as the engine and its lane see it (``burst.BurstRequest``)."""
+
+    row: dict[str, Any]  # the message's body, undecoded
+    received: float  # ``time.monotonic()`` at receipt
+    finished: bool  # answered already (its deadline passed): the lane skips it
+
+
+Forward = Callable[[tuple[torch.Tensor, ...]], torch.Tensor]  # the engine's model on a batch, output on the host
+
+
+class BatchTimes:
+    """When a batch of taken rows passed each point on its lane (``time.monotonic``), for the stage metrics."""
+
+    __slots__ = ("taken", "decoded", "finished", "settled", "encode_seconds")
+
+    def __init__(self, taken: float) -> None:
+        self.taken = taken  # its lane started it
+        self.decoded = taken  # its rows were decoded and collated
+        self.finished = taken  # its output was on the host
+        self.settled = taken  # its answers were encoded and posted to the loop
+        self.encode_seconds = 0.0  # of which encoding, per request
+
+
+# What one batch hands back to the loop: its rows, each one's answer (None where it has an error or was
+# skipped), each failed row's error by its index, and the batch's times.
+Delivery = Callable[[Sequence[TakenRow], list[Any], dict[int, BaseException], BatchTimes], None]
+
+
+class RowBatches:
+    """The runtime's half of an engine that takes rows: a batch's decode, collate, encode and hand-back.
+
+    ``decode`` turns a row into its input (the handler's codec); ``fits``
+    says whether an input has the engine's layout; ``encoder_for`` gives
+    what turns an input's output row into its answer; ``deliver`` runs on
+    the loop, through ``mailbox``, once per batch.
+    """
+
+    def __init__(
+        self,
+        decode: Callable[[dict[str, Any]], ModelInput],
+        fits: Callable[[ModelInput], bool],
+        encoder_for: Callable[[ModelInput], Any],
+        metrics: HandlerMetrics,
+        mailbox: LoopMailbox,
+        deliver: Delivery,
+    ) -> None:
+        self.decode = decode
+        self.fits = fits
+        self.encoder_for = encoder_for
+        self.metrics = metrics
+        self.mailbox = mailbox
+        self.deliver = deliver
+
+    def run(self, rows: Sequence[TakenRow], forward: Forward) -> int:
+        """Decode, run and encode one batch of ``rows`` on this (lane) thread, and post its answers to the loop.
+
+        Returns how many rows the model ran (those not answered already and
+        decoded without error).  Never raises: a failure is the answer of
+        the rows it concerns, and every row gets one.
+        """
+        times = BatchTimes(time.monotonic())
+        answers: list[Any] = [None] * len(rows)
+        errors: dict[int, BaseException] = {}
+        items: list[ModelInput] = []
+        kept: list[int] = []
+        for index, request in enumerate(rows):
+            if request.finished:  # answered 503 at its deadline while it waited in the line
+                continue
+            try:
+                item = self.decode(request.row)
+                if not self.fits(item):
+                    shapes = [list(shape) for shape in item.shapes]
+                    raise bad_request(f"input shape {shapes} is not one this archive declares")
+            except Exception as exc:  # its own 4xx (or 503 for a codec bug), on the loop
+                errors[index] = exc
+                continue
+            items.append(item)
+            kept.append(index)
+        try:
+            if items:
+                self._run_model(rows, items, kept, answers, errors, times, forward)
+        except Exception as exc:  # not the model's (those are answered in ``_run_model``): still answer every row
+            logger.exception("a batch of %d rows failed", len(items))
+            failure = ServiceUnavailable(f"inference failed: {type(exc).__name__}: {exc}")
+            for index in kept:
+                answers[index] = None
+                errors[index] = failure
+        times.settled = time.monotonic()
+        self.mailbox.post(lambda: self.deliver(rows, answers, errors, times))
+        return len(items)
+
+    def fail(self, rows: Sequence[TakenRow], error: BaseException) -> None:
+        """Answer ``rows`` with ``error`` (a closing engine's leftovers), on the loop."""
+        times = BatchTimes(time.monotonic())
+        errors = dict.fromkeys(range(len(rows)), error)
+        self.mailbox.post(lambda: self.deliver(rows, [None] * len(rows), errors, times))
+
+    def _run_model(
+        self,
+        rows: Sequence[TakenRow],
+        items: list[ModelInput],
+        kept: list[int],
+        answers: list[Any],
+        errors: dict[int, BaseException],
+        times: BatchTimes,
+        forward: Forward,
+    ) -> None:
+        tensors = collate(items)
+        times.decoded = time.monotonic()
+        self.metrics.batch_started(len(items), [times.taken - rows[i].received for i in kept])
+        try:
+            outputs = forward(tensors)
+        except Exception as exc:  # this batch's requests fail, the engine serves on
+            logger.exception("a batch of %d failed", len(items))
+            failure = ServiceUnavailable(f"inference failed: {type(exc).__name__}: {exc}")
+            for index in kept:
+                errors[index] = failure
+            return
+        finally:
+            times.finished = time.monotonic()
+            self.metrics.batch_finished(times.finished - times.decoded)
+        self._encode(items, kept, outputs, answers, errors)
+        times.encode_seconds = (time.monotonic() - times.finished) / len(items)
+
+    def _encode(
+        self,
+        items: list[ModelInput],
+        kept: list[int],
+        outputs: torch.Tensor,
+        answers: list[Any],
+        errors: dict[int, BaseException],
+    ) -> None:
+        """Each kept row's answer: the rows in the handler's own JSON in one call (``RowsEncoder``), any
+        other row (an Open Inference Protocol request, a subclass's ``postprocess``) by its own encoder."""
+        together: list[int] = []
+        rows_encoder: RowsEncoder | None = None
+        for position, (index, item) in enumerate(zip(kept, items, strict=True)):
+            encode = self.encoder_for(item)
+            if isinstance(encode, RowsEncoder):
+                rows_encoder = encode
+                together.append(position)
+                continue
+            try:
+                answers[index] = encode(outputs[position])
+            except Exception as exc:
+                errors[index] = _encoding_failed(exc)
+        if not together:
+            return
+        try:
+            encoded = rows_encoder.encode_rows(outputs if len(together) == len(items) else outputs[together])
+        except Exception as exc:
+            failure = _encoding_failed(exc)
+            for position in together:
+                errors[kept[position]] = failure
+            return
+        for position, answer in zip(together, encoded, strict=True):
+            answers[kept[position]] = answer
+
+
+def _encoding_failed(error: Exception) -> ServiceUnavailable:
+    logger.error("encoding an answer failed", exc_info=error)
+    return ServiceUnavailable(f"could not encode the answer: {type(error).__name__}: {error}")
