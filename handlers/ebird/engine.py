@@ -348,18 +348,16 @@ class EbirdEngine(Engine):
             self.metrics.batch_finished(job.seconds)
 
     def _run_rows(self, worker: EngineWorker, job: Job) -> tuple[None, None]:
-        """A batch of rows, on its lane: ``RowBatches.run`` decodes, runs and answers them; this engine
-        times the model's call, which is the cost per input its lane rule reads (``batch_costs.py``)."""
+        """A batch of rows, on its lane: ``RowBatches.run`` decodes, runs and answers them.  Its collate
+        and model call are the cost per input the lane rule reads (``batch_costs.py``), as a batch's
+        gather into the pool and model call are on the admission path."""
 
         def forward(tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
-            started = time.monotonic()
-            try:
-                with torch.inference_mode():
-                    return self.model(*tensors).float()
-            finally:
-                job.seconds = time.monotonic() - started
+            with torch.inference_mode():
+                return self.model(*tensors).float()
 
-        job.ran = self._row_batches.run(job.rows, forward)
+        job.ran, times = self._row_batches.run(job.rows, forward)
+        job.seconds = times.finished - times.decoded if job.ran else 0.0
         return None, None
 
     def _execute(self, worker: EngineWorker, run: Run) -> torch.Tensor:

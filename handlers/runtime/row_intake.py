@@ -62,7 +62,7 @@ class BatchTimes:
 
     def __init__(self, taken: float) -> None:
         self.taken = taken  # its lane started it
-        self.decoded = taken  # its rows were decoded and collated
+        self.decoded = taken  # its rows were decoded (collating them is the batch's first step)
         self.finished = taken  # its output was on the host
         self.settled = taken  # its answers were encoded and posted to the loop
         self.encode_seconds = 0.0  # of which encoding, per request
@@ -98,12 +98,14 @@ class RowBatches:
         self.mailbox = mailbox
         self.deliver = deliver
 
-    def run(self, rows: Sequence[TakenRow], forward: Forward) -> int:
+    def run(self, rows: Sequence[TakenRow], forward: Forward) -> tuple[int, BatchTimes]:
         """Decode, run and encode one batch of ``rows`` on this (lane) thread, and post its answers to the loop.
 
         Returns how many rows the model ran (those not answered already and
-        decoded without error).  Never raises: a failure is the answer of
-        the rows it concerns, and every row gets one.
+        decoded without error) and the batch's times: ``finished - decoded``
+        is its collate and model call, the cost an engine's batch-size policy
+        reads.  Never raises: a failure is the answer of the rows it
+        concerns, and every row gets one.
         """
         times = BatchTimes(time.monotonic())
         answers: list[Any] = [None] * len(rows)
@@ -123,6 +125,7 @@ class RowBatches:
                 continue
             items.append(item)
             kept.append(index)
+        times.decoded = time.monotonic()
         try:
             if items:
                 self._run_model(rows, items, kept, answers, errors, times, forward)
@@ -134,7 +137,7 @@ class RowBatches:
                 errors[index] = failure
         times.settled = time.monotonic()
         self.mailbox.post(lambda: self.deliver(rows, answers, errors, times))
-        return len(items)
+        return len(items), times
 
     def fail(self, rows: Sequence[TakenRow], error: BaseException) -> None:
         """Answer ``rows`` with ``error`` (a closing engine's leftovers), on the loop."""
@@ -152,11 +155,9 @@ class RowBatches:
         times: BatchTimes,
         forward: Forward,
     ) -> None:
-        tensors = collate(items)
-        times.decoded = time.monotonic()
         self.metrics.batch_started(len(items), [times.taken - rows[i].received for i in kept])
         try:
-            outputs = forward(tensors)
+            outputs = forward(collate(items))
         except Exception as exc:  # this batch's requests fail, the engine serves on
             logger.exception("a batch of %d failed", len(items))
             failure = ServiceUnavailable(f"inference failed: {type(exc).__name__}: {exc}")

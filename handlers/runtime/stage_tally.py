@@ -79,7 +79,7 @@ class StageTally:
 
     def add_taken(self, received: float, times: BatchTimes, woken: float, answered: float) -> None:
         """One request taken undecoded (``row_intake.py``): ``queue`` from receipt to its batch's start,
-        ``decode`` its batch's decode and collate, no ``admission``, then as ``add``."""
+        ``decode`` its batch's decode, no ``admission``, ``batch`` its collate and model call, then as ``add``."""
         sums = self._timed
         queue = times.taken - received
         encode = answered - woken + times.encode_seconds

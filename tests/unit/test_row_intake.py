@@ -69,8 +69,9 @@ def run_batch(rows: list[Row], model=forward, encoder_for=lambda item: ROWS_ENCO
             done.set_result(None)
 
         batches = RowBatches(decode, fits, encoder_for, HandlerMetrics(None, "m"), mailbox_for(loop), deliver)
-        ran = await asyncio.to_thread(batches.run, rows, model)
+        ran, times = await asyncio.to_thread(batches.run, rows, model)
         await asyncio.wait_for(done, 5)
+        assert times is delivered["times"]
         return ran
 
     ran = asyncio.run(main())
