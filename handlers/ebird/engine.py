@@ -133,6 +133,7 @@ class EbirdEngine(Engine):
         # them handed to the lanes and not yet finished: each is decoded, run and answered on its lane.
         self._rows: collections.deque[TakenRow] = collections.deque()
         self._row_jobs: list[Job] = []
+        self._rows_went_last = False  # the latest batch was of rows (``_plan`` alternates the two lines)
         self._row_batches: RowBatches | None = None
         self._cond = threading.Condition()
         self._idle = {w.spec.worker_id: w for w in self.workers}
@@ -225,8 +226,8 @@ class EbirdEngine(Engine):
             self._start(dispatch)
 
     def _plan(self, horizon: list[int]) -> list[tuple[EngineWorker, Job]]:
-        """The batches to start now, taken from the rows taken undecoded if any wait, else from the pool
-        (with ``_cond`` held); [] if none.
+        """The batches to start now, taken from the rows taken undecoded or from the pool, in turns when
+        both have inputs waiting (with ``_cond`` held); [] if none.
 
         ``horizon`` holds the latest arrival a held batch waits for, read the
         first time a batch could grow, so later arrivals do not extend the hold.
@@ -235,8 +236,11 @@ class EbirdEngine(Engine):
         if not self._a_worker_may_start():
             return []
         busy = [w for w in self.workers if w.spec.worker_id not in self._idle]
-        from_rows = bool(self._rows)
-        ready = len(self._rows) if from_rows else self.pool.ready()
+        # Rows and admitted inputs (a message of several requests, TorchServe's own pump) take turns when
+        # both wait, so neither line can hold the other back for good.
+        pool_ready = self.pool.ready()
+        from_rows = bool(self._rows) and not (pool_ready and self._rows_went_last)
+        ready = len(self._rows) if from_rows else pool_ready
         if not ready:
             return []
         arriving = 0
@@ -253,7 +257,10 @@ class EbirdEngine(Engine):
             free_lanes=self._max_running - len(busy),
         )
         dispatch = []
-        for assignment in self.policy.next_batch(state).assignments:
+        assignments = self.policy.next_batch(state).assignments
+        if assignments:
+            self._rows_went_last = from_rows
+        for assignment in assignments:
             if from_rows:
                 job = Job(None, [], [self._rows.popleft() for _ in range(assignment.count)])
                 self._row_jobs.append(job)

@@ -26,6 +26,12 @@ request is a small record moved along by callbacks:
   watch together, and a turn's answers hand their stage times to the
   metrics (``stage_tally.py``) and lower the unanswered count at its end.
 
+Where the handler's engine takes rows (``row_engine``: one input layout,
+decoding and encoding on the CPU lanes), the steps between receipt and
+answer collapse: the burst goes to the engine whole and undecoded, and each
+batch comes back decoded, run and encoded by its lane in one callback
+(``row_intake.py``).  The loop then only records, watches and answers.
+
 What a request sees is what ``handle`` gives it: the same decode errors and
 4xx answers, the same admission order and backpressure, the response
 timeout (one ``Deadlines`` watch), stage metrics, the unanswered count and
@@ -85,7 +91,7 @@ class BurstRequest:
         self.arrival: int | None = None
         self.item: ModelInput | None = None
         self.bind: Callable[[ModelInput], ModelInput] | None = None  # from ``route_request``
-        self.future: Any = None  # the engine's ``TicketFuture`` once admitted
+        self.future: Any = None  # the engine's ``TicketFuture`` once admitted (``TAKEN``: taken undecoded)
         self.finished = False
 
     def done(self) -> bool:

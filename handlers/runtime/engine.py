@@ -293,6 +293,11 @@ class Engine(abc.ABC):
         """Whether ``take_rows`` works: requests handed over undecoded, run by ``RowBatches`` on a lane."""
         return False
 
+    def fits(self, item: ModelInput) -> bool:
+        """Whether ``item`` has this engine's input layout: a row taken undecoded is checked on its lane
+        (``RowBatches``), where an admitted input is checked by ``try_submit``."""
+        raise NotImplementedError(f"{type(self).__name__} takes decoded inputs only")
+
     def take_rows(self, rows: Sequence[Any], batches: Any) -> None:
         """Queue ``rows`` (``row_intake.TakenRow``, in arrival order) to run in batches on the lanes, each
         batch through ``batches.run(rows, forward)`` (a ``row_intake.RowBatches``), which answers every row.
