@@ -17,7 +17,10 @@ finishes, as DVABatch's stages are, so a batch costs no hand-offs through a
 worker thread on the way in or out.  There the policy gets one batch per
 free lane (``ElasticScheduler``'s lane rule), capped by each size's cost per
 input: timed at warm-up, then taken from the batches served
-(``handlers/ebird/batch_costs.py``).
+(``handlers/ebird/batch_costs.py``).  On CPU lanes the handler's bursts also
+come in undecoded (``take_rows``, ``handlers/runtime/row_intake.py``): a
+line of rows that the policy batches by the same rules, each batch decoded,
+run and answered on its lane, with no pool slot or ticket per request.
 """
 
 from __future__ import annotations
@@ -70,7 +73,7 @@ class Job:
     run: Run | None
     tickets: list[Ticket]
     rows: list[TakenRow] = field(default_factory=list)
-    seconds: float = 0.0  # the batch's model call, start to output on the host
+    seconds: float = 0.0  # the batch's gather (pool) or collate (rows) and model call, to output on the host
     ran: int = 0  # of ``rows``, how many the model ran (the others were answered already, or failed to decode)
 
 
@@ -184,9 +187,9 @@ class EbirdEngine(Engine):
     def take_rows(self, rows: Sequence[TakenRow], batches: RowBatches) -> None:
         if not self.takes_rows:
             raise RuntimeError("Ebird takes rows on CPU lanes only")
-        if self._closing:
-            raise ServiceUnavailable("worker is shutting down")
-        with self._cond:
+        with self._cond:  # checked under the lock: ``close`` takes what is left in the line under it too
+            if self._closing:
+                raise ServiceUnavailable("worker is shutting down")
             self._row_batches = batches
             self._rows.extend(rows)
             self._wake_scheduler_if_it_may_act()
