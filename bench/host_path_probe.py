@@ -124,9 +124,11 @@ def without_bookkeeping(handler: Any) -> None:
 
     HandlerMetrics.stages = lambda self, seconds, requests=1: None
     HandlerMetrics.request_admitted = lambda self: None
+    HandlerMetrics.requests_admitted = lambda self, count: None  # requests taken undecoded (``row_intake.py``)
     HandlerMetrics.request_answered = lambda self: None
     HandlerMetrics.requests_answered = lambda self, count: None
     burst.StageTally.add = lambda self, *times: None
+    burst.StageTally.add_taken = lambda self, *times: None
     handler.deadlines_on = lambda loop: NoWatch()
     handler.count_unanswered = lambda change: None
 
