@@ -70,3 +70,13 @@ class ServiceUnavailable(ResponseError):
 
 def bad_request(reason: str) -> RequestError:
     return RequestError(400, reason)
+
+
+def inference_failed(error: BaseException) -> ServiceUnavailable:
+    """The 503 for a request whose batch raised: the model's error, named, in one line."""
+    return ServiceUnavailable(f"inference failed: {type(error).__name__}: {error}")
+
+
+def encode_failed(error: BaseException) -> ServiceUnavailable:
+    """The 503 for a request whose output could not be turned into its answer."""
+    return ServiceUnavailable(f"could not encode the answer: {type(error).__name__}: {error}")

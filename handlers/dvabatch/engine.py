@@ -36,7 +36,7 @@ import torch
 from handlers.codecs import ModelInput, collate
 from handlers.dvabatch.batch_table import BatchEntry, BatchTable
 from handlers.dvabatch.policy import DvaBatchConfig, DvaPolicy
-from handlers.errors import ServiceUnavailable, bad_request
+from handlers.errors import ServiceUnavailable, bad_request, inference_failed
 from handlers.runtime.device import ExecutionDevice
 from handlers.runtime.engine import (
     Engine,
@@ -225,7 +225,7 @@ class DvaBatchEngine(Engine):
             error = future.exception()
             if error is not None:
                 logger.error("stage %d of batch %d failed: %r", stage, batch_id, error)
-                failure = ServiceUnavailable(f"inference failed: {type(error).__name__}: {error}")
+                failure = inference_failed(error)
                 self._states.pop(batch_id, None)
                 answers = [(self.table.drop(batch_id), None, failure)]
             else:

@@ -42,7 +42,7 @@ from handlers.ebird.batch_costs import BatchCosts
 from handlers.ebird.config import EbirdConfig
 from handlers.ebird.pool import InputPool, Run
 from handlers.ebird.scheduler import ElasticScheduler, SchedulerState, WorkerSpec, lane_batch_cap
-from handlers.errors import ServiceUnavailable, bad_request
+from handlers.errors import ServiceUnavailable, bad_request, inference_failed
 from handlers.runtime.arrivals import Arrivals
 from handlers.runtime.cuda_graphs import CapturedBucket, capture
 from handlers.runtime.device import ExecutionDevice
@@ -302,7 +302,7 @@ class EbirdEngine(Engine):
         """A CPU batch's end, on its lane thread (``_timed_execute`` turns model errors into answers)."""
         error = done.exception()
         if error is not None:  # not an Exception (``_timed_execute`` answers those): still answer every ticket
-            failure = ServiceUnavailable(f"inference failed: {type(error).__name__}")
+            failure = inference_failed(error)
             if job.rows:
                 self._row_batches.fail(job.rows, failure)
             self._finish(worker, job, None, failure)
@@ -349,7 +349,7 @@ class EbirdEngine(Engine):
             return self._execute(worker, job.run), None
         except Exception as exc:
             logger.exception("batch of %d on worker %d failed", job.run.count, worker.spec.worker_id)
-            return None, ServiceUnavailable(f"inference failed: {type(exc).__name__}: {exc}")
+            return None, inference_failed(exc)
         finally:
             finished = time.monotonic()
             for ticket in job.tickets:

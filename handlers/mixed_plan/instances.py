@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from handlers.codecs import ModelInput, collate
-from handlers.errors import ServiceUnavailable
+from handlers.errors import ServiceUnavailable, inference_failed
 from handlers.runtime.engine import (
     Engine,
     Ticket,
@@ -183,7 +183,7 @@ class InstancePool:
             error = None
         except Exception as exc:  # this batch fails, the instance serves on
             logger.exception("batch of %d on instance %d failed", len(taken), index)
-            outputs, error = None, ServiceUnavailable(f"inference failed: {type(exc).__name__}: {exc}")
+            outputs, error = None, inference_failed(exc)
         finished = time.monotonic()
         # Recorded before any answer leaves (one 72-byte write): a client that has every answer
         # then reads counters that hold every batch, as the controller's calibration assumes.

@@ -66,7 +66,7 @@ import torch
 from torch import nn
 
 from handlers.codecs import ModelInput, collate
-from handlers.errors import ServiceUnavailable, bad_request
+from handlers.errors import ServiceUnavailable, bad_request, inference_failed
 from handlers.reef.config import BEST_EFFORT, PRIORITIES, REALTIME, ReefConfig
 from handlers.reef.preemption import Preemption, PreemptionGate
 from handlers.runtime.device import ExecutionDevice
@@ -430,7 +430,7 @@ class ReefEngine(Engine):
             error = None
         except Exception as exc:  # this batch fails, the executor serves on
             logger.exception("a %d-request batch failed", len(batch))
-            output, error = None, ServiceUnavailable(f"inference failed: {type(exc).__name__}: {exc}")
+            output, error = None, inference_failed(exc)
         finished = time.monotonic()
         self.metrics.batch_finished(finished - started)
         for ticket in tickets:

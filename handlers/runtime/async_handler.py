@@ -50,7 +50,7 @@ from handlers.codecs import (
     encode_outputs,
     is_describe,
 )
-from handlers.errors import ResponseError, ServiceUnavailable, bad_request
+from handlers.errors import ResponseError, ServiceUnavailable, bad_request, inference_failed
 from handlers.pinning.worker import PackratWorkerMixin
 from handlers.runtime import worker_pump
 from handlers.runtime.admission import Admission
@@ -414,7 +414,7 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
             answer = err
         except Exception as exc:  # a bug or a device fault: this request fails, the worker serves on
             logger.exception("request %d failed", index)
-            answer = ServiceUnavailable(f"inference failed: {type(exc).__name__}: {exc}")
+            answer = inference_failed(exc)
         finally:
             if arrival is not None:
                 self.arrivals.leave(arrival)  # refused before admission: a held batch need not wait for it

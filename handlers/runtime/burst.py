@@ -50,7 +50,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from handlers.codecs import ModelInput, is_describe
-from handlers.errors import ResponseError, ServiceUnavailable
+from handlers.errors import ResponseError, ServiceUnavailable, inference_failed
 from handlers.runtime.admission import FULL_FOR_THE_TIMEOUT
 from handlers.runtime.loop_mailbox import mailbox_for
 from handlers.runtime.row_intake import BatchTimes, RowBatches
@@ -281,7 +281,7 @@ class BurstServer:
         if error is not None:
             if not isinstance(error, ResponseError):  # a bug or a device fault: this request fails
                 logger.error("request failed", exc_info=error)
-                error = ServiceUnavailable(f"inference failed: {type(error).__name__}: {error}")
+                error = inference_failed(error)
             request_id = (getattr(request.context, "request_ids", None) or {}).get(0)
             logger.info("request %s answered %d: %s", request_id, error.status, error.reason)
             answer = error.answer(request.context, 0)
@@ -312,7 +312,7 @@ class BurstServer:
             answers = await self.handler.handle(data, context)
         except Exception as exc:  # ``handle`` answers every failure itself; this is a bug
             logger.exception("handle failed")
-            failure = ServiceUnavailable(f"inference failed: {type(exc).__name__}: {exc}")
+            failure = inference_failed(exc)
             answers = [failure.answer(context, i) for i in range(len(data))]
         done(index, answers)
 

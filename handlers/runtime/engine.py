@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from handlers.codecs import ModelInput
-from handlers.errors import ServiceUnavailable
+from handlers.errors import ServiceUnavailable, encode_failed
 from handlers.runtime.loop_mailbox import one_wakeup
 
 logger = logging.getLogger(__name__)
@@ -81,6 +81,45 @@ class RowsEncoder:
 
     def __call__(self, row: torch.Tensor) -> Any:
         return self.encode_rows(row.unsqueeze(0))[0]
+
+
+@dataclass
+class EncodedGroup:
+    """The answers of a batch's rows that share one ``RowsEncoder``, encoded in one call."""
+
+    positions: list[int]  # the rows' positions in the batch, in order
+    answers: list[Any] | None  # one per position; None where ``error`` is set
+    error: ServiceUnavailable | None
+    seconds_per_row: float
+
+
+def encode_together(encoders: Sequence[Any], outputs: torch.Tensor) -> tuple[list[int], list[EncodedGroup]]:
+    """Encode a batch's output rows, one call per ``RowsEncoder``, the batch's torch work once.
+
+    ``encoders[i]`` is row i's; a row whose encoder is not a ``RowsEncoder``
+    (an Open Inference Protocol request, a subclass's ``postprocess``, or
+    None) is left to its caller: its position comes back in the first list,
+    to encode on its own.  A group whose call raises fails as a whole with
+    a 503, logged once; the batch's other rows are unaffected.
+    """
+    alone: list[int] = []
+    shared: dict[int, tuple[RowsEncoder, list[int]]] = {}
+    for position, encode in enumerate(encoders):
+        if isinstance(encode, RowsEncoder):
+            shared.setdefault(id(encode), (encode, []))[1].append(position)
+        else:
+            alone.append(position)
+    groups = []
+    for encoder, positions in shared.values():
+        started = time.monotonic()
+        try:
+            rows = outputs if len(positions) == len(encoders) else outputs[positions]
+            answers, error = encoder.encode_rows(rows), None
+        except Exception as exc:  # these requests fail, the engine serves on
+            logger.exception("encoding %d answers of a batch failed", len(positions))
+            answers, error = None, encode_failed(exc)
+        groups.append(EncodedGroup(positions, answers, error, (time.monotonic() - started) / len(positions)))
+    return alone, groups
 
 
 class TicketFuture:
@@ -206,7 +245,7 @@ class Ticket:
                 self.future.encoded = True
             except Exception as exc:  # this request fails, the engine serves on
                 logger.exception("encoding an answer failed")
-                error = ServiceUnavailable(f"could not encode the answer: {type(exc).__name__}: {exc}")
+                error = encode_failed(exc)
             self.times.encode_seconds = time.monotonic() - started
         return self._answer(result, error)
 
@@ -245,26 +284,17 @@ def _settle_batch(tickets: Sequence[Ticket], outputs: Any, error: BaseException 
         for ticket in tickets:
             ticket.settle(error=failure)
         return
-    together: dict[int, tuple[RowsEncoder, list[int]]] = {}
-    for i, ticket in enumerate(tickets):
-        encode = ticket.future.encode
-        if isinstance(encode, RowsEncoder) and not ticket.future.done():
-            together.setdefault(id(encode), (encode, []))[1].append(i)
-        else:
-            ticket.settle(result=outputs[i])
-    for encoder, indices in together.values():
-        started = time.monotonic()
-        try:
-            answers = encoder.encode_rows(outputs if len(indices) == len(tickets) else outputs[indices])
-        except Exception as exc:  # these requests fail, the engine serves on
-            logger.exception("encoding a batch's answers failed")
-            failure = ServiceUnavailable(f"could not encode the answer: {type(exc).__name__}: {exc}")
-            for i in indices:
-                tickets[i].settle(error=failure)
+    encoders = [None if ticket.future.done() else ticket.future.encode for ticket in tickets]
+    alone, groups = encode_together(encoders, outputs)
+    for i in alone:
+        tickets[i].settle(result=outputs[i])
+    for group in groups:
+        if group.error is not None:
+            for i in group.positions:
+                tickets[i].settle(error=group.error)
             continue
-        share = (time.monotonic() - started) / len(indices)
-        for i, answer in zip(indices, answers, strict=True):
-            tickets[i].settle_encoded(answer, share)
+        for i, answer in zip(group.positions, group.answers, strict=True):
+            tickets[i].settle_encoded(answer, group.seconds_per_row)
 
 
 class Engine(abc.ABC):

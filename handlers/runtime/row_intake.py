@@ -31,13 +31,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
 from handlers.codecs import ModelInput, collate
-from handlers.errors import ServiceUnavailable, bad_request
-from handlers.runtime.engine import RowsEncoder
+from handlers.errors import bad_request, encode_failed, inference_failed
+from handlers.runtime.engine import encode_together
 from handlers.runtime.loop_mailbox import LoopMailbox
 from handlers.runtime.metrics import HandlerMetrics
 
@@ -66,6 +67,16 @@ class BatchTimes:
         self.finished = taken  # its output was on the host
         self.settled = taken  # its answers were encoded and posted to the loop
         self.encode_seconds = 0.0  # of which encoding, per request
+
+
+@dataclass
+class DecodedRows:
+    """A batch of taken rows after its decode: the inputs of the rows kept, and the others' errors."""
+
+    times: BatchTimes
+    items: list[ModelInput] = field(default_factory=list)
+    kept: list[int] = field(default_factory=list)  # the index in the batch of each of ``items``
+    errors: dict[int, BaseException] = field(default_factory=dict)  # by index in the batch
 
 
 # What one batch hands back to the loop: its rows, each one's answer (None where it has an error or was
@@ -107,11 +118,25 @@ class RowBatches:
         reads.  Never raises: a failure is the answer of the rows it
         concerns, and every row gets one.
         """
-        times = BatchTimes(time.monotonic())
+        decoded = self.decode_rows(rows)
+        items, kept, errors, times = decoded.items, decoded.kept, decoded.errors, decoded.times
         answers: list[Any] = [None] * len(rows)
-        errors: dict[int, BaseException] = {}
-        items: list[ModelInput] = []
-        kept: list[int] = []
+        try:
+            if items:
+                self._run_model(rows, items, kept, answers, errors, times, forward)
+        except Exception as exc:  # not the model's (those are answered in ``_run_model``): still answer every row
+            logger.exception("a batch of %d rows failed", len(items))
+            failure = inference_failed(exc)
+            for index in kept:
+                answers[index] = None
+                errors[index] = failure
+        self.post(rows, answers, errors, times)
+        return len(items), times
+
+    def decode_rows(self, rows: Sequence[TakenRow]) -> DecodedRows:
+        """Decode ``rows`` on this (lane) thread: the inputs of those not answered already and of this
+        engine's layout, in order; each other row's own error (its 4xx, or a 503 for a codec bug)."""
+        decoded = DecodedRows(BatchTimes(time.monotonic()))
         for index, request in enumerate(rows):
             if request.finished:  # answered 503 at its deadline while it waited in the line
                 continue
@@ -120,24 +145,31 @@ class RowBatches:
                 if not self.fits(item):
                     shapes = [list(shape) for shape in item.shapes]
                     raise bad_request(f"input shape {shapes} is not one this archive declares")
-            except Exception as exc:  # its own 4xx (or 503 for a codec bug), on the loop
-                errors[index] = exc
+            except Exception as exc:  # its own 4xx, answered on the loop
+                decoded.errors[index] = exc
                 continue
-            items.append(item)
-            kept.append(index)
-        times.decoded = time.monotonic()
-        try:
-            if items:
-                self._run_model(rows, items, kept, answers, errors, times, forward)
-        except Exception as exc:  # not the model's (those are answered in ``_run_model``): still answer every row
-            logger.exception("a batch of %d rows failed", len(items))
-            failure = ServiceUnavailable(f"inference failed: {type(exc).__name__}: {exc}")
-            for index in kept:
-                answers[index] = None
-                errors[index] = failure
+            decoded.items.append(item)
+            decoded.kept.append(index)
+        decoded.times.decoded = time.monotonic()
+        return decoded
+
+    def answer(
+        self, rows: Sequence[TakenRow], encoders: Sequence[Any], outputs: torch.Tensor, times: BatchTimes
+    ) -> None:
+        """Encode the answers of ``rows`` (row i's output is ``outputs[i]``, its encoder ``encoders[i]``)
+        on this thread and post them to the loop: an engine that ran them in its own batches."""
+        answers: list[Any] = [None] * len(rows)
+        errors: dict[int, BaseException] = {}
+        self._encode(encoders, list(range(len(rows))), outputs, answers, errors)
+        times.encode_seconds = (time.monotonic() - times.finished) / max(len(rows), 1)
+        self.post(rows, answers, errors, times)
+
+    def post(
+        self, rows: Sequence[TakenRow], answers: list[Any], errors: dict[int, BaseException], times: BatchTimes
+    ) -> None:
+        """Hand ``rows``' answers (or their errors, by index) to the loop in one callback."""
         times.settled = time.monotonic()
         self.mailbox.post(lambda: self.deliver(rows, answers, errors, times))
-        return len(items), times
 
     def fail(self, rows: Sequence[TakenRow], error: BaseException) -> None:
         """Answer ``rows`` with ``error`` (a closing engine's leftovers), on the loop."""
@@ -160,19 +192,19 @@ class RowBatches:
             outputs = forward(collate(items))
         except Exception as exc:  # this batch's requests fail, the engine serves on
             logger.exception("a batch of %d failed", len(items))
-            failure = ServiceUnavailable(f"inference failed: {type(exc).__name__}: {exc}")
+            failure = inference_failed(exc)
             for index in kept:
                 errors[index] = failure
             return
         finally:
             times.finished = time.monotonic()
             self.metrics.batch_finished(times.finished - times.decoded)
-        self._encode(items, kept, outputs, answers, errors)
+        self._encode([self.encoder_for(item) for item in items], kept, outputs, answers, errors)
         times.encode_seconds = (time.monotonic() - times.finished) / len(items)
 
     def _encode(
         self,
-        items: list[ModelInput],
+        encoders: list[Any],
         kept: list[int],
         outputs: torch.Tensor,
         answers: list[Any],
@@ -180,31 +212,16 @@ class RowBatches:
     ) -> None:
         """Each kept row's answer: the rows in the handler's own JSON in one call (``RowsEncoder``), any
         other row (an Open Inference Protocol request, a subclass's ``postprocess``) by its own encoder."""
-        together: list[int] = []
-        rows_encoder: RowsEncoder | None = None
-        for position, (index, item) in enumerate(zip(kept, items, strict=True)):
-            encode = self.encoder_for(item)
-            if isinstance(encode, RowsEncoder):
-                rows_encoder = encode
-                together.append(position)
-                continue
+        alone, groups = encode_together(encoders, outputs)
+        for position in alone:
             try:
-                answers[index] = encode(outputs[position])
+                answers[kept[position]] = encoders[position](outputs[position])
             except Exception as exc:
-                errors[index] = _encoding_failed(exc)
-        if not together:
-            return
-        try:
-            encoded = rows_encoder.encode_rows(outputs if len(together) == len(items) else outputs[together])
-        except Exception as exc:
-            failure = _encoding_failed(exc)
-            for position in together:
-                errors[kept[position]] = failure
-            return
-        for position, answer in zip(together, encoded, strict=True):
-            answers[kept[position]] = answer
-
-
-def _encoding_failed(error: Exception) -> ServiceUnavailable:
-    logger.error("encoding an answer failed", exc_info=error)
-    return ServiceUnavailable(f"could not encode the answer: {type(error).__name__}: {error}")
+                logger.error("encoding an answer failed", exc_info=exc)
+                errors[kept[position]] = encode_failed(exc)
+        for group in groups:
+            if group.error is not None:
+                errors.update((kept[position], group.error) for position in group.positions)
+                continue
+            for position, answer in zip(group.positions, group.answers, strict=True):
+                answers[kept[position]] = answer

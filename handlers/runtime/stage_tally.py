@@ -73,9 +73,7 @@ class StageTally:
         admission = admitted - decoded
         sums[0] += decode if decode > 0.0 else 0.0
         sums[1] += admission if admission > 0.0 else 0.0
-        if not self._due:
-            self._due = True
-            self.loop.call_soon(self.flush)
+        self._flush_soon()
 
     def add_taken(self, received: float, times: BatchTimes, woken: float, answered: float) -> None:
         """One request taken undecoded (``row_intake.py``): ``queue`` from receipt to its batch's start,
@@ -92,6 +90,10 @@ class StageTally:
         sums[5] += wakeup if wakeup > 0.0 else 0.0
         sums[6] += encode if encode > 0.0 else 0.0
         self._timed_count += 1
+        self._flush_soon()
+
+    def _flush_soon(self) -> None:
+        """Queue one flush on the loop for everything added before it runs."""
         if not self._due:
             self._due = True
             self.loop.call_soon(self.flush)
