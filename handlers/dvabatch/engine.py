@@ -29,6 +29,7 @@ import logging
 import threading
 import time
 from collections import Counter, deque
+from collections.abc import Sequence
 from concurrent.futures import Future
 
 import torch
@@ -50,6 +51,7 @@ from handlers.runtime.engine import (
 )
 from handlers.runtime.lanes import CpuLanes
 from handlers.runtime.metrics import HandlerMetrics
+from handlers.runtime.row_intake import BatchTimes, RowBatches, TakenRow, TakenTicket, answer_taken
 from handlers.runtime.segment_profile import SegmentProfile
 from handlers.runtime.segments import SegmentedModel, State, merge_states, split_state
 from handlers.runtime.stage_programs import StagePrograms, bucket_sizes
@@ -123,6 +125,30 @@ class DvaBatchEngine(Engine):
                 # only hand it the GIL to find nothing to run.
                 self._cond.notify_all()
         return ticket.future
+
+    # -- requests taken undecoded (the handler's ``RowLine``, on a lane) -------------
+
+    @property
+    def takes_decoded_rows(self) -> bool:
+        """On CPU lanes: rows come decoded in one call per burst and leave encoded in one callback per
+        batch (``handlers/runtime/row_line.py``); no future or loop hop per request."""
+        return self._lanes is not None
+
+    def fits(self, item: ModelInput) -> bool:
+        return self._row_layout.fits(item)
+
+    def take_decoded(
+        self, rows: Sequence[TakenRow], items: Sequence[ModelInput], batches: RowBatches, times: BatchTimes
+    ) -> None:
+        with self._cond:  # checked under the lock, as ``close`` counts what is outstanding under it
+            if self._closing:
+                raise ServiceUnavailable("worker is shutting down")
+            for request, item in zip(rows, items, strict=True):
+                ticket = TakenTicket(request, batches, batches.encoder_for(item), times)
+                self._outstanding.add(ticket)
+                self._pending.append((ticket, item))
+            if not self._busy[0]:  # as ``try_submit``: a busy first stage places them where it ends
+                self._cond.notify_all()
 
     # -- the loop: place newcomers, dispatch free stages ------------------------------
 
@@ -249,9 +275,24 @@ class DvaBatchEngine(Engine):
         for tickets, output, err in answers:
             for ticket in tickets:
                 ticket.times.finished = finished
-            settle_batch(tickets, output, err)  # the batch's answers encoded in one call
+            self._answer(tickets, output, err)
         if answers:
             self._notify_space()
+
+    @staticmethod
+    def _answer(tickets: list[Ticket | TakenTicket], output: torch.Tensor | None, error: BaseException | None) -> None:
+        """A finished (or failed) batch's answers, encoded in one call per encoder: admitted requests
+        through their futures, rows taken undecoded in one callback (``answer_taken``)."""
+        taken = [i for i, ticket in enumerate(tickets) if type(ticket) is TakenTicket]
+        if not taken:
+            settle_batch(tickets, output, error)
+            return
+        if len(taken) == len(tickets):
+            answer_taken(tickets, output, error)
+            return
+        admitted = [i for i, ticket in enumerate(tickets) if type(ticket) is not TakenTicket]
+        settle_batch([tickets[i] for i in admitted], None if output is None else output[admitted], error)
+        answer_taken([tickets[i] for i in taken], None if output is None else output[taken], error)
 
     def _collect_finished(self) -> list[tuple[list[Ticket], torch.Tensor | None, BaseException | None]]:
         answers = []

@@ -73,6 +73,7 @@ from handlers.runtime.lanes import CpuLanes
 from handlers.runtime.loop_mailbox import mailbox_for
 from handlers.runtime.metrics import HandlerMetrics
 from handlers.runtime.model_loading import load_model
+from handlers.runtime.row_line import RowLine
 from model_store.catalog import ModelSpec
 
 logger = logging.getLogger(__name__)
@@ -144,6 +145,7 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
         self._admissions: dict[tuple[int, Any], Admission] = {}
         self._rows_encoder = RowsEncoder(self.postprocess_rows)
         self._deadlines: dict[int, Deadlines] = {}  # per event loop, as ``_admissions``
+        self._row_line: RowLine | None = None  # taken rows for several engines (``row_engine``)
         self._burst: BurstServer | _ThroughHandle | None = None  # ``serve_burst``'s path, chosen at its first call
 
     # -- hooks ---------------------------------------------------------------
@@ -358,20 +360,31 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
                 self._burst = _ThroughHandle(self)
         self._burst.serve(calls, done)
 
-    def row_engine(self) -> Engine | None:
-        """The engine that takes bursts undecoded (``row_intake.py``), or None for decode, then admission.
+    def row_engine(self) -> Engine | RowLine | None:
+        """What takes bursts undecoded (``row_intake.py``), or None for decode, then admission.
 
-        Only where a request's engine is known before its decode and its
-        decode and encode already run on the lanes: one engine (one input
-        layout), decoding on the CPU lanes, answers encoded there, and an
-        engine that takes rows.  Elsewhere the layout picks the engine after
-        the decode, or the decode runs off the lanes (decode threads, nvJPEG)
-        on purpose.
+        Only where decode and encode already run on the CPU lanes (decoding
+        off them, on decode threads or nvJPEG, is a choice this keeps).  One
+        engine that takes rows takes them itself; engines that each take
+        decoded rows (several input layouts: the layout picks the engine after
+        the decode) share a ``RowLine`` that decodes on a lane and hands each
+        engine its rows (``row_line.py``).
         """
-        if len(self.engines) != 1 or not isinstance(self.decoder, RequestDecoder) or not self.decoder.on_lanes:
+        if not isinstance(self.decoder, RequestDecoder) or not self.decoder.on_lanes or not self.encode_on_engine:
             return None
-        engine = next(iter(self.engines.values()))
-        return engine if self.encode_on_engine and engine.takes_rows else None
+        engines = list(self.engines.values())
+        if len(engines) == 1 and engines[0].takes_rows:
+            return engines[0]
+        if engines and self.lanes is not None and all(engine.takes_decoded_rows for engine in engines):
+            if self._row_line is None:
+                self._row_line = RowLine(self._engine_taking, self.lanes)
+            return self._row_line
+        return None
+
+    def _engine_taking(self, item: ModelInput) -> Engine | None:
+        """The engine a decoded row goes to: its layout's, if that engine fits it."""
+        engine = self.engines.get(self.engine_key(item))
+        return engine if engine is not None and engine.fits(item) else None
 
     def _takes_bursts(self) -> bool:
         return (
@@ -481,6 +494,8 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
         """Finish admitted requests (up to ``timeout_s``), answer the rest with 503, stop engine threads."""
         started = time.monotonic()
         self.closing = True
+        if self._row_line is not None:  # first: what it holds is handed to the engines, which finish it
+            self._row_line.close(timeout_s)
         for engine in self.engines.values():
             engine.close(max(timeout_s - (time.monotonic() - started), 0.0))
         if self.decoder is not None:

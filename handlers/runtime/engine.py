@@ -336,6 +336,21 @@ class Engine(abc.ABC):
         """
         raise NotImplementedError(f"{type(self).__name__} takes decoded inputs only")
 
+    @property
+    def takes_decoded_rows(self) -> bool:
+        """Whether ``take_decoded`` works: taken rows decoded on a lane by the handler's ``RowLine``
+        (``row_line.py``, for a handler with several engines), handed over in one call per layout."""
+        return False
+
+    def take_decoded(self, rows: Sequence[Any], items: Sequence[ModelInput], batches: Any, times: Any) -> None:
+        """Admit ``items`` (the decoded inputs of ``rows``, ``row_intake.TakenRow``, that ``fits`` this
+        engine) in one call, past the in-flight bound as taken rows are, and answer each through
+        ``row_intake.answer_taken`` (``batches``: their ``RowBatches``; ``times``: their decode's).
+
+        Raises ``ServiceUnavailable`` once closing.  Called on a lane.
+        """
+        raise NotImplementedError(f"{type(self).__name__} takes decoded inputs through admission only")
+
     def on_space(self, listener: Callable[[], None]) -> None:
         """Call ``listener`` (from any thread) whenever room for new inputs may have appeared."""
         self._space_listeners.append(listener)

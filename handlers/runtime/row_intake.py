@@ -37,8 +37,8 @@ from typing import Any, Protocol
 import torch
 
 from handlers.codecs import ModelInput, collate
-from handlers.errors import bad_request, encode_failed, inference_failed
-from handlers.runtime.engine import encode_together
+from handlers.errors import ServiceUnavailable, bad_request, encode_failed, inference_failed
+from handlers.runtime.engine import StageTimes, encode_together
 from handlers.runtime.loop_mailbox import LoopMailbox
 from handlers.runtime.metrics import HandlerMetrics
 
@@ -225,3 +225,51 @@ class RowBatches:
                 continue
             for position, answer in zip(group.positions, group.answers, strict=True):
                 answers[kept[position]] = answer
+
+
+class TakenTicket:
+    """A taken row, decoded, in an engine that tracks each request as a ticket (DVABatch's batch table).
+
+    It stands where the engine's ``Ticket`` would: ``times`` for the
+    engine's stage points, ``arrived`` for its queue metrics.  Its answer is
+    not a future's: ``answer_taken`` encodes a finished batch's taken rows on
+    the engine's thread and posts them to the loop in one callback, as
+    ``RowBatches.run`` does for an engine that runs a batch in one call.
+    """
+
+    __slots__ = ("request", "batches", "encode", "decode_times", "times")
+
+    def __init__(self, request: TakenRow, batches: RowBatches, encode: Any, decode_times: BatchTimes) -> None:
+        self.request = request
+        self.batches = batches
+        self.encode = encode
+        self.decode_times = decode_times  # its decode job's (shared with the rows decoded with it)
+        self.times = StageTimes(request.received)
+
+    @property
+    def arrived(self) -> float:
+        return self.times.arrived
+
+    def settle(self, result: Any = None, error: BaseException | None = None) -> bool:
+        """A closing engine's 503 (``fail_unanswered``); answers go through ``answer_taken``."""
+        self.batches.fail([self.request], error or ServiceUnavailable("the request was dropped from its batch"))
+        return True
+
+
+def answer_taken(tickets: Sequence[TakenTicket], outputs: torch.Tensor | None, error: BaseException | None) -> None:
+    """Answer the taken rows of one finished batch (``outputs[i]`` is ``tickets[i]``'s), or fail them all
+    with ``error``: encoded on this thread, one call per encoder, and posted to the loop in one callback."""
+    groups: dict[int, list[int]] = {}
+    for position, ticket in enumerate(tickets):
+        groups.setdefault(id(ticket.batches), []).append(position)
+    for positions in groups.values():
+        batches = tickets[positions[0]].batches
+        rows = [tickets[p].request for p in positions]
+        if error is not None or outputs is None:
+            batches.fail(rows, error or ServiceUnavailable("inference produced no output"))
+            continue
+        times = BatchTimes(min(tickets[p].decode_times.taken for p in positions))
+        times.decoded = max(tickets[p].decode_times.decoded for p in positions)
+        times.finished = tickets[positions[0]].times.finished or time.monotonic()
+        ran = outputs if len(positions) == len(tickets) else outputs[positions]
+        batches.answer(rows, [tickets[p].encode for p in positions], ran, times)

@@ -37,11 +37,12 @@ from handlers.dvabatch.handler import DvaBatchHandler
 from handlers.ebird.handler import EbirdHandler
 from handlers.reef.handler import ENGINE_KEY, ReefHandler
 from handlers.runtime.burst import BurstServer
+from handlers.runtime.row_line import RowLine
 from model_store.catalog import get_spec
-from model_store.samples import request_body
+from model_store.samples import request_body, token_ids_json
 
 SPEC = get_spec("bert-tiny1", "eager")
-HANDLERS = ("ebird", "ebird-layouts", "dvabatch")
+HANDLERS = ("ebird", "ebird-layouts", "dvabatch", "dvabatch-inline")
 
 
 @pytest.fixture(scope="module")
@@ -67,10 +68,11 @@ def make_handler(model_dir, keep_handlers):
                 handler_settings=tuple(sorted(settings.items())),
             )
             handler = EbirdHandler()
-        else:
+        else:  # "dvabatch": rows taken undecoded through its ``RowLine``; "dvabatch-inline": admission
             options = ServingOptions(
                 handler="dvabatch",
                 token_lengths=dvabatch_token_lengths(SPEC, "auto"),
+                decode_threads=0 if kind == "dvabatch-inline" else None,
                 handler_settings=tuple(sorted(settings.items())),
             )
             handler = DvaBatchHandler()
@@ -124,6 +126,9 @@ def assert_same(got: list[tuple[int, object]], expected: list[tuple[int, object]
     padding, the reduction order); DVABatch's rows differed from their lone runs by 1.2e-5 on CI."""
     assert [status for status, _ in got] == [status for status, _ in expected]
     for (_, answer), (_, want) in zip(got, expected, strict=True):
+        if isinstance(want, str):  # an error's body: the same reason
+            assert json.loads(answer)["message"] == json.loads(want)["message"]
+            continue
         if "logits" not in want:  # GPT-2's 50k next-token logits: only its top-5 travels
             assert [t["index"] for t in answer["top5"]] == [t["index"] for t in want["top5"]]
             answer, want = (
@@ -152,7 +157,7 @@ def test_a_burst_answers_each_message_as_handle_does_and_a_bad_request_alone_fai
 
 @pytest.mark.parametrize("kind", HANDLERS)
 def test_a_bursts_answers_lower_the_unanswered_count_once_per_turn_not_once_per_request(make_handler, kind):
-    handler, load = make_handler(kind, max_batch=16) if kind == "dvabatch" else make_handler(kind)
+    handler, load = make_handler(kind, max_batch=16) if kind.startswith("dvabatch") else make_handler(kind)
     published: list[int] = []
     handler.unanswered_changed = published.append
     answers = burst(handler, load, [[row] for row in rows(16)] + [[{"body": b"{not json"}]])
@@ -165,7 +170,7 @@ def test_a_bursts_answers_lower_the_unanswered_count_once_per_turn_not_once_per_
 
 SMALL_ENGINES = [
     ("ebird-layouts", {"pool_slots": 4, "worker_batches": [1, 2, 4]}),
-    ("dvabatch", {"max_inflight": 2, "max_batch": 2}),
+    ("dvabatch-inline", {"max_inflight": 2, "max_batch": 2}),
 ]
 
 
@@ -214,6 +219,54 @@ def test_requests_taken_undecoded_and_unanswered_when_their_engine_closes_get_a_
     assert handler._burst.row_engine is engine
     messages = [json.loads(body)["message"] for [(status, body)] in answers if status == 503]
     assert len(messages) == 40 and all("shut down" in m for m in messages), answers
+    assert handler.unanswered == 0 and handler.metrics.inflight == 0
+
+
+def test_dvabatch_takes_a_burst_through_its_row_line_each_length_to_its_engine_and_a_bad_request_alone_fails(
+    make_handler,
+):
+    """Several engines (one per token length): the burst is decoded on a lane and handed to each engine
+    in one call (``row_line.py``), nothing is admitted one by one, and every answer is ``handle``'s."""
+    handler, load = make_handler("dvabatch", max_batch=8)
+    assert len(handler.engines) > 1
+    good = rows(24)
+    too_long = {"body": request_body(token_ids_json(SPEC, SPEC.seq_len + 8, seed=3))}
+    sent = [*good[:10], {"body": b"{not json"}, too_long, *good[10:]]
+    expected = [asyncio.run(call(handler, load, row)) for row in sent]
+    assert [status for status, _ in expected].count(200) == 24 and expected[10][0] == 400
+    handed: dict[int, int] = {}
+    admitted: list[object] = []
+    for key, engine in handler.engines.items():
+
+        def take_decoded(taken, items, batches, times, take=engine.take_decoded, key=key):
+            handed[key] = handed.get(key, 0) + len(items)
+            take(taken, items, batches, times)
+
+        def try_submit(item, submit=engine.try_submit):
+            admitted.append(item)
+            return submit(item)
+
+        engine.take_decoded, engine.try_submit = take_decoded, try_submit
+    answers = burst(handler, load, [[row] for row in sent])
+    assert isinstance(handler._burst.row_engine, RowLine)
+    assert_same([answer[0] for answer in answers], expected)
+    assert admitted == [] and sum(handed.values()) == 24 and len(handed) > 1, handed
+    assert handler.unanswered == 0 and handler.metrics.inflight == 0
+
+
+def test_dvabatch_rows_still_in_its_row_line_when_the_handler_closes_get_a_503_each_once(make_handler):
+    handler, load = make_handler("dvabatch")
+    release = block_every_lane(handler)  # the line's hand-over job cannot start
+    closing = threading.Timer(0.2, handler.close, kwargs={"timeout_s": 0.2})
+    closing.start()
+    try:
+        answers = burst(handler, load, [[row] for row in rows(12)], then=release.set)
+    finally:
+        release.set()
+        closing.join()
+    assert isinstance(handler._burst.row_engine, RowLine)
+    messages = [json.loads(body)["message"] for [(status, body)] in answers if status == 503]
+    assert len(messages) == 12 and all("shut down" in m for m in messages), answers
     assert handler.unanswered == 0 and handler.metrics.inflight == 0
 
 
@@ -397,10 +450,17 @@ def count_submissions(handler) -> list[object]:
                 take(taken, batches)
 
             engine.take_rows = take_rows
+        if engine.takes_decoded_rows:
+
+            def take_decoded(taken, items, batches, times, take=engine.take_decoded):
+                reached.extend(items)
+                take(taken, items, batches, times)
+
+            engine.take_decoded = take_decoded
     return reached
 
 
-@pytest.mark.parametrize("kind", HANDLERS)
+@pytest.mark.parametrize("kind", ["ebird", "ebird-layouts", "dvabatch"])  # those decoding on the lanes
 def test_the_response_timeout_counts_from_receipt_and_answers_a_request_still_decoding(make_handler, kind):
     """A request whose decode outlasts the response timeout (here: every lane busy, so its decode job
     waits) is answered 503 at its deadline, by the burst path and by ``handle`` alike, not once its
