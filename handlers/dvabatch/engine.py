@@ -157,7 +157,7 @@ class DvaBatchEngine(Engine):
         runnable is planned and launched where it ended (``_stage_done``)."""
         while True:
             with self._cond:
-                while not self._stopping and not self._pending and not self._dispatchable():
+                while not self._stopping and not self._placeable() and not self._dispatchable():
                     self._cond.wait()
                 if self._stopping:
                     return
@@ -169,6 +169,10 @@ class DvaBatchEngine(Engine):
         """Place the newcomers, then take the stage runs that may start now (``_cond`` held)."""
         self._place_pending()
         return self._dispatch()
+
+    def _placeable(self) -> bool:
+        """Newcomers wait, and the table has room for one (``_place_pending``)."""
+        return bool(self._pending) and len(self._outstanding) - len(self._pending) < self.config.max_inflight
 
     def _dispatchable(self) -> bool:
         return any(self._runnable(stage) for stage in range(len(self.sliced)))
@@ -184,9 +188,26 @@ class DvaBatchEngine(Engine):
         self.metrics.operation(operation)
 
     def _place_pending(self) -> None:
+        """Place newcomers in the table, no more than ``max_inflight`` in it at once.
+
+        Admitted requests never exceed the bound (``try_submit``), but rows
+        taken undecoded come in whole bursts (``take_decoded``): past the
+        bound they wait here, in order, as admitted requests wait in their
+        admission line, and a row answered at its deadline meanwhile leaves
+        without running.  An unbounded table would cost every placement and
+        dispatch a scan of thousands of entries under overload.
+        """
         now = time.monotonic()
-        while self._pending:
-            placement = self.policy.place(self.table, len(self._pending), now)
+        pending = self._pending
+        room = self.config.max_inflight - (len(self._outstanding) - len(pending))
+        while pending and room > 0:
+            head = pending[0][0]
+            if type(head) is TakenTicket and head.request.finished:  # answered 503 at its deadline
+                pending.popleft()
+                self._outstanding.discard(head)
+                continue
+            placement = self.policy.place(self.table, min(len(pending), room), now)
+            room -= placement.count
             items = [self._pending.popleft() for _ in range(placement.count)]
             tickets = [t for t, _ in items]
             inputs = self.sliced.start(*(t.to(self.device.device) for t in collate([i for _, i in items])))

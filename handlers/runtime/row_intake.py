@@ -258,18 +258,19 @@ class TakenTicket:
 
 def answer_taken(tickets: Sequence[TakenTicket], outputs: torch.Tensor | None, error: BaseException | None) -> None:
     """Answer the taken rows of one finished batch (``outputs[i]`` is ``tickets[i]``'s), or fail them all
-    with ``error``: encoded on this thread, one call per encoder, and posted to the loop in one callback."""
+    with ``error``: encoded on this thread, one call per encoder, and posted to the loop in one callback
+    per decode job the batch's rows came from (each with that job's times: one batch may merge several)."""
     groups: dict[int, list[int]] = {}
     for position, ticket in enumerate(tickets):
-        groups.setdefault(id(ticket.batches), []).append(position)
+        groups.setdefault(id(ticket.decode_times), []).append(position)
     for positions in groups.values():
-        batches = tickets[positions[0]].batches
+        first = tickets[positions[0]]
         rows = [tickets[p].request for p in positions]
         if error is not None or outputs is None:
-            batches.fail(rows, error or ServiceUnavailable("inference produced no output"))
+            first.batches.fail(rows, error or ServiceUnavailable("inference produced no output"))
             continue
-        times = BatchTimes(min(tickets[p].decode_times.taken for p in positions))
-        times.decoded = max(tickets[p].decode_times.decoded for p in positions)
-        times.finished = tickets[positions[0]].times.finished or time.monotonic()
+        times = BatchTimes(first.decode_times.taken)
+        times.decoded = first.decode_times.decoded
+        times.finished = first.times.finished or time.monotonic()
         ran = outputs if len(positions) == len(tickets) else outputs[positions]
-        batches.answer(rows, [tickets[p].encode for p in positions], ran, times)
+        first.batches.answer(rows, [tickets[p].encode for p in positions], ran, times)

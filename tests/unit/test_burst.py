@@ -254,6 +254,28 @@ def test_dvabatch_takes_a_burst_through_its_row_line_each_length_to_its_engine_a
     assert handler.unanswered == 0 and handler.metrics.inflight == 0
 
 
+def test_dvabatch_rows_past_its_in_flight_bound_wait_for_room_and_lose_nothing(make_handler):
+    """A burst taken undecoded enters each engine whole; its batch table still holds at most
+    ``max_inflight`` requests, the rest waiting in order for room."""
+    handler, load = make_handler("dvabatch", max_inflight=2, max_batch=2)
+    good = rows(24)
+    expected = [asyncio.run(call(handler, load, row)) for row in good]
+    held: list[int] = []
+    for engine in handler.engines.values():
+
+        def place(table, pending, now, place=engine.policy.place):
+            placement = place(table, pending, now)
+            held.append(sum(entry.size for entry in table) + placement.count)
+            return placement
+
+        engine.policy.place = place
+    answers = burst(handler, load, [[row] for row in good])
+    assert isinstance(handler._burst.row_engine, RowLine)
+    assert_same([answer[0] for answer in answers], expected)
+    assert held and max(held) <= 2, held
+    assert handler.unanswered == 0 and handler.metrics.inflight == 0
+
+
 def test_dvabatch_rows_still_in_its_row_line_when_the_handler_closes_get_a_503_each_once(make_handler):
     handler, load = make_handler("dvabatch")
     release = block_every_lane(handler)  # the line's hand-over job cannot start
