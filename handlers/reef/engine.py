@@ -58,7 +58,7 @@ import logging
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,6 +81,7 @@ from handlers.runtime.engine import (
 )
 from handlers.runtime.intra_op import use_intra_op_threads
 from handlers.runtime.metrics import HandlerMetrics
+from handlers.runtime.row_intake import RowBatches, TakenRow
 from handlers.runtime.segments import SegmentedModel
 from handlers.runtime.sm_partition import GreenPartition, RtSizing, measure_rt_sms, sm_grid, unavailable_reason
 from handlers.runtime.stage_programs import StagePrograms, bucket_sizes
@@ -118,6 +119,18 @@ class RoutedInput(ModelInput):
         if item.rows is not None:
             return cls(v2=item.v2, rows=item.rows, model=model, priority=priority)
         return cls(item.tensors, item.v2, model=model, priority=priority)
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """Where ``route_request`` sends a request: its member and priority, read before its decode (the
+    engine takes real-time requests undecoded); called on the decoded input, it binds them to it."""
+
+    model: str
+    priority: str
+
+    def __call__(self, item: ModelInput) -> RoutedInput:
+        return RoutedInput.routing(item, self.model, self.priority)
 
 
 @dataclass(frozen=True)
@@ -184,6 +197,12 @@ class ReefEngine(Engine):
         self.counts: Counter[str] = Counter()
         self.preemptions: collections.deque[Preemption] = collections.deque(maxlen=RECENT_PREEMPTIONS)
         self._rt: deque[_Queued] = deque()
+        # CPU: real-time requests taken undecoded (``take_rows``), and the batch of them running; the RT
+        # executor decodes, runs and encodes such a batch in one go (``row_intake.RowBatches``).
+        self._rt_rows: deque[TakenRow] = deque()
+        self._rows_running: list[TakenRow] = []
+        self._rows_went_last = False  # rows and admitted RT requests take turns when both wait
+        self._row_batches: RowBatches | None = None
         self._be: dict[str, deque[_Queued]] = {name: deque() for name in self.members}
         self._outstanding: set[Ticket] = set()
         # One lock, one condition per queue and one for answers: an admission wakes only the executor
@@ -308,6 +327,32 @@ class ReefEngine(Engine):
                 self._be_ready[item.model].notify()
         return ticket.future
 
+    # -- real-time requests taken undecoded (CPU; the event loop) -----------------------
+
+    @property
+    def takes_rows(self) -> bool:
+        """On CPU: a real-time batch's requests are decoded, run and encoded by the RT executor, which
+        runs alone, so the loop makes no ticket, future or admission per request."""
+        return not self.device.is_cuda
+
+    def takes_routed(self, bind: Any) -> bool:
+        """Real-time requests (their priority is known from their headers, before the decode)."""
+        return self.takes_rows and isinstance(bind, Route) and bind.priority == REALTIME and bind.model in self.members
+
+    def fits(self, item: ModelInput) -> bool:
+        member = self.members.get(getattr(item, "model", None))
+        return isinstance(item, RoutedInput) and member is not None and member.row_layout.fits(item)
+
+    def take_rows(self, rows: Sequence[TakenRow], batches: RowBatches) -> None:
+        with self._cond:  # checked under the lock: ``close`` takes what is left in the line under it too
+            if self._closing:
+                raise ServiceUnavailable("worker is shutting down")
+            self._row_batches = batches
+            if self._gated:
+                self.gate.raise_realtime(len(rows))  # BE stops before its next unit, from now, as on admission
+            self._rt_rows.extend(rows)
+            self._rt_ready.notify()
+
     # -- executors ---------------------------------------------------------------------
 
     def _next(
@@ -325,14 +370,37 @@ class ReefEngine(Engine):
                 batch.append(queue.popleft())
             return batch
 
+    def _next_realtime(self) -> tuple[list[_Queued], list[TakenRow]] | None:
+        """The next RT batch: admitted requests, or requests taken undecoded (the two take turns), up to
+        ``rt_max_batch`` of one model from the head of their line; None: stop."""
+        with self._lock:
+            while not self._rt and not self._rt_rows and not self._stopping:
+                self._rt_ready.wait()
+            if self._stopping:
+                return None
+            if not self._rt_rows or (self._rt and self._rows_went_last):
+                self._rows_went_last = False
+                batch = [self._rt.popleft()]
+                while self._rt and len(batch) < self.config.rt_max_batch and self._rt[0][1].model == batch[0][1].model:
+                    batch.append(self._rt.popleft())
+                return batch, []
+            self._rows_went_last = True
+            rows = [self._rt_rows.popleft()]
+            model = rows[0].bind.model
+            while self._rt_rows and len(rows) < self.config.rt_max_batch and self._rt_rows[0].bind.model == model:
+                rows.append(self._rt_rows.popleft())
+            self._rows_running = rows
+            return [], rows
+
     def _realtime_loop(self, warm: concurrent.futures.Future) -> None:
         use_intra_op_threads(self._rt_threads)
         if not self._warm_up_here(warm, lambda: self._warm_whole()):
             return
-        while (batch := self._next(self._rt, self._rt_ready, self.config.rt_max_batch, same_model=True)) is not None:
-            member = self.members[batch[0][1].model]
+        while (work := self._next_realtime()) is not None:
+            batch, rows = work
+            member = self.members[batch[0][1].model if batch else rows[0].bind.model]
             if not self._gated:
-                self._run(batch, lambda inputs, m=member: m.model(*inputs), self._rt_stream)
+                self._realtime_batch(member, batch, rows)
                 continue
             try:
                 preemption = self.gate.quiesce()
@@ -347,9 +415,27 @@ class ReefEngine(Engine):
                         preemption.interrupted,
                         1e3 * preemption.latency_s,
                     )
-                self._run(batch, lambda inputs, m=member: m.model(*inputs), self._rt_stream)
+                self._realtime_batch(member, batch, rows)
             finally:
-                self.gate.lower_realtime(len(batch))
+                self.gate.lower_realtime(len(batch) or len(rows))
+
+    def _realtime_batch(self, member: Member, batch: list[_Queued], rows: list[TakenRow]) -> None:
+        """Run one RT batch of the whole model: admitted requests, or rows taken undecoded."""
+        if batch:
+            self._run(batch, lambda inputs, m=member: m.model(*inputs), self._rt_stream)
+            return
+
+        def forward(inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+            with torch.inference_mode():
+                output = member.model(*inputs)
+            return (output[0] if isinstance(output, tuple) else output).float()
+
+        try:
+            self._row_batches.run(rows, forward)  # decoded, run, encoded here; answered in one callback
+        finally:
+            with self._cond:
+                self._rows_running = []
+                self._cond.notify_all()
 
     def _best_effort_loop(self, warm: concurrent.futures.Future, name: str) -> None:
         if not self.device.is_cuda:
@@ -491,7 +577,15 @@ class ReefEngine(Engine):
     def close(self, timeout_s: float = 30.0) -> None:
         deadline = time.monotonic() + timeout_s
         self._closing = True
+        with self._cond:  # the rows taken undecoded first, then the admitted tickets, within one deadline
+            while (self._rt_rows or self._rows_running) and time.monotonic() < deadline:
+                self._cond.wait(timeout=max(deadline - time.monotonic(), 0.0))
         drain_then_stop(self._cond, self._outstanding, deadline, self._stop)
+        with self._cond:  # stopped: rows still in line, or in a batch not ended, get 503 (late answers drop)
+            leftover = [*self._rt_rows, *self._rows_running]
+            self._rt_rows.clear()
+        if leftover:
+            self._row_batches.fail(leftover, ServiceUnavailable("worker shut down before this request finished"))
         self.gate.close()
         for thread in self._threads:
             thread.join(timeout=max(deadline - time.monotonic(), 0.1))

@@ -11,7 +11,6 @@ says which wins).  Bad routing is the request's own 4xx: an unknown model
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 from typing import Any
@@ -21,7 +20,7 @@ import torch
 from handlers.codecs import DEFAULT_MAX_PAYLOAD_BYTES, InputCodec, ModelInput
 from handlers.errors import RequestError, bad_request
 from handlers.reef.config import MODEL_HEADER, PRIORITY_HEADER, REALTIME, ReefConfig
-from handlers.reef.engine import Member, ReefEngine, RoutedInput
+from handlers.reef.engine import Member, ReefEngine, Route
 from handlers.runtime.async_handler import (
     DEFAULT_RESPONSE_TIMEOUT_S,
     AsyncModelHandler,
@@ -130,6 +129,15 @@ class ReefHandler(AsyncModelHandler):
             return getattr(item, "priority", None) == REALTIME
         return self.encode_on_engine
 
+    def row_engine(self) -> ReefEngine | None:
+        """On CPU, real-time requests are taken undecoded (``ReefEngine.take_rows``): the RT executor
+        decodes, runs and encodes each batch, where their answers are encoded anyway (unless the
+        archive's ``encode_answers: loop`` says otherwise).  Best-effort requests are admitted as before."""
+        engine = self.engines.get(ENGINE_KEY)
+        if engine is None or not engine.takes_rows:
+            return None
+        return engine if self.encode_setting is None or self.encode_on_engine else None
+
     def _reef_decoder(self, setting: Any) -> RequestDecoder:
         placement = parse_decode_threads(setting)
         if placement == LANE:
@@ -149,7 +157,7 @@ class ReefHandler(AsyncModelHandler):
         if name not in self.codecs:
             raise RequestError(404, f"unknown model {name!r} (X-Model); this archive serves {', '.join(self.codecs)}")
         priority = self.config.priority(name, headers.get(PRIORITY_HEADER))
-        return self.codecs[name].decode, functools.partial(RoutedInput.routing, model=name, priority=priority)
+        return self.codecs[name].decode, Route(name, priority)
 
     def v2_signature(self) -> dict[str, Any]:
         """One signature per member model (a request names its member with the X-Model header)."""

@@ -355,7 +355,7 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
         if self._burst is None:
             routes = type(self).route_request is not AsyncModelHandler.route_request
             if self._takes_bursts():
-                self._burst = BurstServer(self, routes, None if routes else self.row_engine())
+                self._burst = BurstServer(self, routes, self.row_engine())
             else:
                 self._burst = _ThroughHandle(self)
         self._burst.serve(calls, done)

@@ -76,7 +76,7 @@ class BurstRequest:
     """
 
     __slots__ = ("call", "row", "context", "reply", "server", "received", "decoded", "admitted_at", "arrival",
-                 "item", "bind", "future", "finished")  # fmt: skip
+                 "item", "bind", "decode", "future", "finished")  # fmt: skip
 
     def __init__(
         self, call: int, row: dict[str, Any], context: Any, reply: Done, server: BurstServer, received: float
@@ -91,6 +91,7 @@ class BurstRequest:
         self.arrival: int | None = None
         self.item: ModelInput | None = None
         self.bind: Callable[[ModelInput], ModelInput] | None = None  # from ``route_request``
+        self.decode: Callable[[dict[str, Any]], ModelInput] | None = None  # its own, when taken undecoded
         self.future: Any = None  # the engine's ``TicketFuture`` once admitted (``TAKEN``: taken undecoded)
         self.finished = False
 
@@ -177,8 +178,12 @@ class BurstServer:
         else:  # the handler's own decoder for every request, and nothing to bind
             routed, decodes = requests, None
         if self._row_batches is not None:
-            self._take(routed, deadline)
-            return
+            if decodes is None:
+                self._take(routed, deadline)
+                return
+            routed, decodes = self._take_routed(routed, decodes, deadline)
+            if not routed:
+                return
         if handler.arrivals is not None:
             for request, token in zip(routed, handler.arrivals.enter_many(len(routed)), strict=True):
                 request.arrival = token
@@ -198,6 +203,23 @@ class BurstServer:
         except Exception as exc:  # closing: each request gets its 503
             for request in requests:
                 self.finish(request, error=exc)
+
+    def _take_routed(
+        self, requests: list[BurstRequest], decodes: list[Any], deadline: float
+    ) -> tuple[list[BurstRequest], list[Any]]:
+        """Hand the engine the routed requests it takes undecoded (``Engine.takes_routed``: REEF's
+        real-time ones), each with its own decode and bind; the rest, and their decodes, to admit."""
+        taken, rest, rest_decodes = [], [], []
+        for request, decode in zip(requests, decodes, strict=True):
+            if self.row_engine.takes_routed(request.bind):
+                request.decode = decode
+                taken.append(request)
+            else:
+                rest.append(request)
+                rest_decodes.append(decode)
+        if taken:
+            self._take(taken, deadline)
+        return rest, rest_decodes
 
     def _rows_answered(
         self, requests: list[BurstRequest], answers: list[Any], errors: dict[int, BaseException], times: BatchTimes

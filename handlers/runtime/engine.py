@@ -336,6 +336,11 @@ class Engine(abc.ABC):
         """
         raise NotImplementedError(f"{type(self).__name__} takes decoded inputs only")
 
+    def takes_routed(self, bind: Any) -> bool:
+        """Whether ``take_rows`` takes a request that ``route_request`` bound with ``bind`` (a handler
+        that routes each request: REEF takes its real-time ones).  Called on the event loop."""
+        return False
+
     @property
     def takes_decoded_rows(self) -> bool:
         """Whether ``take_decoded`` works: taken rows decoded on a lane by the handler's ``RowLine``

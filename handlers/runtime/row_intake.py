@@ -51,6 +51,8 @@ class TakenRow(Protocol):
     row: dict[str, Any]  # the message's body, undecoded
     received: float  # ``time.monotonic()`` at receipt
     finished: bool  # answered already (its deadline passed): the lane skips it
+    decode: Callable[[dict[str, Any]], ModelInput] | None  # its own decode (``route_request``), or None
+    bind: Callable[[ModelInput], ModelInput] | None  # what its decoded input is bound with, or None
 
 
 Forward = Callable[[tuple[torch.Tensor, ...]], torch.Tensor]  # the engine's model on a batch, output on the host
@@ -141,7 +143,9 @@ class RowBatches:
             if request.finished:  # answered 503 at its deadline while it waited in the line
                 continue
             try:
-                item = self.decode(request.row)
+                item = (request.decode or self.decode)(request.row)
+                if request.bind is not None:
+                    item = request.bind(item)
                 if not self.fits(item):
                     shapes = [list(shape) for shape in item.shapes]
                     raise bad_request(f"input shape {shapes} is not one this archive declares")

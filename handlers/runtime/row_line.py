@@ -50,6 +50,10 @@ class RowLine:
         self._running = False
         self._closing = False
 
+    def takes_routed(self, bind: object) -> bool:
+        """A handler that routes each request takes the admission path (``Engine.takes_routed``)."""
+        return False
+
     def fits(self, item: ModelInput) -> bool:
         """Whether some engine takes ``item`` (``RowBatches.decode_rows`` answers the others 400)."""
         return self._engine_for(item) is not None

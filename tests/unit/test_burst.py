@@ -372,15 +372,17 @@ def test_reef_routes_each_request_of_a_burst_by_its_own_headers(tmp_path, keep_h
 def test_reef_encodes_real_time_answers_on_their_executor_and_best_effort_ones_on_the_loop(
     tmp_path, keep_handlers, setting, realtime_on_engine
 ):
-    """By default a real-time batch's answers are encoded by the RT executor as the batch ends (in one
-    call, while best-effort units wait at the gate) and best-effort answers on the event loop; the
-    archive's ``encode_answers: loop`` puts both on the loop.  The answers are the same either way."""
+    """By default real-time requests are taken undecoded: the RT executor decodes, runs and encodes each
+    batch (in one call, while best-effort units wait at the gate), and nothing of theirs is admitted;
+    best-effort answers are encoded on the event loop.  The archive's ``encode_answers: loop`` puts both
+    on the loop, real-time requests admitted as best-effort ones are.  The answers are the same."""
     handler, load, bodies = reef_pair(tmp_path, keep_handlers, **setting)
     messages, headers = both_priorities(bodies)
     expected = [asyncio.run(call(handler, load, m[0], h)) for m, h in zip(messages, headers, strict=True)]
     engine = handler.engines[ENGINE_KEY]
     submitted: list[tuple[str, object]] = []
     all_admitted = threading.Event()
+    admitted_count = 6 if not realtime_on_engine else 3  # taken undecoded, real-time ones are never admitted
 
     def try_submit(item, submit=engine.try_submit):
         future = submit(item)
@@ -389,19 +391,33 @@ def test_reef_encodes_real_time_answers_on_their_executor_and_best_effort_ones_o
 
     def request_admitted(admitted=handler.metrics.request_admitted):  # after the request's encoder was set
         admitted()
-        if len(submitted) == len(messages):
+        if len(submitted) == admitted_count:
             all_admitted.set()
 
     def run_when_all_are_admitted(batch, forward, stream, run=engine._run):  # no batch ends before that
         all_admitted.wait(30)
         return run(batch, forward, stream)
 
+    encoded_on: list[str] = []
+
+    def encode_rows(outputs, encode=handler._rows_encoder.encode_rows):
+        encoded_on.append(threading.current_thread().name)
+        return encode(outputs)
+
     engine.try_submit, engine._run = try_submit, run_when_all_are_admitted
     handler.metrics.request_admitted = request_admitted
+    handler._rows_encoder.encode_rows = encode_rows
     answers = burst(handler, load, messages, headers)
     assert_same([a[0] for a in answers], expected)
     encoded = {priority: [future.encoded for p, future in submitted if p == priority] for priority, _ in submitted}
-    assert encoded == {"realtime": [realtime_on_engine] * 3, "best-effort": [False] * 3}
+    if realtime_on_engine:
+        assert handler._burst.row_engine is engine
+        assert encoded == {"best-effort": [False] * 3}
+        assert "reef-rt" in encoded_on  # the real-time rows' answers, on their executor
+    else:
+        assert handler._burst.row_engine is None
+        assert encoded == {"realtime": [False] * 3, "best-effort": [False] * 3}
+        assert "reef-rt" not in encoded_on
 
 
 def test_requests_still_waiting_for_room_at_their_deadline_get_a_503_saying_so_and_never_reach_the_engine(

@@ -33,6 +33,8 @@ class Row:
         self.row = {"body": body}
         self.received = 0.0
         self.finished = finished
+        self.decode = None  # the batch's own decode
+        self.bind = None
 
 
 def decode(row: dict[str, Any]) -> ModelInput:
