@@ -420,6 +420,63 @@ def test_reef_encodes_real_time_answers_on_their_executor_and_best_effort_ones_o
         assert "reef-rt" not in encoded_on
 
 
+def test_reef_real_time_requests_taken_undecoded_run_with_best_effort_held_at_the_gate(tmp_path, keep_handlers):
+    """Taking a real-time request raises the preemption gate as admitting one does: every real-time batch of
+    rows runs in real-time mode, and the gate comes down once they are answered."""
+    handler, load, bodies = reef_pair(tmp_path, keep_handlers)
+    messages, headers = both_priorities(bodies)
+    expected = [asyncio.run(call(handler, load, m[0], h)) for m, h in zip(messages, headers, strict=True)]
+    engine = handler.engines[ENGINE_KEY]
+    realtime = engine.members["bert-tiny1"].model
+    modes: list[bool] = []
+    forward = realtime.forward
+
+    def watched(*args, **kwargs):
+        if threading.current_thread().name == "reef-rt":
+            modes.append(engine.gate.realtime_mode)
+        return forward(*args, **kwargs)
+
+    realtime.forward = watched
+    try:
+        answers = burst(handler, load, messages, headers)
+    finally:
+        realtime.forward = forward
+    assert handler._burst.row_engine is engine
+    assert_same([a[0] for a in answers], expected)
+    assert modes and all(modes)
+    assert not engine.gate.realtime_mode  # every real-time request lowered what it raised
+    assert handler.unanswered == 0 and handler.metrics.inflight == 0
+
+
+def test_reef_real_time_requests_still_in_line_when_its_engine_closes_get_a_503_each_once(tmp_path, keep_handlers):
+    handler, load, bodies = reef_pair(tmp_path, keep_handlers)
+    engine = handler.engines[ENGINE_KEY]
+    release = threading.Event()
+    blocker_started = threading.Event()
+    decode = handler.codecs["bert-tiny1"].decode
+
+    def blocked_once(row):  # the RT executor's first decode waits until released
+        if not blocker_started.is_set():
+            blocker_started.set()
+            release.wait(20)
+        return decode(row)
+
+    handler.codecs["bert-tiny1"].decode = blocked_once
+    messages = [[bodies["bert-tiny1"][i % 3]] for i in range(6)]
+    headers = [{"X-Model": "bert-tiny1", "X-Priority": "realtime"}] * 6
+    closing = threading.Timer(0.3, engine.close, kwargs={"timeout_s": 0.2})
+    closing.start()
+    try:
+        answers = burst(handler, load, messages, headers, then=release.set)
+    finally:
+        release.set()
+        closing.join()
+    assert blocker_started.is_set() and handler._burst.row_engine is engine
+    messages = [json.loads(body)["message"] for [(status, body)] in answers if status == 503]
+    assert len(messages) == 6 and all("shut down" in m for m in messages), answers
+    assert handler.unanswered == 0 and handler.metrics.inflight == 0
+
+
 def test_requests_still_waiting_for_room_at_their_deadline_get_a_503_saying_so_and_never_reach_the_engine(
     make_handler,
 ):
