@@ -31,6 +31,10 @@ decoding and encoding on the CPU lanes), the steps between receipt and
 answer collapse: the burst goes to the engine whole and undecoded, and each
 batch comes back decoded, run and encoded by its lane in one callback
 (``row_intake.py``).  The loop then only records, watches and answers.
+Engines picked by the decoded layout share a ``RowLine`` instead
+(``row_line.py``), and a handler that routes each request hands over those
+its engine takes (``Engine.takes_routed``: REEF's real-time ones) with
+their own decode and bind, the rest taking the admission path.
 
 What a request sees is what ``handle`` gives it: the same decode errors and
 4xx answers, the same admission order and backpressure, the response
