@@ -15,10 +15,14 @@ How a graph becomes segments:
   works (torchvision models), otherwise ``torch.export`` with a dynamic batch
   dimension (and a dynamic sequence dimension for token models), whose graph
   is made of ATen ops.  Either way the graph runs any batch size.
-- Values are classified by running the graph at two batch sizes: a
-  *batch value* is a tensor whose dimension 0 is the batch in both runs;
-  every other value (parameters, shapes, sizes, position tables) is
-  *batch-free*.
+- Values are classified by running the graph at two batch sizes and once
+  more with the rows of the larger batch reordered: a *batch value* is a
+  tensor whose dimension 0 is the batch in both sizes and whose rows follow
+  the reorder (row i is request i's, whatever batch it ran in); every other
+  value (parameters, shapes, sizes, position tables) is *batch-free*.  The
+  reorder is what excludes a row *index* such as ``arange(batch)`` (BERT's
+  mask lookup has one): batch-shaped, but cut by rows or joined by
+  ``torch.cat`` it would point past its own rows.
 - A cut may fall between any two batch nodes in topological order.  A
   batch-free value a segment needs is recomputed inside it from its own
   inputs (pure, and cheap for what occurs in practice: sizes, views of
@@ -91,13 +95,16 @@ def trace(
 
 
 class _Recorder(fx.Interpreter):
-    """Runs the graph once, keeping whether each value is batch-first and each node's time."""
+    """Runs the graph once, keeping whether each value is batch-first and each node's time; with
+    ``row_sums``, also each batch-first value's sum per row (a cheap fingerprint of its rows)."""
 
-    def __init__(self, gm: fx.GraphModule, batch: int, timed: bool) -> None:
+    def __init__(self, gm: fx.GraphModule, batch: int, timed: bool, row_sums: bool = False) -> None:
         super().__init__(gm)
         self.batch = batch
         self.timed = timed
+        self.keep_row_sums = row_sums
         self.batch_first: dict[str, bool] = {}
+        self.row_sums: dict[str, torch.Tensor] = {}
         self.seconds: dict[str, float] = {}
 
     def run_node(self, n: fx.Node):  # noqa: ANN201 - any value
@@ -105,7 +112,10 @@ class _Recorder(fx.Interpreter):
         value = super().run_node(n)
         if self.timed:
             self.seconds[n.name] = time.perf_counter() - started
-        self.batch_first[n.name] = isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == self.batch
+        first = isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == self.batch
+        self.batch_first[n.name] = first
+        if first and self.keep_row_sums and not value.is_complex():
+            self.row_sums[n.name] = value.detach().reshape(self.batch, -1).to(torch.float64).sum(dim=1).cpu()
         return value
 
 
@@ -114,15 +124,33 @@ def batch_rows(inputs: Sequence[torch.Tensor], rows: int) -> tuple[torch.Tensor,
     return tuple(x[torch.arange(rows, device=x.device) % x.shape[0]] for x in inputs)
 
 
+ROW_ORDER = (1, 2, 0)  # the batch of 3's rows, reordered, for ``classify``
+
+
 def classify(gm: fx.GraphModule, example_inputs: tuple[torch.Tensor, ...]) -> dict[str, bool]:
-    """Node name → whether its value is a batch value (batch-first at batch 2 and at batch 3)."""
-    seen = []
-    for rows in (2, 3):
-        recorder = _Recorder(gm, rows, timed=False)
+    """Node name → whether its value is a batch value: batch-first at batch 2 and at batch 3, and with the
+    batch of 3's rows reordered, its rows reordered alike (compared by their sums)."""
+    runs = []
+    for rows, order in ((2, None), (3, None), (3, ROW_ORDER)):
+        inputs = batch_rows(example_inputs, rows)
+        if order is not None:
+            inputs = tuple(x[list(order)] for x in inputs)
+        recorder = _Recorder(gm, rows, timed=False, row_sums=rows == 3)
         with torch.no_grad():
-            recorder.run(*batch_rows(example_inputs, rows))
-        seen.append(recorder.batch_first)
-    return {name: seen[0][name] and seen[1].get(name, False) for name in seen[0]}
+            recorder.run(*inputs)
+        runs.append(recorder)
+    two, three, reordered = runs
+
+    def follows_its_rows(name: str) -> bool:
+        plain, moved = three.row_sums.get(name), reordered.row_sums.get(name)
+        if plain is None or moved is None:
+            return False
+        return torch.allclose(moved, plain[list(ROW_ORDER)], rtol=1e-4, atol=1e-6, equal_nan=True)
+
+    return {
+        name: first and three.batch_first.get(name, False) and follows_its_rows(name)
+        for name, first in two.batch_first.items()
+    }
 
 
 def node_times(gm: fx.GraphModule, example_inputs: tuple[torch.Tensor, ...], repeats: int = 3) -> dict[str, float]:

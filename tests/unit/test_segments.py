@@ -150,6 +150,37 @@ def test_split_and_merge_keep_each_request_its_rows():
         merge_states([whole, sliced[1](first)])
 
 
+class RowIndexed(nn.Module):
+    """Looks its rows up by position, as BERT looks up its mask: ``arange(batch)`` is batch-shaped but
+    is a row index, not a row of anyone's data."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = torch.arange(x.shape[0])
+        scaled = torch.tanh(x * 2.0)
+        looked_up = scaled[rows]
+        return torch.sigmoid(looked_up + 1.0) * x
+
+
+def test_a_row_index_is_not_state_so_any_cut_splits_and_merges_by_rows():
+    """A value like ``arange(batch)`` must be recomputed in the segment that needs it: carried across a cut,
+    a split batch's second part would index past its own rows, and a merged one would read its first's."""
+    model = RowIndexed()
+    x = torch.randn(2, 4)
+    gm = trace(model, (x,))
+    batch = classify(gm, (x,))
+    assert not batch["arange"] and batch["x"] and batch["tanh"]
+    rows = torch.randn(5, 4)
+    for position in range(1, len(batch_nodes(gm, batch))):
+        sliced = cut(gm, batch, [position])
+        with torch.no_grad():
+            first, second = split_state(sliced[0](sliced.start(rows)), [2, 3])
+            parts = [sliced.finish(sliced[1](first)), sliced.finish(sliced[1](second))]
+            joined = sliced.finish(sliced[1](merge_states([second, first])))
+            expected = model(rows)
+        assert torch.allclose(torch.cat(parts), expected), position
+        assert torch.allclose(joined, torch.cat([expected[2:], expected[:2]])), position
+
+
 def test_cut_rejects_an_empty_segment():
     model = seeded(TinyUNet())
     x = torch.randn(2, 3, 16, 16)
