@@ -27,3 +27,19 @@ def handler_metric(
         if until is None or until(samples) or time.monotonic() > deadline:
             return samples
         time.sleep(0.2)
+
+
+def settled_metric(
+    torchserve, name: str, model: str, interval_s: float = 1.5, timeout_s: float = 15.0
+) -> list[tuple[dict[str, str], float]]:
+    """The model's samples of ``name`` once they stop changing: two reads ``interval_s`` apart (longer
+    than a handler's flush interval, 1 s by default) that agree.  What a count is *before* a test's own
+    requests, where an earlier test's last batches may still be on their way to the endpoint."""
+    deadline = time.monotonic() + timeout_s
+    last = handler_metric(torchserve, name, model)
+    while True:
+        time.sleep(interval_s)
+        now = handler_metric(torchserve, name, model)
+        if sorted(map(repr, now)) == sorted(map(repr, last)) or time.monotonic() > deadline:
+            return now
+        last = now
