@@ -147,8 +147,12 @@ class DvaBatchEngine(Engine):
                 ticket = TakenTicket(request, batches, batches.encoder_for(item), times)
                 self._outstanding.add(ticket)
                 self._pending.append((ticket, item))
-            if not self._busy[0]:  # as ``try_submit``: a busy first stage places them where it ends
-                self._cond.notify_all()
+            # Planned here, on the lane, as where a stage ends (``_stage_done``): waking the scheduler
+            # thread would cost a thread switch per burst and engine.  A busy first stage places them
+            # where it ends, as for ``try_submit``.
+            runs = [] if self._busy[0] or self._stopping else self._plan()
+        for run in runs:
+            self._launch(*run)
 
     # -- the loop: place newcomers, dispatch free stages ------------------------------
 
