@@ -80,3 +80,8 @@ def inference_failed(error: BaseException) -> ServiceUnavailable:
 def encode_failed(error: BaseException) -> ServiceUnavailable:
     """The 503 for a request whose output could not be turned into its answer."""
     return ServiceUnavailable(f"could not encode the answer: {type(error).__name__}: {error}")
+
+
+def shut_down() -> ServiceUnavailable:
+    """The 503 for a request its worker closed before answering: the client may retry elsewhere."""
+    return ServiceUnavailable("worker shut down before this request finished")

@@ -42,7 +42,7 @@ from handlers.ebird.batch_costs import BatchCosts
 from handlers.ebird.config import EbirdConfig
 from handlers.ebird.pool import InputPool, Run
 from handlers.ebird.scheduler import ElasticScheduler, SchedulerState, WorkerSpec, lane_batch_cap
-from handlers.errors import ServiceUnavailable, bad_request, inference_failed
+from handlers.errors import ServiceUnavailable, bad_request, inference_failed, shut_down
 from handlers.runtime.arrivals import Arrivals
 from handlers.runtime.cuda_graphs import CapturedBucket, capture
 from handlers.runtime.device import ExecutionDevice
@@ -465,7 +465,7 @@ class EbirdEngine(Engine):
             leftover = [*self._rows, *(row for job in self._row_jobs for row in job.rows)]
             self._rows.clear()
         if leftover:  # (a running batch's late answers are dropped on the loop: each row is answered once)
-            self._row_batches.fail(leftover, ServiceUnavailable("worker shut down before this request finished"))
+            self._row_batches.fail(leftover, shut_down())
         for worker in self.workers:
             worker.jobs.put(None)
         for thread in [self._scheduler, *(w.thread for w in self.workers if w.thread is not None)]:

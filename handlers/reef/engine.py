@@ -66,7 +66,7 @@ import torch
 from torch import nn
 
 from handlers.codecs import ModelInput, collate
-from handlers.errors import ServiceUnavailable, bad_request, inference_failed
+from handlers.errors import ServiceUnavailable, bad_request, inference_failed, shut_down
 from handlers.reef.config import BEST_EFFORT, PRIORITIES, REALTIME, ReefConfig
 from handlers.reef.preemption import Preemption, PreemptionGate
 from handlers.runtime.device import ExecutionDevice
@@ -154,6 +154,16 @@ class Member:
 
 
 _Queued = tuple[Ticket, RoutedInput]
+
+
+def _head_run(line: deque[Any], limit: int, model_of: Callable[[Any], str] | None = None) -> list[Any]:
+    """Up to ``limit`` entries from the head of a non-empty ``line``; with ``model_of``, only the head's
+    model's (a real-time batch runs one model, whole)."""
+    run = [line.popleft()]
+    model = None if model_of is None else model_of(run[0])
+    while line and len(run) < limit and (model_of is None or model_of(line[0]) == model):
+        run.append(line.popleft())
+    return run
 
 
 def on_a_team_of_its_own(threads: int, run: Callable[[], None]) -> None:
@@ -355,20 +365,15 @@ class ReefEngine(Engine):
 
     # -- executors ---------------------------------------------------------------------
 
-    def _next(
-        self, queue: deque[_Queued], ready: threading.Condition, limit: int, same_model: bool
-    ) -> list[_Queued] | None:
-        """Up to ``limit`` requests from the head of ``queue`` (one model's run, for the RT queue), waiting on
-        ``ready`` (the queue's condition) while it is empty; None: stop."""
+    def _next(self, queue: deque[_Queued], ready: threading.Condition, limit: int) -> list[_Queued] | None:
+        """Up to ``limit`` requests from the head of a BE ``queue``, waiting on ``ready`` (the queue's
+        condition) while it is empty; None: stop."""
         with self._lock:
             while not queue and not self._stopping:
                 ready.wait()
             if self._stopping:
                 return None
-            batch = [queue.popleft()]
-            while queue and len(batch) < limit and (not same_model or queue[0][1].model == batch[0][1].model):
-                batch.append(queue.popleft())
-            return batch
+            return _head_run(queue, limit)
 
     def _next_realtime(self) -> tuple[list[_Queued], list[TakenRow]] | None:
         """The next RT batch: admitted requests, or requests taken undecoded (the two take turns), up to
@@ -378,19 +383,13 @@ class ReefEngine(Engine):
                 self._rt_ready.wait()
             if self._stopping:
                 return None
+            limit = self.config.rt_max_batch
             if not self._rt_rows or (self._rt and self._rows_went_last):
                 self._rows_went_last = False
-                batch = [self._rt.popleft()]
-                while self._rt and len(batch) < self.config.rt_max_batch and self._rt[0][1].model == batch[0][1].model:
-                    batch.append(self._rt.popleft())
-                return batch, []
+                return _head_run(self._rt, limit, lambda queued: queued[1].model), []
             self._rows_went_last = True
-            rows = [self._rt_rows.popleft()]
-            model = rows[0].bind.model
-            while self._rt_rows and len(rows) < self.config.rt_max_batch and self._rt_rows[0].bind.model == model:
-                rows.append(self._rt_rows.popleft())
-            self._rows_running = rows
-            return [], rows
+            self._rows_running = _head_run(self._rt_rows, limit, lambda row: row.bind.model)
+            return [], self._rows_running
 
     def _realtime_loop(self, warm: concurrent.futures.Future) -> None:
         use_intra_op_threads(self._rt_threads)
@@ -445,7 +444,7 @@ class ReefEngine(Engine):
             return
         stream = self._be_streams[name]
         ready = self._be_ready[name]
-        while (batch := self._next(self._be[name], ready, self.config.be_max_batch, same_model=False)) is not None:
+        while (batch := self._next(self._be[name], ready, self.config.be_max_batch)) is not None:
             with self._be_slots:
                 with self._cond:
                     self._be_busy += 1
@@ -585,7 +584,7 @@ class ReefEngine(Engine):
             leftover = [*self._rt_rows, *self._rows_running]
             self._rt_rows.clear()
         if leftover:
-            self._row_batches.fail(leftover, ServiceUnavailable("worker shut down before this request finished"))
+            self._row_batches.fail(leftover, shut_down())
         self.gate.close()
         for thread in self._threads:
             thread.join(timeout=max(deadline - time.monotonic(), 0.1))

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from handlers.codecs import ModelInput
-from handlers.errors import ServiceUnavailable, encode_failed
+from handlers.errors import ServiceUnavailable, encode_failed, shut_down
 from handlers.runtime.loop_mailbox import one_wakeup
 
 logger = logging.getLogger(__name__)
@@ -380,7 +380,7 @@ def wait_for_answers(cond: threading.Condition, outstanding: set[Ticket], deadli
 def fail_unanswered(tickets: list[Ticket]) -> None:
     """Answer what a closing engine could not finish: 503, so the client may retry elsewhere."""
     for ticket in tickets:
-        ticket.settle(error=ServiceUnavailable("worker shut down before this request finished"))
+        ticket.settle(error=shut_down())
 
 
 def drain_then_stop(

@@ -25,14 +25,12 @@ import time
 from collections.abc import Callable, Sequence
 
 from handlers.codecs import ModelInput
-from handlers.errors import ServiceUnavailable
+from handlers.errors import ServiceUnavailable, shut_down
 from handlers.runtime.engine import Engine
 from handlers.runtime.lanes import CpuLanes
 from handlers.runtime.row_intake import RowBatches, TakenRow
 
 logger = logging.getLogger(__name__)
-
-SHUT_DOWN = "worker shut down before this request finished"
 
 
 class RowLine:
@@ -73,7 +71,7 @@ class RowLine:
         except Exception:  # the lanes are closed: what waits gets its 503
             with self._cond:
                 waiting, self._waiting, self._queued = self._waiting, [], False
-            batches.fail(waiting, ServiceUnavailable(SHUT_DOWN))
+            batches.fail(waiting, shut_down())
 
     def _hand_over(self, batches: RowBatches) -> None:
         """A lane job: decode what waits, and give each engine its inputs in one call."""
@@ -117,4 +115,4 @@ class RowLine:
                 self._cond.wait(timeout=max(deadline - time.monotonic(), 0.0))
             leftover, self._waiting = self._waiting, []
         if leftover and self._batches is not None:
-            self._batches.fail(leftover, ServiceUnavailable(SHUT_DOWN))
+            self._batches.fail(leftover, shut_down())
