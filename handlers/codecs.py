@@ -361,6 +361,25 @@ class InputCodec:
         return ids + [0] * pad, [1] * len(ids) + [0] * pad
 
 
+def widen_tokens(item: ModelInput, length: int) -> ModelInput:
+    """``item``'s token rows padded on the right to ``length`` (ids 0, mask 0), as the codec pads to a class.
+
+    A request padded to a longer length class gives the same answer, its
+    extra positions masked out, as the baselines' requests padded to the
+    archive's whole sequence length do.  DVABatch runs a class's requests in
+    a longer class's batch where that costs less (``dvabatch/merge.py``).
+    """
+    if item.rows is None:
+        raise ValueError("only token rows are widened")
+    extra = length - len(item.rows[0])
+    if extra < 0:
+        raise ValueError(f"cannot widen {len(item.rows[0])} tokens to {length}")
+    if extra == 0:
+        return item
+    ids, mask = item.rows
+    return ModelInput(rows=(ids + [0] * extra, mask + [0] * extra), v2=item.v2)
+
+
 def is_describe(context: Any) -> bool:
     """Whether this call is TorchServe's describe (``GET /models/NAME?customized=true``): it reaches
     ``handle`` as one request with a ``describe`` header, and the answer becomes the model's

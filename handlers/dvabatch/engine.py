@@ -137,6 +137,19 @@ class DvaBatchEngine(Engine):
     def fits(self, item: ModelInput) -> bool:
         return self._row_layout.fits(item)
 
+    def unstarted_rows(self) -> int:
+        """Rows that new rows would join rather than start a batch: those waiting for room in the table
+        and the newest batch before stage 0 that has room (what ``DvaPolicy.place`` joins)."""
+        with self._cond:
+            room = self.config.max_batch
+            waiting = [e for e in self.table.waiting_at(0) if e.joins is None and e.size < room]
+            return len(self._pending) + (waiting[-1].size if waiting else 0)
+
+    def batch_ms(self, rows: int) -> float:
+        """One batch's measured time through every stage at ``rows`` (the segment profile's, or 0 without one)."""
+        profile = self.policy.profile
+        return 0.0 if profile is None else profile.remaining_ms(0, rows)
+
     def take_decoded(
         self, rows: Sequence[TakenRow], items: Sequence[ModelInput], batches: RowBatches, times: BatchTimes
     ) -> None:

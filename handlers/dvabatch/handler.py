@@ -9,6 +9,7 @@ import torch
 
 from handlers.codecs import ModelInput
 from handlers.dvabatch.engine import DvaBatchEngine
+from handlers.dvabatch.merge import LengthClassMerger
 from handlers.dvabatch.policy import DvaBatchConfig
 from handlers.runtime.async_handler import AsyncModelHandler
 from handlers.runtime.segment_profile import SegmentProfile, measure_segments
@@ -23,6 +24,8 @@ class DvaBatchHandler(AsyncModelHandler):
         super().__init__()
         self.config = DvaBatchConfig()
         self._sliced: SegmentedModel | None = None  # a token model's stages, shared by its length classes
+        # Per length class: (length, engine, the shape of one output row), for merging classes.
+        self._classes: list[tuple[int, DvaBatchEngine, tuple[int, ...]]] = []
 
     def configure(self, handler_config: dict[str, Any]) -> None:
         self.config = DvaBatchConfig.from_dict(handler_config.get("dvabatch"))
@@ -73,8 +76,9 @@ class DvaBatchHandler(AsyncModelHandler):
 
         sliced = self._segments_for(rows(2))
         profile = None
-        if self.config.split:
-            # Split decisions need this machine's segment times at the lanes' thread count:
+        classes = len(self.codec.token_lengths) if self.spec.input_kind == "tokens" else 1
+        if self.config.split or (self.config.merge_lengths and classes > 1):
+            # Split and merge decisions need this machine's segment times at the lanes' thread count:
             # a short profile at worker start, on a lane.
             sizes = sorted({1, max(1, self.config.max_batch // 2), self.config.max_batch})
 
@@ -86,4 +90,26 @@ class DvaBatchHandler(AsyncModelHandler):
             profile = self.lanes.submit(measure).result() if self.lanes is not None else measure()
         nodes = [seg.nodes for seg in sliced]
         logger.info("DVABatch: %s in %d segments of %s graph nodes", self.spec.name, len(sliced), nodes)
-        return DvaBatchEngine(sliced, layout_example, self.device, self.config, self.metrics, self.lanes, profile)
+        engine = DvaBatchEngine(sliced, layout_example, self.device, self.config, self.metrics, self.lanes, profile)
+        if classes > 1:
+            with torch.no_grad():
+                out_row = tuple(self.model(*rows(1)).shape[1:])
+            self._classes.append((layout_example.shapes[0][0], engine, out_row))
+        return engine
+
+    def regroup_rows(self) -> LengthClassMerger | None:
+        """Length classes merged per hand-over where the profile says that costs less (``merge.py``).
+
+        Only where every class answers with rows of one shape (a model
+        whose output follows the length, per-token logits, would answer a
+        widened request with more rows) and every class has a profile.
+        """
+        if not self.config.merge_lengths or len(self._classes) < 2:
+            return None
+        if len({out_row for _, _, out_row in self._classes}) > 1:
+            logger.info("DVABatch: %s answers by length; its length classes are never merged", self.spec.name)
+            return None
+        if any(engine.policy.profile is None for _, engine, _ in self._classes):
+            return None
+        classes = [(length, engine) for length, engine, _ in self._classes]
+        return LengthClassMerger(classes, self.config.max_batch, self.metrics)

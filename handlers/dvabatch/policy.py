@@ -43,6 +43,9 @@ class DvaBatchConfig:
     max_inflight: int = 64  # requests admitted at once (then the runtime waits for room)
     stretch: bool = True
     split: bool = True
+    # Token models with length classes: run a hand-over's classes together, padded to the longest, where the
+    # segment profile says one batch costs less than several (``merge.py``).
+    merge_lengths: bool = True
     # CPU lanes the stages run on (null: one per stage, a pipeline with the
     # cores split among the stages; 1: every stage on all the cores, one at
     # a time).  See ``DvaBatchHandler.cpu_lane_count``.
@@ -62,7 +65,7 @@ class DvaBatchConfig:
             raise DvaBatchConfigError(f"t_comp_wait_ms must be a number, got {self.t_comp_wait_ms!r}")
         if self.t_comp_wait_ms < 0:
             raise DvaBatchConfigError(f"t_comp_wait_ms must be ≥ 0, got {self.t_comp_wait_ms}")
-        for name in ("stretch", "split", "cuda_graphs", "cpu_traces"):
+        for name in ("stretch", "split", "merge_lengths", "cuda_graphs", "cpu_traces"):
             if not isinstance(getattr(self, name), bool):
                 raise DvaBatchConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.cpu_lanes is not None:

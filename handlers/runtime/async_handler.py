@@ -73,7 +73,7 @@ from handlers.runtime.lanes import CpuLanes
 from handlers.runtime.loop_mailbox import mailbox_for
 from handlers.runtime.metrics import HandlerMetrics
 from handlers.runtime.model_loading import load_model
-from handlers.runtime.row_line import RowLine
+from handlers.runtime.row_line import Regroup, RowLine
 from model_store.catalog import ModelSpec
 
 logger = logging.getLogger(__name__)
@@ -377,8 +377,12 @@ class AsyncModelHandler(PackratWorkerMixin, abc.ABC):
             return engines[0]
         if engines and self.lanes is not None and all(engine.takes_decoded_rows for engine in engines):
             if self._row_line is None:
-                self._row_line = RowLine(self._engine_taking, self.lanes)
+                self._row_line = RowLine(self._engine_taking, self.lanes, self.regroup_rows())
             return self._row_line
+        return None
+
+    def regroup_rows(self) -> Regroup | None:
+        """What moves a row line's decoded rows between engines before each hand-over (None: nothing)."""
         return None
 
     def _engine_taking(self, item: ModelInput) -> Engine | None:

@@ -15,6 +15,10 @@ inputs by engine and hands each group to its engine in one call
 its own thread, encoded together, in one callback to the loop
 (``row_intake.answer_taken``).  A row that fails its decode, or fits no
 engine, gets its own 4xx in one callback per job.
+
+A handler may regroup each hand-over before it reaches the engines
+(``regroup``): DVABatch runs some length classes' rows in a longer class's
+engine where one padded batch costs less (``handlers/dvabatch/merge.py``).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from handlers.codecs import ModelInput
 from handlers.errors import ServiceUnavailable, shut_down
@@ -33,13 +38,28 @@ from handlers.runtime.row_intake import RowBatches, TakenRow
 logger = logging.getLogger(__name__)
 
 
+@dataclass
+class RowGroup:
+    """Decoded rows for one engine: their positions in the hand-over and their inputs, in arrival order."""
+
+    engine: Engine
+    positions: list[int]
+    items: list[ModelInput]
+
+
+Regroup = Callable[[list[RowGroup]], list[RowGroup]]
+
+
 class RowLine:
     """Taken rows of a handler whose engines ``take_decoded``, decoded on its lanes and handed to each engine."""
 
     takes_rows = True
 
-    def __init__(self, engine_for: Callable[[ModelInput], Engine | None], lanes: CpuLanes) -> None:
+    def __init__(
+        self, engine_for: Callable[[ModelInput], Engine | None], lanes: CpuLanes, regroup: Regroup | None = None
+    ) -> None:
         self._engine_for = engine_for  # the engine an input goes to, or None (a layout the archive lacks)
+        self._regroup = regroup  # moves rows between the hand-over's groups before they are handed over
         self._lanes = lanes
         self._cond = threading.Condition()
         self._waiting: list[TakenRow] = []
@@ -80,19 +100,29 @@ class RowLine:
             self._queued, self._running = False, True
         try:
             decoded = batches.decode_rows(rows)
-            groups: dict[int, tuple[Engine, list[int]]] = {}
+            by_engine: dict[int, RowGroup] = {}
             for position, item in enumerate(decoded.items):
                 engine = self._engine_for(item)
-                groups.setdefault(id(engine), (engine, []))[1].append(position)
-            for engine, positions in groups.values():
-                taken = [rows[decoded.kept[p]] for p in positions]
+                group = by_engine.get(id(engine))
+                if group is None:
+                    group = by_engine[id(engine)] = RowGroup(engine, [], [])
+                group.positions.append(position)
+                group.items.append(item)
+            groups = list(by_engine.values())
+            if self._regroup is not None:
                 try:
-                    engine.take_decoded(taken, [decoded.items[p] for p in positions], batches, decoded.times)
+                    groups = self._regroup(groups)
+                except Exception:  # a policy's bug must not lose rows: they go to their own engines
+                    logger.exception("regrouping %d decoded requests failed; each goes to its own engine", len(rows))
+            for group in groups:
+                taken = [rows[decoded.kept[p]] for p in group.positions]
+                try:
+                    group.engine.take_decoded(taken, group.items, batches, decoded.times)
                 except Exception as exc:  # closing (503), or an engine's bug: these rows fail, the line goes on
                     if not isinstance(exc, ServiceUnavailable):
                         logger.exception("handing %d decoded requests to their engine failed", len(taken))
                         exc = ServiceUnavailable(f"could not admit the request: {type(exc).__name__}: {exc}")
-                    decoded.errors.update((decoded.kept[p], exc) for p in positions)
+                    decoded.errors.update((decoded.kept[p], exc) for p in group.positions)
             if decoded.errors:
                 failed = sorted(decoded.errors)
                 errors = {i: decoded.errors[index] for i, index in enumerate(failed)}

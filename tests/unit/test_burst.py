@@ -38,6 +38,7 @@ from handlers.ebird.handler import EbirdHandler
 from handlers.reef.handler import ENGINE_KEY, ReefHandler
 from handlers.runtime.burst import BurstServer
 from handlers.runtime.row_line import RowLine
+from handlers.runtime.segment_profile import SegmentProfile
 from model_store.catalog import get_spec
 from model_store.samples import request_body, token_ids_json
 
@@ -227,7 +228,7 @@ def test_dvabatch_takes_a_burst_through_its_row_line_each_length_to_its_engine_a
 ):
     """Several engines (one per token length): the burst is decoded on a lane and handed to each engine
     in one call (``row_line.py``), nothing is admitted one by one, and every answer is ``handle``'s."""
-    handler, load = make_handler("dvabatch", max_batch=8)
+    handler, load = make_handler("dvabatch", max_batch=8, merge_lengths=False)
     assert len(handler.engines) > 1
     good = rows(24)
     too_long = {"body": request_body(token_ids_json(SPEC, SPEC.seq_len + 8, seed=3))}
@@ -252,6 +253,61 @@ def test_dvabatch_takes_a_burst_through_its_row_line_each_length_to_its_engine_a
     assert_same([answer[0] for answer in answers], expected)
     assert admitted == [] and sum(handed.values()) == 24 and len(handed) > 1, handed
     assert handler.unanswered == 0 and handler.metrics.inflight == 0
+
+
+def profile_costing(batch_ms) -> SegmentProfile:
+    """A one-stage segment profile whose batch of ``rows`` takes ``batch_ms(rows)``: the merge's cost model."""
+    sizes = (1, 4, 8)
+    return SegmentProfile("bert-tiny1", 1, sizes, (tuple(batch_ms(n) for n in sizes),))
+
+
+@pytest.mark.parametrize("costs", ["per batch", "per token"])
+def test_dvabatch_runs_length_classes_padded_together_where_their_profile_says_one_batch_costs_less(
+    make_handler, costs
+):
+    """Each engine's cost model is set here (plain data, not a timing): costs mostly per batch, every
+    class's rows go padded to the longest class in the burst, in one call to its engine; mostly per token,
+    each class to its own engine.  Either way every answer is the one ``handle`` gives each request alone."""
+    handler, load = make_handler("dvabatch", max_batch=8, split=False)
+    merger = handler.regroup_rows()
+    assert merger is not None and len(merger.lengths) == len(handler.engines) > 1
+    for length, engine, _ in handler._classes:
+        if costs == "per batch":
+            engine.policy.profile = profile_costing(lambda n: 1.0 + 0.001 * n)
+        else:
+            engine.policy.profile = profile_costing(lambda n, length=length: 0.1 * length * n)
+    good = rows(24)
+    expected = [asyncio.run(call(handler, load, row)) for row in good]
+    handed: dict[int, int] = {}
+    for length, engine, _ in handler._classes:
+
+        def take_decoded(taken, items, batches, times, take=engine.take_decoded, length=length):
+            assert all(item.shapes[0] == (length,) for item in items)
+            handed[length] = handed.get(length, 0) + len(items)
+            take(taken, items, batches, times)
+
+        engine.take_decoded = take_decoded
+    before = handler.metrics.operations["pad_up"]
+    answers = burst(handler, load, [[row] for row in good])  # one burst: one hand-over
+    assert_same([answer[0] for answer in answers], expected)
+    lengths_sent = {len(json.loads(row["body"])["input_ids"]) for row in good}
+    classes_sent = {min(n for n in merger.lengths if n >= sent) for sent in lengths_sent}
+    if costs == "per batch":
+        assert handed == {max(classes_sent): 24}, handed
+        assert handler.metrics.operations["pad_up"] - before == len(classes_sent) - 1
+    else:
+        assert set(handed) == classes_sent and sum(handed.values()) == 24, handed
+        assert handler.metrics.operations["pad_up"] == before
+    assert handler.unanswered == 0 and handler.metrics.inflight == 0
+
+
+def test_dvabatch_never_merges_length_classes_of_a_model_that_answers_by_length(make_handler):
+    handler, _ = make_handler("dvabatch", max_batch=8)
+    assert handler.regroup_rows() is not None
+    handler._classes = [(length, engine, (length, 2)) for length, engine, _ in handler._classes]  # per-token rows
+    assert handler.regroup_rows() is None
+    off, _ = make_handler("dvabatch", max_batch=8, merge_lengths=False)
+    assert off.regroup_rows() is None
 
 
 def test_dvabatch_rows_past_its_in_flight_bound_wait_for_room_and_lose_nothing(make_handler):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from archiver.options import ServingOptions, model_config
-from handlers.codecs import InputCodec, answer_bytes, collate, encode_output
+from handlers.codecs import InputCodec, answer_bytes, collate, encode_output, widen_tokens
 from handlers.errors import RequestError
 from model_store.catalog import get_spec
 from tests.payloads import image_tensor_json, jpeg_bytes, png_bytes, token_ids_json
@@ -57,6 +57,18 @@ def test_declared_token_lengths_pad_each_request_to_its_length_class():
         ids, mask = codec.decode({"body": {"input_ids": list(range(1, n + 1))}}).tensors
         assert ids.shape == mask.shape == (padded,), n
         assert ids[:n].tolist() == list(range(1, n + 1)) and int(mask.sum()) == n
+
+
+def test_a_token_request_widened_to_a_longer_class_is_the_same_request_with_more_padding():
+    codec = InputCodec(BERT, token_lengths=[16, 64])
+    item = codec.decode({"body": {"input_ids": [5, 6, 7]}})
+    wide = widen_tokens(item, 64)
+    assert wide.shapes == ((64,), (64,)) and wide.v2 is item.v2
+    assert wide.rows[0][:16] == item.rows[0] and wide.rows[1][:16] == item.rows[1]
+    assert sum(wide.rows[1]) == 3 and sum(wide.rows[0][16:]) == 0
+    assert widen_tokens(item, 16) is item
+    with pytest.raises(ValueError, match="cannot widen 16 tokens to 8"):
+        widen_tokens(item, 8)
 
 
 @pytest.mark.parametrize("lengths", [[0], [BERT.seq_len + 1], ["16"], [True], "16,64", [2.5]])
