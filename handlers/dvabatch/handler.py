@@ -17,6 +17,10 @@ from handlers.runtime.segments import SegmentedModel, SegmentError, dynamic_dims
 from model_store.factory import outputs_close
 
 logger = logging.getLogger(__name__)
+# Each batch size of the start-up profile is timed at least this long in all (``measure_segments``): a
+# steady median for stages of a millisecond, whose merge and split decisions read it, at most
+# 0.1 s per size and length class.
+PROFILE_MIN_MS = 100.0
 
 
 class DvaBatchHandler(AsyncModelHandler):
@@ -84,7 +88,15 @@ class DvaBatchHandler(AsyncModelHandler):
 
             def measure() -> SegmentProfile:
                 return measure_segments(
-                    sliced, rows, sizes, self.spec.name, warmup=1, iters=2, command="worker start-up", progress=False
+                    sliced,
+                    rows,
+                    sizes,
+                    self.spec.name,
+                    warmup=1,
+                    iters=2,
+                    command="worker start-up",
+                    progress=False,
+                    min_ms=PROFILE_MIN_MS,
                 )
 
             profile = self.lanes.submit(measure).result() if self.lanes is not None else measure()

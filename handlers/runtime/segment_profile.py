@@ -137,20 +137,31 @@ def measure_segments(
     iters: int = 5,
     command: str = "",
     progress: bool = True,
+    min_ms: float = 0.0,
+    max_iters: int = 200,
 ) -> SegmentProfile:
-    """Median time of each segment at each batch size, run in order on real states."""
+    """Median time of each segment at each batch size, run in order on real states.
+
+    Each size runs ``iters`` times, and more, up to ``max_iters``, until its
+    timed runs add up to ``min_ms``: a model whose batch takes a millisecond
+    gets enough samples for a steady median at no cost to one whose batch
+    takes seconds (two samples of a 1-ms stage differed by 1.6× on the 2-vCPU VM).
+    """
     times = [[0.0] * len(batches) for _ in range(len(sliced))]
     bar = tqdm(total=len(batches), desc=f"segments of {model}", unit="batch", disable=not progress)
     with torch.no_grad(), bar:
         for j, batch in enumerate(batches):
             samples: list[list[float]] = [[] for _ in range(len(sliced))]
-            for i in range(warmup + iters):
+            timed_ms, i = 0.0, 0
+            while i < warmup + iters or (timed_ms < min_ms and i < warmup + max_iters):
                 state: State = sliced.start(*make_inputs(batch))
                 for s, seg in enumerate(sliced):
                     started = time.perf_counter()
                     state = seg(state)
                     if i >= warmup:
                         samples[s].append(1e3 * (time.perf_counter() - started))
+                        timed_ms += samples[s][-1]
+                i += 1
             for s in range(len(sliced)):
                 times[s][j] = statistics.median(samples[s])
             bar.update()

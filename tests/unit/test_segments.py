@@ -276,6 +276,26 @@ def test_measured_segment_profile_covers_every_segment_and_batch():
     assert all(t > 0 for row in prof.times_ms for t in row)
 
 
+def test_a_profile_keeps_sampling_a_fast_size_until_its_runs_add_up_to_the_minimum_time():
+    """Counted, not timed: with no minimum each size runs warm-up + iters times; with a minimum no run of
+    this model can reach in its samples (an hour), each size runs the most it may (max_iters)."""
+    from handlers.runtime.segment_profile import measure_segments
+
+    model = seeded(TinyUNet())
+    sliced = slice_model(model, (torch.randn(2, 3, 16, 16),), 3)
+    made: list[int] = []
+
+    def inputs(batch: int) -> tuple[torch.Tensor, ...]:
+        made.append(batch)
+        return (torch.randn(batch, 3, 16, 16),)
+
+    measure_segments(sliced, inputs, [1, 4], "tiny", warmup=1, iters=2, progress=False)
+    assert made == [1] * 3 + [4] * 3
+    made.clear()
+    measure_segments(sliced, inputs, [1, 4], "tiny", warmup=1, iters=2, progress=False, min_ms=3.6e6, max_iters=9)
+    assert made == [1] * 10 + [4] * 10
+
+
 def test_packrat_segments_refuses_bad_arguments_clearly(capsys):
     from packrat_plugin.cli import main
 
