@@ -36,6 +36,7 @@ import torch
 
 from handlers.codecs import ModelInput, collate
 from handlers.dvabatch.batch_table import BatchEntry, BatchTable
+from handlers.dvabatch.overhead import RunOverhead
 from handlers.dvabatch.policy import DvaBatchConfig, DvaPolicy
 from handlers.errors import ServiceUnavailable, bad_request, inference_failed
 from handlers.runtime.device import ExecutionDevice
@@ -53,7 +54,7 @@ from handlers.runtime.lanes import CpuLanes
 from handlers.runtime.metrics import HandlerMetrics
 from handlers.runtime.row_intake import BatchTimes, RowBatches, TakenRow, TakenTicket, answer_taken
 from handlers.runtime.segment_profile import SegmentProfile
-from handlers.runtime.segments import SegmentedModel, State, merge_states, split_state
+from handlers.runtime.segments import SegmentedModel, State, merge_states, split_state, state_rows
 from handlers.runtime.stage_programs import StagePrograms, bucket_sizes
 
 logger = logging.getLogger(__name__)
@@ -103,6 +104,9 @@ class DvaBatchEngine(Engine):
         # CUDA with ``cuda_graphs``: each stage a captured graph per batch bucket; CPU with ``cpu_traces``:
         # a TorchScript trace per bucket where measured worth it (both built in ``warm_up``).
         self.programs: StagePrograms | None = None
+        # What a stage run costs its lane besides the stage, fitted as runs end (CPU lanes).
+        self.overhead = RunOverhead()
+        self._stage_ended: dict[tuple[int, int], float] = {}
         self._scheduler = threading.Thread(target=self._schedule_loop, name="dvabatch-scheduler", daemon=True)
         self._scheduler.start()
 
@@ -137,18 +141,14 @@ class DvaBatchEngine(Engine):
     def fits(self, item: ModelInput) -> bool:
         return self._row_layout.fits(item)
 
-    def unstarted_rows(self) -> int:
-        """Rows that new rows would join rather than start a batch: those waiting for room in the table
-        and the newest batch before stage 0 that has room (what ``DvaPolicy.place`` joins)."""
-        with self._cond:
-            room = self.config.max_batch
-            waiting = [e for e in self.table.waiting_at(0) if e.joins is None and e.size < room]
-            return len(self._pending) + (waiting[-1].size if waiting else 0)
-
-    def batch_ms(self, rows: int) -> float:
+    def batch_ms(self, rows: float) -> float:
         """One batch's measured time through every stage at ``rows`` (the segment profile's, or 0 without one)."""
         profile = self.policy.profile
         return 0.0 if profile is None else profile.remaining_ms(0, rows)
+
+    def run_overhead_ms(self) -> tuple[float, float]:
+        """(what one stage run costs its lane besides the stage, how many runs that was fitted on)."""
+        return self.overhead.per_run_ms(), self.overhead.weight
 
     def take_decoded(
         self, rows: Sequence[TakenRow], items: Sequence[ModelInput], batches: RowBatches, times: BatchTimes
@@ -270,10 +270,25 @@ class DvaBatchEngine(Engine):
 
     def _launch(self, batch_id: int, stage: int, state: State) -> None:
         if self._lanes is not None:
-            future: Future = self._lanes.submit(self._run_stage, stage, state)
+            future: Future = self._lanes.submit(self._lane_run, batch_id, stage, state)
         else:
             future = self._stage_threads[stage].submit(self._run_stage, stage, state)
         future.add_done_callback(lambda f: self._stage_done(batch_id, stage, f))
+
+    def timed_stage(self, stage: int, state: State) -> State:
+        """``stage`` as a batch runs it (its bucket's trace, where one is kept), for a profile's timing
+        runs: not counted as a call, on the calling thread (CPU)."""
+        with torch.inference_mode():
+            if self.programs is None:
+                return self.sliced[stage](state)
+            return self.programs.run(stage, state, count=False)
+
+    def _lane_run(self, batch_id: int, stage: int, state: State) -> State:
+        """A stage run as a lane job, the stage's end noted: what the run costs its lane besides the
+        stage goes on from there to where ``_stage_done`` ends, on the same lane (``overhead.py``)."""
+        out = self._run_stage(stage, state)
+        self._stage_ended[batch_id, stage] = time.perf_counter()
+        return out
 
     def _run_stage(self, stage: int, state: State) -> State:
         with torch.inference_mode(), self.device.on(self._streams[stage]):
@@ -316,6 +331,9 @@ class DvaBatchEngine(Engine):
             self._answer(tickets, output, err)
         if answers:
             self._notify_space()
+        ended = self._stage_ended.pop((batch_id, stage), None)
+        if ended is not None and future.exception() is None:
+            self.overhead.observe(state_rows(future.result()), 1e3 * (time.perf_counter() - ended))
 
     @staticmethod
     def _answer(tickets: list[Ticket | TakenTicket], output: torch.Tensor | None, error: BaseException | None) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import torch
@@ -12,7 +13,7 @@ from handlers.dvabatch.engine import DvaBatchEngine
 from handlers.dvabatch.merge import LengthClassMerger
 from handlers.dvabatch.policy import DvaBatchConfig
 from handlers.runtime.async_handler import AsyncModelHandler
-from handlers.runtime.segment_profile import SegmentProfile, measure_segments
+from handlers.runtime.segment_profile import SegmentProfile, measure_classes, measure_segments
 from handlers.runtime.segments import SegmentedModel, SegmentError, dynamic_dims_for, slice_model
 from model_store.factory import outputs_close
 
@@ -81,9 +82,9 @@ class DvaBatchHandler(AsyncModelHandler):
         sliced = self._segments_for(rows(2))
         profile = None
         classes = len(self.codec.token_lengths) if self.spec.input_kind == "tokens" else 1
-        if self.config.split or (self.config.merge_lengths and classes > 1):
-            # Split and merge decisions need this machine's segment times at the lanes' thread count:
-            # a short profile at worker start, on a lane.
+        if self.config.split and not self._merges_classes():
+            # Split decisions need this machine's segment times at the lanes' thread count:
+            # a short profile at worker start, on a lane.  (Merged classes get theirs in ``initialize``.)
             sizes = sorted({1, max(1, self.config.max_batch // 2), self.config.max_batch})
 
             def measure() -> SegmentProfile:
@@ -109,6 +110,48 @@ class DvaBatchHandler(AsyncModelHandler):
             self._classes.append((layout_example.shapes[0][0], engine, out_row))
         return engine
 
+    def _merges_classes(self) -> bool:
+        """Whether length classes may merge: a token model with several, on CPU (the row line's)."""
+        classes = len(self.codec.token_lengths) if self.spec.input_kind == "tokens" else 1
+        return self.config.merge_lengths and classes > 1 and not self.device.is_cuda
+
+    def initialize(self, context: Any) -> None:
+        super().initialize(context)
+        if self._merges_classes() and self._classes:
+            self._profile_classes_together()
+
+    def _profile_classes_together(self) -> None:
+        """Every length class's profile, measured round by round together and through the stages as they
+        run (traced buckets): the merge compares classes with each other, and profiles measured one
+        after another, before the traces, differed by the machine's drift (``measure_classes``)."""
+        lengths = [length for length, _, _ in self._classes]
+        sliced = self._classes[0][1].sliced  # one model in stages for every class
+        sizes = sorted({1, max(1, self.config.max_batch // 2), self.config.max_batch})
+
+        def inputs(length: int):
+            return lambda batch: (
+                torch.zeros(batch, length, dtype=torch.long),
+                torch.ones(batch, length, dtype=torch.long),
+            )
+
+        def measure() -> list[SegmentProfile]:
+            return measure_classes(
+                sliced, [inputs(n) for n in lengths], sizes, self.spec.name, warmup=1, iters=2,
+                command="worker start-up", progress=False, min_ms=PROFILE_MIN_MS,
+                run_stages=[engine.timed_stage for _, engine, _ in self._classes],
+            )  # fmt: skip
+
+        started = time.perf_counter()
+        profiles = self.lanes.submit(measure).result() if self.lanes is not None else measure()
+        for (_, class_engine, _), profile in zip(self._classes, profiles, strict=True):
+            class_engine.policy.profile = profile
+        logger.info(
+            "DVABatch: %s's %d length classes profiled together in %.1f s; one batch of %d through every stage "
+            "(ms): %s",
+            self.spec.name, len(lengths), time.perf_counter() - started, self.config.max_batch,
+            {n: round(p.remaining_ms(0, self.config.max_batch), 3) for n, p in zip(lengths, profiles, strict=True)},
+        )  # fmt: skip
+
     def regroup_rows(self) -> LengthClassMerger | None:
         """Length classes merged per hand-over where the profile says that costs less (``merge.py``).
 
@@ -124,4 +167,4 @@ class DvaBatchHandler(AsyncModelHandler):
         if any(engine.policy.profile is None for _, engine, _ in self._classes):
             return None
         classes = [(length, engine) for length, engine, _ in self._classes]
-        return LengthClassMerger(classes, self.config.max_batch, self.metrics)
+        return LengthClassMerger(classes, self.config.max_batch, len(self._classes[0][1].sliced), self.metrics)

@@ -1,31 +1,37 @@
-"""Length classes merged per hand-over where one padded batch costs less than several.
+"""Length classes merged where, at the recent mix of lengths, one padded batch costs less than several.
 
 The input-diversity policy gives each length class its own engine, so a
 short request never pays for a long one's padding.  That pays where compute
 grows with the length (BERT-base at 16 against 128 tokens).  Where a batch's
 cost is mostly per batch, not per token (a one-layer BERT, or any model on a
 fast GPU, where the host's work per batch and per stage is the bottleneck),
-the classes only split one batch into several: measured on the one-layer
+the classes only cut one batch into several: measured on the one-layer
 BERT on the 2-vCPU VM, DVABatch with four classes served 0.68× NO Wait's
 capacity at mean batch 16, and 1.04× with every request padded to one class
 (``docs/benchmarks/host_path.md``).
 
-So the row line (``handlers/runtime/row_line.py``), for each hand-over,
-asks :func:`merge_classes` which classes run together: a run of adjacent
-classes pads to its longest when the segment profile, measured at worker
-start, says the run's batches take less time than each class's own.  The
-decision reads this machine's stage times at these row counts, with no
-threshold: on a compute-bound model the classes stay apart, on a host-bound
-one they merge, and a handful of rows merges sooner than a full batch.
+So the row line (``handlers/runtime/row_line.py``) asks, at each hand-over,
+which class each class's rows run in (:func:`merge_classes`): adjacent
+classes are cut into runs, each run padded to its longest class, at the
+least total time for one full batch of the recent mix of lengths.  A batch
+of a class costs its stages' times in the profile the classes' engines
+measure together at worker start, plus what a run has cost its lane beyond
+that in service (``overhead.py``), which is the same for every class and
+paid once per batch.  There is no threshold: on a compute-bound model the
+classes stay apart, on a host-bound one they merge.
 
-Rows an engine already holds unstarted (its first stage busy) are counted:
-new rows that join them cost only what they add to that batch, so under load
-the hand-overs keep filling the batch that waits, as NO Wait's queue fills
-while its model runs, instead of each starting a batch of its own.
+The decision reads the recent mix, not the hand-over alone.  Decided per
+hand-over, a burst of one class (the clients a batch of that class just
+answered, in a closed loop) has nothing to merge with and starts a batch of
+its own; its answers come back together, and so does its next burst.  The
+classes then stayed apart for good under 64 closed-loop clients (batches
+of 19 where merged ones reached 32), depending on how the run began.
 """
 
 from __future__ import annotations
 
+import math
+import threading
 from collections.abc import Callable, Sequence
 
 from handlers.codecs import ModelInput, widen_tokens
@@ -33,73 +39,97 @@ from handlers.dvabatch.engine import DvaBatchEngine
 from handlers.runtime.metrics import HandlerMetrics
 from handlers.runtime.row_line import RowGroup
 
+# The mix of lengths is what the last few batches' worth of rows held: each row's weight halves after this
+# many full batches of rows have come after it.
+MIX_HALF_LIFE_BATCHES = 2
 
-def merge_classes(
-    counts: Sequence[int], rows_ms: Callable[[int, int], float], joinable: Sequence[bool] | None = None
-) -> list[int]:
+
+def merge_classes(counts: Sequence[float], rows_ms: Callable[[int, float], float]) -> list[int]:
     """The class each class's rows run in: ``target[i] ≥ i``, for classes in ascending length.
 
-    ``counts[i]``: rows of class ``i`` in this hand-over; ``rows_ms(j, n)``:
-    the measured time ``n`` rows add when they run padded to class ``j``;
-    ``joinable[j]``: class ``j`` holds unstarted rows that rows of its own
-    or shorter classes may join.  The classes are cut into runs of adjacent
-    ones, each run's rows padded to its longest class, at the least total
-    time (exact, by dynamic programming over the cut points).  A run ends at
-    a class with rows or a joinable one; on a tie the classes stay apart.
-    A class without rows maps to itself.
+    ``counts[i]``: rows of class ``i``; ``rows_ms(j, n)``: the measured time
+    to run ``n`` rows padded to class ``j``.  The classes with rows are cut
+    into runs of adjacent ones (classes without rows between them do not
+    separate them), each run padded to its longest class, at the least total
+    time (exact, by dynamic programming over the cut points); on a tie the
+    classes stay apart.  A class without rows maps to itself.
     """
-    k = len(counts)
-    ends = [counts[j] > 0 or bool(joinable and joinable[j]) for j in range(k)]
-    # best[e]: the least time for classes 0..e-1; cut[e]: where the last of those runs starts.
-    best = [0.0] + [float("inf")] * k
-    cut = list(range(-1, k))
-    for end in range(1, k + 1):
-        last = end - 1
-        if not ends[last]:  # no rows and nothing to join: a run of its own, empty
-            best[end], cut[end] = best[last], last
-            continue
-        rows = 0
-        for start in range(last, -1, -1):  # the shortest last run first, so a tie keeps classes apart
-            rows += counts[start]
-            total = best[start] + (rows_ms(last, rows) if rows else 0.0)
+    present = [i for i, n in enumerate(counts) if n > 0]
+    target = list(range(len(counts)))
+    # best[k]: the least time for the first k present classes; cut[k]: where its last run starts.
+    best = [0.0] + [math.inf] * len(present)
+    cut = [0] * (len(present) + 1)
+    for end in range(1, len(present) + 1):
+        longest = present[end - 1]
+        rows = 0.0
+        for start in range(end - 1, -1, -1):  # the shortest last run first, so a tie keeps classes apart
+            rows += counts[present[start]]
+            total = best[start] + rows_ms(longest, rows)
             if total < best[end]:
                 best[end], cut[end] = total, start
-    target = list(range(k))
-    end = k
+    end = len(present)
     while end > 0:
         start = cut[end]
-        for i in range(start, end):
-            if counts[i] > 0:
-                target[i] = end - 1
+        for k in range(start, end):
+            target[present[k]] = present[end - 1]
         end = start
     return target
 
 
-def batches_ms(batch_ms: Callable[[int], float], rows: int, max_batch: int) -> float:
+def batches_ms(batch_ms: Callable[[float], float], rows: float, max_batch: int) -> float:
     """The time to run ``rows`` in batches of at most ``max_batch``, given one batch's time by its rows."""
     full, rest = divmod(rows, max_batch)
-    return full * batch_ms(max_batch) + (batch_ms(rest) if rest else 0.0)
+    return full * batch_ms(max_batch) + (batch_ms(rest) if rest > 0 else 0.0)
 
 
 class LengthClassMerger:
-    """Applies :func:`merge_classes` to a hand-over's groups: rows of a merged class are widened to the
-    class they run in and handed to its engine (the row line's ``regroup``)."""
+    """The row line's ``regroup`` for DVABatch's length classes: keeps the recent mix of lengths, decides
+    with :func:`merge_classes` on one full batch of it, and widens the rows of a merged class to the
+    class they run in, handing them to its engine."""
 
     def __init__(
-        self, classes: Sequence[tuple[int, DvaBatchEngine]], max_batch: int, metrics: HandlerMetrics | None = None
+        self,
+        classes: Sequence[tuple[int, DvaBatchEngine]],
+        max_batch: int,
+        stages: int,
+        metrics: HandlerMetrics | None = None,
     ) -> None:
-        """``classes``: (length, engine) per length class, in any order; each engine's ``batch_ms`` is its cost."""
+        """``classes``: (length, engine) per length class, in any order; a batch of a class costs its
+        engine's ``batch_ms`` plus ``stages`` times the runs' fitted overhead (``run_overhead_ms``)."""
         ordered = sorted(classes, key=lambda c: c[0])
         self.lengths = [length for length, _ in ordered]
         self._engines = [engine for _, engine in ordered]
         self._index = {id(engine): i for i, engine in enumerate(self._engines)}
         self.max_batch = max_batch
         self._metrics = metrics
+        self._lock = threading.Lock()  # two lanes may run hand-overs at once
+        self._mix = [0.0] * len(ordered)  # recent rows per class, older ones weighing less
+        self._stages = stages
 
-    def rows_ms(self, index: int, rows: int, waiting: int = 0) -> float:
-        """The time ``rows`` more add to class ``index``, where ``waiting`` rows will run before them anyway."""
-        cost, most = self._engines[index].batch_ms, self.max_batch
-        return batches_ms(cost, waiting + rows, most) - batches_ms(cost, waiting, most)
+    def batch_overhead_ms(self) -> float:
+        """What a batch costs beyond its stages' profiled times: each engine's fitted cost per stage run
+        (``overhead.py``), weighted by the runs it was fitted on, times the stages a batch runs."""
+        fits = [engine.run_overhead_ms() for engine in self._engines]
+        weight = sum(w for _, w in fits)
+        if weight <= 0.0:
+            return 0.0
+        return self._stages * sum(ms * w for ms, w in fits) / weight
+
+    def rows_ms(self, index: int, rows: float, overhead_ms: float = 0.0) -> float:
+        """``rows`` of class ``index`` in batches: each its profiled time plus ``overhead_ms`` (a share of it
+        for a batch of less than one row: a class expected in a tenth of the batches pays a tenth)."""
+        engine = self._engines[index]
+        return batches_ms(lambda n: engine.batch_ms(n) + overhead_ms * min(n, 1.0), rows, self.max_batch)
+
+    def targets(self, counts: Sequence[int]) -> list[int]:
+        """Add a hand-over's rows per class to the mix; the class each class runs in, for one batch of it."""
+        with self._lock:
+            keep = 0.5 ** (sum(counts) / (MIX_HALF_LIFE_BATCHES * self.max_batch))
+            self._mix = [m * keep + n for m, n in zip(self._mix, counts, strict=True)]
+            total = sum(self._mix)
+            batch = [self.max_batch * m / total for m in self._mix]
+        overhead = self.batch_overhead_ms()
+        return merge_classes(batch, lambda index, rows: self.rows_ms(index, rows, overhead))
 
     def __call__(self, groups: list[RowGroup]) -> list[RowGroup]:
         by_class: dict[int, RowGroup] = {}
@@ -110,15 +140,9 @@ class LengthClassMerger:
                 others.append(group)
             else:
                 by_class[index] = group
-        # Rows a class's engine holds unstarted: new rows join them, paying only for the rows they add
-        # (a busy first stage is where a batch grows, as NO Wait's queue grows while its model runs).
-        waiting = [engine.unstarted_rows() for engine in self._engines]
-        if not by_class or (len(by_class) < 2 and not any(waiting[min(by_class) + 1 :])):
+        if not by_class:
             return groups
-        counts = [len(by_class[i].positions) if i in by_class else 0 for i in range(len(self._engines))]
-        target = merge_classes(
-            counts, lambda index, rows: self.rows_ms(index, rows, waiting[index]), [w > 0 for w in waiting]
-        )
+        target = self.targets([len(by_class[i].positions) if i in by_class else 0 for i in range(len(self.lengths))])
         merged: dict[int, list[tuple[int, ModelInput]]] = {}
         for index in sorted(by_class):
             group, to = by_class[index], target[index]

@@ -140,39 +140,76 @@ def measure_segments(
     min_ms: float = 0.0,
     max_iters: int = 200,
 ) -> SegmentProfile:
-    """Median time of each segment at each batch size, run in order on real states.
+    """Median time of each segment at each batch size, run in order on real states (``measure_classes``)."""
+    return measure_classes(sliced, [make_inputs], batches, model, warmup, iters, command, progress, min_ms, max_iters)[
+        0
+    ]
 
-    Each size runs ``iters`` times, and more, up to ``max_iters``, until its
-    timed runs add up to ``min_ms``: a model whose batch takes a millisecond
-    gets enough samples for a steady median at no cost to one whose batch
-    takes seconds (two samples of a 1-ms stage differed by 1.6× on the 2-vCPU VM).
+
+def measure_classes(
+    sliced: SegmentedModel,
+    inputs_by_class: Sequence[Callable[[int], tuple[torch.Tensor, ...]]],
+    batches: Sequence[int],
+    model: str,
+    warmup: int = 2,
+    iters: int = 5,
+    command: str = "",
+    progress: bool = True,
+    min_ms: float = 0.0,
+    max_iters: int = 200,
+    run_stages: Sequence[Callable[[int, State], State]] | None = None,
+) -> list[SegmentProfile]:
+    """A profile per input class (DVABatch's token lengths), their runs interleaved round by round.
+
+    Profiles that are compared with each other are measured together: one
+    class timed after another reads the machine's drift (clock, neighbours)
+    as a difference between them, and on millisecond stages that drift was
+    as large as the difference sought.  Each (class, size) runs ``iters``
+    times, and more, up to ``max_iters``, until its timed runs add up to
+    ``min_ms``: a model whose batch takes a millisecond gets enough samples
+    for a steady median at no cost to one whose batch takes seconds.
+    ``run_stages[c](s, state)`` runs stage ``s`` of class ``c`` as the server
+    runs it (DVABatch's traced buckets, each class's own); by default the
+    sliced model's own segment.
     """
-    times = [[0.0] * len(batches) for _ in range(len(sliced))]
-    bar = tqdm(total=len(batches), desc=f"segments of {model}", unit="batch", disable=not progress)
+    own = [lambda s, state: sliced[s](state)] * len(inputs_by_class)
+    stages = own if run_stages is None else list(run_stages)
+    pairs = [(c, j) for c in range(len(inputs_by_class)) for j in range(len(batches))]
+    samples = {pair: [[] for _ in range(len(sliced))] for pair in pairs}
+    timed_ms = dict.fromkeys(pairs, 0.0)
+    bar = tqdm(total=len(pairs), desc=f"segments of {model}", unit="batch", disable=not progress)
+
+    def wanted(pair: tuple[int, int], i: int) -> bool:
+        return i < warmup + iters or (timed_ms[pair] < min_ms and i < warmup + max_iters)
+
     with torch.no_grad(), bar:
-        for j, batch in enumerate(batches):
-            samples: list[list[float]] = [[] for _ in range(len(sliced))]
-            timed_ms, i = 0.0, 0
-            while i < warmup + iters or (timed_ms < min_ms and i < warmup + max_iters):
-                state: State = sliced.start(*make_inputs(batch))
-                for s, seg in enumerate(sliced):
+        i = 0
+        while running := [pair for pair in pairs if wanted(pair, i)]:
+            for c, j in running:
+                state: State = sliced.start(*inputs_by_class[c](batches[j]))
+                for s in range(len(sliced)):
                     started = time.perf_counter()
-                    state = seg(state)
+                    state = stages[c](s, state)
                     if i >= warmup:
-                        samples[s].append(1e3 * (time.perf_counter() - started))
-                        timed_ms += samples[s][-1]
-                i += 1
-            for s in range(len(sliced)):
-                times[s][j] = statistics.median(samples[s])
-            bar.update()
-    return SegmentProfile(
-        model=model,
-        threads=torch.get_num_threads(),
-        batches=tuple(batches),
-        times_ms=tuple(tuple(row) for row in times),
-        hardware=hardware_fingerprint(),
-        command=command,
-    )
+                        samples[c, j][s].append(1e3 * (time.perf_counter() - started))
+                        timed_ms[c, j] += samples[c, j][s][-1]
+            i += 1
+            bar.n = len(pairs) - sum(wanted(pair, i) for pair in pairs)
+            bar.refresh()
+    threads, hardware = torch.get_num_threads(), hardware_fingerprint()
+    return [
+        SegmentProfile(
+            model=model,
+            threads=threads,
+            batches=tuple(batches),
+            times_ms=tuple(
+                tuple(statistics.median(samples[c, j][s]) for j in range(len(batches))) for s in range(len(sliced))
+            ),
+            hardware=hardware,
+            command=command,
+        )
+        for c in range(len(inputs_by_class))
+    ]
 
 
 def slice_catalog_model(spec: Any, model: torch.nn.Module, segments: int, repeats: int = 1) -> SegmentedModel:

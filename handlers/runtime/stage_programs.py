@@ -220,10 +220,13 @@ class StagePrograms:
         i = bisect.bisect_left(self.buckets, rows)
         return self.buckets[i] if i < len(self.buckets) else None
 
-    def run(self, stage: int, state: State) -> State:
+    def run(self, stage: int, state: State, count: bool = True) -> State:
+        """``stage`` on ``state`` by its bucket's program; ``count``: one more call of it in ``calls``
+        (not for a profile's timing runs)."""
         rows = state_rows(state)
         bucket = self.bucket_for(rows)
-        self.calls[(stage, bucket)] += 1
+        if count:
+            self.calls[(stage, bucket)] += 1
         if bucket is None:  # larger than any bucket: the stage at the batch's own rows
             return self.sliced[stage](state)
         graph = self.graphs.get((stage, bucket))

@@ -290,10 +290,41 @@ def test_a_profile_keeps_sampling_a_fast_size_until_its_runs_add_up_to_the_minim
         return (torch.randn(batch, 3, 16, 16),)
 
     measure_segments(sliced, inputs, [1, 4], "tiny", warmup=1, iters=2, progress=False)
-    assert made == [1] * 3 + [4] * 3
+    assert made == [1, 4] * 3
     made.clear()
     measure_segments(sliced, inputs, [1, 4], "tiny", warmup=1, iters=2, progress=False, min_ms=3.6e6, max_iters=9)
-    assert made == [1] * 10 + [4] * 10
+    assert made == [1, 4] * 10
+
+
+def test_profiles_compared_with_each_other_are_measured_round_by_round_together():
+    """Two input classes: each round runs every (class, size) once, so drift reads alike in both profiles;
+    ``run_stages`` are what run each class's stages (the server's own programs)."""
+    from handlers.runtime.segment_profile import measure_classes
+
+    model = seeded(TinyUNet())
+    sliced = slice_model(model, (torch.randn(2, 3, 16, 16),), 3)
+    made: list[tuple[str, int]] = []
+
+    def inputs(name: str, side: int):
+        def make(batch: int) -> tuple[torch.Tensor, ...]:
+            made.append((name, batch))
+            return (torch.randn(batch, 3, side, side),)
+
+        return make
+
+    ran: list[int] = []
+
+    def run_stage(stage: int, state):
+        ran.append(stage)
+        return sliced[stage](state)
+
+    small, large = measure_classes(
+        sliced, [inputs("small", 16), inputs("large", 32)], [1, 2], "tiny", warmup=0, iters=2,
+        progress=False, run_stages=[run_stage, run_stage],
+    )  # fmt: skip
+    assert made == [("small", 1), ("small", 2), ("large", 1), ("large", 2)] * 2
+    assert ran == [0, 1, 2] * 8
+    assert small.batches == large.batches == (1, 2) and small.segments == large.segments == 3
 
 
 def test_packrat_segments_refuses_bad_arguments_clearly(capsys):
