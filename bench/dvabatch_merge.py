@@ -1,20 +1,25 @@
-"""Which of DVABatch's length classes merge, by the stage times this machine measures.
+"""Which of DVABatch's length classes merge by their stage times alone, measured on this machine.
 
     python -m bench.dvabatch_merge --models bert-tiny1,bert-base --rounds 3
 
-DVABatch pads a hand-over's length classes to a longer class where the
-segment profile each class's engine measures at worker start says one batch
-costs less than several (``handlers/dvabatch/merge.py``).  The decision
-reads measured times, so this bench shows what it decides on this machine:
-for each model it slices the model into the handler's two stages, measures
-every class's profile as the worker does (``PROFILE_MIN_MS``, one intra-op thread, a lane's
-share of a 2-core machine; 1, half and all of ``--max-batch`` rows), and
-for a set of hand-overs (rows per class, shortest class first) prints where
-each class's rows run and the profile's time for the hand-over merged so
+DVABatch pads length classes to a longer class where, for one full batch of
+the recent mix of lengths, one padded batch costs less than the classes'
+own (``handlers/dvabatch/merge.py``).  A batch's cost there has two parts:
+its stages' times, from the profile the worker measures at start, and what
+a run costs its lane besides the stage, learnt in service
+(``handlers/dvabatch/overhead.py``).  This bench shows the first part and
+the decision it alone makes, the one a worker takes before its first
+batches: for each model it slices the model into the handler's two stages,
+measures every class's profile together as the worker does
+(``measure_classes``, ``PROFILE_MIN_MS``, one intra-op thread, a lane's
+share of a 2-core machine; 1, half and all of ``--max-batch`` rows; here
+through the eager stages, where the worker times its traced ones), and for
+a set of mixes (rows per class in one batch, shortest class first) prints
+where each class's rows run and the profile's time for the mix decided so
 against each class in its own batch.  Each round measures the profiles
 again, so a decision that flips between rounds is one the noise decides.
 The classes are ``bench/dvabatch.py``'s (an eighth, a quarter and half of
-the sequence length, and all of it).
+the sequence length, and all of it); the last mix is that bench's.
 
 A tool for reading the decision, not a serving benchmark: what merging does
 to capacity and latency is ``bench.ebird_direct --handler dvabatch``'s.
@@ -39,14 +44,14 @@ from bench.dvabatch import dvabatch_token_lengths
 from bench.report import add_output_arguments, markdown_table, provenance, provenance_block, write_outputs
 from handlers.dvabatch.handler import PROFILE_MIN_MS
 from handlers.dvabatch.merge import batches_ms, merge_classes
-from handlers.runtime.segment_profile import measure_segments
+from handlers.runtime.segment_profile import measure_classes
 from handlers.runtime.segments import dynamic_dims_for, slice_model
 from model_store.catalog import get_spec
 from model_store.factory import build_model
 
 MODULE = "bench.dvabatch_merge"
-# Rows per class in one hand-over, shortest class first: lone rows, a light and a heavy mixed burst, and
-# bench/dvabatch.py's mix (30/35/25/10 %) at 32 rows.
+# Rows per class in one batch, shortest class first: lone rows, light mixes, and bench/dvabatch.py's mix
+# (30/35/25/10 %) at 32 rows.
 HAND_OVERS = ((1, 0, 1, 0), (1, 1, 1, 1), (3, 3, 2, 1), (10, 11, 8, 3))
 
 
@@ -70,20 +75,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         sizes = sorted({1, max(1, args.max_batch // 2), args.max_batch})
         rounds = []
         for _ in tqdm(range(args.rounds), desc=name, unit="round"):
-            profiles = [
-                measure_segments(
-                    sliced,
-                    rows_for(n),
-                    sizes,
-                    name,
-                    warmup=1,
-                    iters=2,
-                    command=MODULE,
-                    progress=False,
-                    min_ms=PROFILE_MIN_MS,
-                )
-                for n in lengths
-            ]
+            profiles = measure_classes(
+                sliced, [rows_for(n) for n in lengths], sizes, name, warmup=1, iters=2, command=MODULE,
+                progress=False, min_ms=PROFILE_MIN_MS,
+            )  # fmt: skip
 
             def rows_ms(j: int, rows: int, profiles=profiles) -> float:
                 return batches_ms(functools.partial(profiles[j].remaining_ms, 0), rows, args.max_batch)
@@ -115,8 +110,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 def render(data: dict[str, Any]) -> str:
     parts = [
         f"# Where DVABatch's length classes run, by measured stage times\n\n{provenance_block(data['provenance'])}\n"
-        "Each row one hand-over (rows per length class, shortest first): the class each class's rows run in, "
-        "and the profile's time for the hand-over as decided against every class in its own batch, round by "
+        "Each row one batch's mix (rows per length class, shortest first): the class each class's rows run in, "
+        "and the profile's time for the mix as decided against every class in its own batch, round by "
         "round (each round measures the profiles again). What is measured and why: `bench/dvabatch_merge.py`.\n"
     ]
     for name, model in data["models"].items():
