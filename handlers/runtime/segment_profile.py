@@ -141,9 +141,10 @@ def measure_segments(
     max_iters: int = 200,
 ) -> SegmentProfile:
     """Median time of each segment at each batch size, run in order on real states (``measure_classes``)."""
-    return measure_classes(sliced, [make_inputs], batches, model, warmup, iters, command, progress, min_ms, max_iters)[
-        0
-    ]
+    (profile,) = measure_classes(
+        sliced, [make_inputs], batches, model, warmup, iters, command, progress, min_ms, max_iters
+    )
+    return profile
 
 
 def measure_classes(
