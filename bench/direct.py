@@ -125,8 +125,11 @@ class BurstCaller:
     message waiting on the socket at once).  ``gate``, if given, is called before each hand-over with
     a callback that does it: it may hold the burst (the pump's read gate) and run it later."""
 
-    def __init__(self, handler: Any, load: Context, gate: Any = None) -> None:
-        self.handler, self.load, self.gate = handler, load, gate
+    def __init__(self, handler: Any, load: Context, gate: Any = None, parse: bool = True) -> None:
+        """``parse``: answer each request as the client parses it (tests compare answers); False: its raw
+        answer, as a timed load wants (a client's parse is not the server's work, and here it would run
+        on the handler's event loop)."""
+        self.handler, self.load, self.gate, self.parse = handler, load, gate, parse
         self._pending: list[tuple[dict, dict[str, str] | None, asyncio.Future]] = []
 
     async def request(self, row: dict, headers: dict[str, str] | None = None) -> tuple[int, Any]:
@@ -148,16 +151,19 @@ class BurstCaller:
         burst, self._pending = self._pending, []
         calls = [([row], request_context(self.load, 1, headers)) for row, headers, _ in burst]
 
+        parse = self.parse
+
         def done(index: int, answers: list[Any]) -> None:
             [answer] = answers
             status, _ = calls[index][1].get_response_status(0)
-            burst[index][2].set_result((status, as_client_sees(answer)))
+            burst[index][2].set_result((status, as_client_sees(answer) if parse else answer))
 
         self.handler.serve_burst(calls, done)
 
 
-def call_batch(handler: Any, load: Context, rows: list[dict]) -> list[tuple[int, Any]]:
-    """One batch through a sync handler's ``handle``, as the frontend's batch arrives: (status, answer) each.
+def call_batch(handler: Any, load: Context, rows: list[dict], parse: bool = True) -> list[tuple[int, Any]]:
+    """One batch through a sync handler's ``handle``, as the frontend's batch arrives: (status, answer) each
+    (``parse``: as the client parses it; False: raw, for a timed load, as ``BurstCaller`` has it).
 
     As TorchServe's sync worker does (``ts.service.Service.predict``), the
     worker's one context is reused: each batch sets its request ids and
@@ -167,4 +173,6 @@ def call_batch(handler: Any, load: Context, rows: list[dict]) -> list[tuple[int,
     """
     ctx = with_requests(load, len(rows))
     answers = handler.handle(rows, ctx)
-    return [(ctx.get_response_status(i)[0], as_client_sees(answer)) for i, answer in enumerate(answers)]
+    return [
+        (ctx.get_response_status(i)[0], as_client_sees(answer) if parse else answer) for i, answer in enumerate(answers)
+    ]

@@ -142,10 +142,10 @@ class AsyncDriver:
 
     def __init__(self, handler: Any, load_ctx: Any) -> None:
         self.handler, self.load_ctx = handler, load_ctx
-        self.caller = BurstCaller(handler, load_ctx, self._gate)
+        self.caller = BurstCaller(handler, load_ctx, self._gate, parse=False)
 
     async def start(self) -> None:
-        self.caller = BurstCaller(self.handler, self.load_ctx, self._gate)
+        self.caller = BurstCaller(self.handler, self.load_ctx, self._gate, parse=False)
 
     async def request(self, row: dict) -> int:
         status, _ = await self.caller.request(row)
@@ -201,7 +201,7 @@ class NoWaitDriver:
                     break
             try:
                 answers = await loop.run_in_executor(self.worker, call_batch, self.handler, self.load_ctx,
-                                                     [row for row, _ in items])  # fmt: skip
+                                                     [row for row, _ in items], False)  # fmt: skip
                 statuses = [status for status, _ in answers]
             except Exception:  # the worker died on this batch: its requests fail, none vanish
                 statuses = [0] * len(items)

@@ -95,7 +95,8 @@ class Worker:
         """One request, handed over with the others that arrive in the same turn of the loop, as the
         handlers' message pump hands over the messages waiting on its socket (``BurstCaller``)."""
         if self._caller is None or self._caller_loop is not asyncio.get_running_loop():
-            self._caller, self._caller_loop = BurstCaller(self.handler, self.ctx), asyncio.get_running_loop()
+            self._caller = BurstCaller(self.handler, self.ctx, parse=False)  # only the status is read
+            self._caller_loop = asyncio.get_running_loop()
         status, _ = await self._caller.request(row, {"X-Model": model, "X-Priority": priority})
         return status
 
