@@ -30,25 +30,13 @@ import yaml
 from tqdm import tqdm
 
 from archiver.entry import entry_module_text, write_entry_module
+from archiver.names import archive_name
 from archiver.options import ServingOptions, group_model_config, model_config
 from model_store import ARCHIVE_DIR
-from model_store.catalog import EXECUTION_MODES, ModelSpec, get_spec, load_catalog
+from model_store.catalog import ModelSpec, get_spec, load_catalog
 from model_store.factory import build_model, example_inputs, outputs_close, script_model
 
 ARCHIVE_VERSION = "1.0"
-
-
-def archive_name(model: str, mode: str, handler: str = "plain") -> str:
-    """TorchServe model name of an archive: one archive per (model, mode, handler)."""
-    return f"{model}_{mode}" if handler in ("plain", "packrat") else f"{model}_{mode}-{handler}"
-
-
-def catalog_name(archive: str | Path) -> str:
-    """Inverse of :func:`archive_name`: ``.../bert-base_script-ebird.mar`` → ``bert-base``."""
-    stem = Path(archive).stem
-    name, _, tail = stem.rpartition("_")
-    mode = tail.split("-", 1)[0]
-    return name if name and mode in EXECUTION_MODES else stem
 
 
 def is_current(target: Path, options: ServingOptions) -> bool:

@@ -22,8 +22,6 @@ from pathlib import Path
 import yaml
 
 from archiver.entry import entry_module_text
-from handlers.mixed_plan.handler import PackratPlanHandler
-from handlers.wrapped import PackratWrappedHandler
 from packrat_plugin.foreign import read_archive
 
 MANIFEST = "MAR-INF/MANIFEST.json"
@@ -85,8 +83,13 @@ def versioned_copy(
                 data = yaml.safe_dump(config, sort_keys=False).encode()
             dst.writestr(info, data, compress_type=zipfile.ZIP_STORED)
         if grouped:
+            # Imported here: the handlers import torch (seconds), which the controller otherwise never needs.
+            from handlers.mixed_plan.handler import PackratPlanHandler
+
             dst.writestr(PLAN_ENTRY, entry_module_text(PackratPlanHandler), compress_type=zipfile.ZIP_STORED)
         if wrap:
+            from handlers.wrapped import PackratWrappedHandler
+
             if not config_file:
                 dst.writestr(MODEL_CONFIG, _wrapped_config({}, users_handler))
             dst.writestr(WRAP_ENTRY, entry_module_text(PackratWrappedHandler), compress_type=zipfile.ZIP_STORED)

@@ -25,7 +25,8 @@ from typing import Any
 
 from tqdm import tqdm
 
-from archiver.build import build_many, catalog_name, select
+from archiver.build import build_many, select
+from archiver.names import catalog_name
 from model_store import ARCHIVE_DIR
 from model_store.catalog import get_spec
 from model_store.samples import client_payload

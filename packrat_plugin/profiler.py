@@ -35,7 +35,7 @@ from pathlib import Path
 import yaml
 from tqdm import tqdm
 
-from archiver.build import catalog_name, write_artefact
+from archiver.names import catalog_name
 from model_store.catalog import ModelSpec, get_spec
 from packrat_plugin.allocator import allocate
 from packrat_plugin.foreign import ArchiveInfo, ForeignJob, ForeignProcess, Sample, read_archive, read_samples
@@ -69,6 +69,8 @@ def prepare_model(source: str, mode: str, workdir: Path) -> PreparedModel:
         spec = ModelSpec.from_dict(config["handler"]["spec"])
         return PreparedModel(spec, workdir / serialized)
     spec = get_spec(source, mode)
+    from archiver.build import write_artefact  # torch: only where a profile is measured
+
     return PreparedModel(spec, write_artefact(spec, workdir))
 
 

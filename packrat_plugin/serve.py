@@ -9,7 +9,7 @@ import signal
 import threading
 from pathlib import Path
 
-from archiver.build import catalog_name
+from archiver.names import catalog_name
 from packrat_plugin.archives import is_users_archive
 from packrat_plugin.calibration import CalibrationConfig
 from packrat_plugin.controller import PackratController

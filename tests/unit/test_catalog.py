@@ -77,7 +77,7 @@ def test_spec_from_archive_rejects_unknown_keys():
 
 
 def test_archive_names_map_back_to_catalog_names():
-    from archiver.build import archive_name, catalog_name
+    from archiver.names import archive_name, catalog_name
     from handlers.registry import HANDLERS
 
     for name in ("resnet50", "bert-base", "inception_v3"):

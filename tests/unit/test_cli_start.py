@@ -30,3 +30,17 @@ def test_packrat_stop_imports_neither_torch_nor_the_controller(tmp_path):
     said, imported = done.stdout.strip().splitlines()
     assert said == f"packrat stop: no TorchServe started from {tmp_path} is running"
     assert imported == "[]"
+
+
+def test_packrat_serve_reaches_its_arguments_without_importing_torch():
+    """The controller never runs a model: ``packrat serve`` on archives with profiles given imports no
+    torch (~2.5 s, paid at every start and every restart onto a running TorchServe).  Archive building
+    and profiling import it where they run."""
+    probe = (
+        "import sys; from packrat_plugin.cli import build_parser; "
+        "build_parser('serve').parse_args(['serve', '--models', 'm=m.mar']); "
+        "import packrat_plugin.serve, packrat_plugin.controller; print('torch' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"
