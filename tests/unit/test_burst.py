@@ -15,6 +15,7 @@ and then admitted, as DVABatch's are.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import threading
 import time
@@ -304,10 +305,12 @@ def test_dvabatch_runs_length_classes_padded_together_where_their_profile_says_o
 def test_dvabatch_never_merges_length_classes_of_a_model_that_answers_by_length(make_handler):
     handler, _ = make_handler("dvabatch", max_batch=8)
     assert handler.regroup_rows() is not None
-    handler._classes = [(length, engine, (length, 2)) for length, engine, _ in handler._classes]  # per-token rows
+    classes = handler._classes
+    handler._classes = [(length, engine, (length, 2)) for length, engine, _ in classes]  # per-token rows
     assert handler.regroup_rows() is None
-    off, _ = make_handler("dvabatch", max_batch=8, merge_lengths=False)
-    assert off.regroup_rows() is None
+    handler._classes = classes
+    handler.config = dataclasses.replace(handler.config, merge_lengths=False)  # the archive's setting off
+    assert handler.regroup_rows() is None
 
 
 def test_dvabatch_rows_past_its_in_flight_bound_wait_for_room_and_lose_nothing(make_handler):
