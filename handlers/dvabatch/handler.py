@@ -81,7 +81,6 @@ class DvaBatchHandler(AsyncModelHandler):
 
         sliced = self._segments_for(rows(2))
         profile = None
-        classes = len(self.codec.token_lengths) if self.spec.input_kind == "tokens" else 1
         if self.config.split and not self._merges_classes():
             # Split decisions need this machine's segment times at the lanes' thread count:
             # a short profile at worker start, on a lane.  (Merged classes get theirs in ``initialize``.)
@@ -104,16 +103,19 @@ class DvaBatchHandler(AsyncModelHandler):
         nodes = [seg.nodes for seg in sliced]
         logger.info("DVABatch: %s in %d segments of %s graph nodes", self.spec.name, len(sliced), nodes)
         engine = DvaBatchEngine(sliced, layout_example, self.device, self.config, self.metrics, self.lanes, profile)
-        if classes > 1:
+        if self._class_count() > 1:
             with torch.no_grad():
                 out_row = tuple(self.model(*rows(1)).shape[1:])
             self._classes.append((layout_example.shapes[0][0], engine, out_row))
         return engine
 
+    def _class_count(self) -> int:
+        """Length classes the archive declares (token models; 1 for any other)."""
+        return len(self.codec.token_lengths) if self.spec.input_kind == "tokens" else 1
+
     def _merges_classes(self) -> bool:
         """Whether length classes may merge: a token model with several, on CPU (the row line's)."""
-        classes = len(self.codec.token_lengths) if self.spec.input_kind == "tokens" else 1
-        return self.config.merge_lengths and classes > 1 and not self.device.is_cuda
+        return self.config.merge_lengths and self._class_count() > 1 and not self.device.is_cuda
 
     def initialize(self, context: Any) -> None:
         super().initialize(context)
