@@ -19,6 +19,11 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python -m packrat_plugin.cli demo
 
+# The suites start hundreds of Python processes (test workers, TorchServe workers, controllers, CLIs), and
+# each one compiles every repo module it imports unless its bytecode is cached: so the tests write bytecode
+# even where the environment says not to (collecting the unit tests: 19 s without the cache, 12.5 s with it).
+test test-fast: export PYTHONDONTWRITEBYTECODE :=
+
 # The unit tests run on the machine's cores (at most four processes: 2:48-3:08 against 4:26-4:30 in one
 # process on the 2-vCPU VM); the serving tests in one, since they time loads and pin workers to cores.
 # Both always run; the target fails if either did.

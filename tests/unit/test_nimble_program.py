@@ -124,12 +124,14 @@ class SmallBranchy(nn.Module):
 def test_on_cpu_the_compiled_frozen_graph_is_a_candidate_too():
     model = SmallBranchy().eval()
     example = (torch.randn(1, 3, 16, 16),)
-    program = prepare(model, example, NimbleConfig(buckets=(1, 2), timing_runs=1))
+    # One bucket: each bucket is one more inductor compile (~10 s on two cores), and the candidate is the same.
+    program = prepare(model, example, NimbleConfig(buckets=(1,), timing_runs=1))
     try:
+        assert len(program.choices) == 1
         for choice in program.choices:
             assert set(choice.ms) == {EAGER, SINGLE, MULTI, COMPILED} and choice.refused == ()
         with torch.inference_mode():
-            x = torch.randn(2, 3, 16, 16)
+            x = torch.randn(1, 3, 16, 16)
             assert reproduces(program(x)[0], model(x))
     finally:
         program.close()
